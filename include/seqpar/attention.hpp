@@ -1,0 +1,85 @@
+#pragma once
+/// \file
+/// SequenceParallelAttention<Policy, Communicator, LocalAttentionKernel>: the public entry.
+
+#include <cstddef>
+#include <span>
+#include <type_traits>
+
+#include "seqpar/comm/communicator.hpp"
+#include "seqpar/core/plan.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/policy/mesh_engine.hpp"
+#include "seqpar/policy/policies.hpp"
+
+namespace seqpar {
+
+/// Attention over a sequence split across the ranks of `Comm`, arranged by `Policy`, each
+/// rank computing with `Kernel`.
+///
+/// Usage: construct on every rank (collective: splits the communicator into the mesh), call
+/// `plan(problem, my_lengths)` once per shape (collective: all ranks validate that they agree,
+/// or all throw the same ConfigError), allocate `plan.workspace_bytes()` once, then call
+/// `forward` as often as needed: it allocates nothing and exchanges no metadata.
+template <class Policy, class Comm, class Kernel>
+class SequenceParallelAttention {
+  static_assert(is_policy_v<Policy>,
+                "SequenceParallelAttention<Policy, ...>: Policy must be UlyssesPolicy, RingPolicy<Layout>, "
+                "UnifiedPolicy<Layout> or AnythingPolicy<one of those>");
+  static_assert(Communicator<Comm>,
+                "SequenceParallelAttention<..., Comm, ...>: Comm does not model seqpar::Communicator "
+                "(see comm/communicator.hpp for the requirements and the opt-in)");
+  static_assert(enable_kernel<Kernel>,
+                "SequenceParallelAttention<..., Kernel>: Kernel does not opt in to seqpar::LocalAttentionKernel "
+                "(declare static constexpr bool is_seqpar_kernel = true; see kernel/local_attention_kernel.hpp)");
+  static_assert(std::is_same_v<typename Comm::memory_space, typename Kernel::memory_space>,
+                "SequenceParallelAttention: the communicator and the kernel work in different memory spaces "
+                "(e.g. a HostSpace communicator with a CudaSpace kernel)");
+
+ public:
+  using policy_type = Policy;                          ///< the policy
+  using memory_space = typename Comm::memory_space;    ///< where tensors and workspace live
+
+  /// Collective over `world`: checks that every rank has the same policy and degrees, then
+  /// builds the mesh. `world` must outlive this object.
+  explicit SequenceParallelAttention(Comm& world, Policy policy = {}, Kernel kernel = {})
+      : engine_(world, mesh_config(policy, world.size()), std::move(kernel)) {}
+
+  /// Collective: makes the plan for `problem` with this rank's local lengths.
+  Plan plan(const AttentionProblem& problem, LocalLengths lengths) { return engine_.plan(problem, lengths); }
+
+  /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).
+  /// q [B, Lq, H, D], k and v [B, Lkv, K, D], out [B, Lq, H, D], lse [B, Lq, H, 1] or absent.
+  template <class T>
+  void forward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> q,
+               std::type_identity_t<TensorView<const T, memory_space>> k,
+               std::type_identity_t<TensorView<const T, memory_space>> v, TensorView<T, memory_space> out,
+               std::type_identity_t<TensorView<acc_t<T>, memory_space>> lse, std::span<std::byte> workspace) {
+    engine_.template forward<T>(plan, q, k, v, out, lse, workspace);
+  }
+
+  /// Forward without LSE.
+  template <class T>
+  void forward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> q,
+               std::type_identity_t<TensorView<const T, memory_space>> k,
+               std::type_identity_t<TensorView<const T, memory_space>> v, TensorView<T, memory_space> out,
+               std::span<std::byte> workspace) {
+    engine_.template forward<T>(plan, q, k, v, out, {}, workspace);
+  }
+
+  /// The resolved mesh (degrees, placement, layout).
+  const MeshConfig& mesh() const { return engine_.mesh(); }
+  /// The world communicator; its stats() include the traffic of the mesh's sub-groups.
+  Comm& world() { return engine_.world(); }
+  /// This rank's Ulysses group.
+  Comm& ulysses_comm() { return engine_.ulysses_comm(); }
+  /// This rank's ring group.
+  Comm& ring_comm() { return engine_.ring_comm(); }
+  /// The local kernel (e.g. to set its thread count).
+  Kernel& kernel() { return engine_.kernel(); }
+
+ private:
+  detail::MeshEngine<Comm, Kernel> engine_;
+};
+
+}  // namespace seqpar

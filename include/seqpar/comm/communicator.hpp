@@ -1,0 +1,68 @@
+#pragma once
+/// \file
+/// The Communicator concept: how bytes move between ranks.
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace seqpar {
+
+/// Traffic a communicator (and every communicator split from it) has sent from this rank.
+/// Self-copies are not counted. Tests and benchmarks hold these against the formulas.
+struct CommStats {
+  std::uint64_t bytes_sent = 0;     ///< payload bytes sent to other ranks
+  std::uint64_t messages_sent = 0;  ///< messages sent to other ranks (all-to-all pieces and ring sends)
+  std::uint64_t host_gathers = 0;   ///< metadata all-gathers (a forward call must do none)
+  std::uint64_t all_to_alls = 0;    ///< variable-count all-to-all calls
+  std::uint64_t exchanges = 0;      ///< paired send/recv calls
+  /// Zeroes every counter.
+  void reset() { *this = CommStats{}; }
+};
+
+/// Opt-in for the Communicator concept: true when the type declares
+/// `static constexpr bool is_seqpar_communicator = true;`. Specialise to opt in a type you
+/// cannot change.
+template <class C>
+inline constexpr bool enable_communicator = requires { requires C::is_seqpar_communicator; };
+
+/// A Communicator moves bytes between the ranks of a group. Requirements:
+/// - opt-in: `enable_communicator<C>` (see above);
+/// - `typename C::memory_space`: where the buffers it moves live (HostSpace, CudaSpace);
+/// - `typename C::request_type`: handle of a started exchange;
+/// - `c.rank()`, `c.size()`: this rank and the group size, as int;
+/// - `c.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs)`: every
+///   rank sends send_counts[j] bytes at send + send_displs[j] to rank j and receives
+///   recv_counts[j] bytes from rank j at recv + recv_displs[j] (counts and displacements in
+///   bytes, spans of size()); the piece to itself is copied;
+/// - `c.start_exchange(send, send_bytes, dest, recv, recv_bytes, source)`: starts sending to
+///   `dest` and receiving from `source` without blocking, returns a request;
+///   `c.wait(request)` completes both. Messages between one pair of ranks arrive in order;
+/// - `c.all_gather_host(mine, all)`: host integers, `all` = concatenation of every rank's
+///   `mine` in rank order (the metadata channel; counted in stats().host_gathers);
+/// - `c.barrier()`;
+/// - `c.split(color, key)`: a new communicator per color, ranked by key (collective). It
+///   shares the parent's stats;
+/// - `c.stats()`: the CommStats counters (const and mutable access).
+/// Every operation is collective over the group where MPI's is, and reports failures by
+/// throwing CommError (never by aborting or hanging forever when a peer has failed).
+template <class C>
+concept Communicator =
+    enable_communicator<C> &&
+    requires(C& c, const C& cc, const std::byte* send, std::byte* recv, std::span<const std::size_t> counts,
+             std::span<const std::int64_t> mine, std::span<std::int64_t> all, typename C::request_type& req) {
+      typename C::memory_space;
+      { cc.rank() } -> std::same_as<int>;
+      { cc.size() } -> std::same_as<int>;
+      c.all_to_all_v(send, counts, counts, recv, counts, counts);
+      { c.start_exchange(send, std::size_t{}, int{}, recv, std::size_t{}, int{}) } -> std::same_as<typename C::request_type>;
+      c.wait(req);
+      c.all_gather_host(mine, all);
+      c.barrier();
+      { c.split(int{}, int{}) } -> std::same_as<C>;
+      { cc.stats() } -> std::same_as<const CommStats&>;
+      { c.stats() } -> std::same_as<CommStats&>;
+    };
+
+}  // namespace seqpar

@@ -1,0 +1,43 @@
+#pragma once
+/// \file
+/// AttentionProblem: the global shape and options every rank must agree on.
+
+#include <cmath>
+#include <cstdint>
+
+#include "seqpar/core/types.hpp"
+
+namespace seqpar {
+
+/// The attention every rank computes a slice of: softmax(Q K^T * scale + mask) V over the
+/// global sequence. Sequence lengths are not here: each rank gives its own local lengths to
+/// `plan`, and the plan gathers them.
+struct AttentionProblem {
+  std::int64_t batch = 1;     ///< batch size B
+  std::int64_t heads = 1;     ///< query heads H
+  std::int64_t kv_heads = 0;  ///< key/value heads K (H % K == 0); 0 means K = H
+  std::int64_t head_dim = 64; ///< head dimension D
+  bool causal = false;        ///< mask key positions after the query position (global positions)
+  double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim)
+  DType dtype = DType::f32;   ///< element type of Q, K, V, O
+  bool with_lse = false;      ///< forward also returns the LSE (every rank must agree: it changes the traffic)
+
+  /// K, with 0 resolved to H.
+  constexpr std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
+  /// The scale actually applied.
+  double softmax_scale() const {
+    return scale != 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(head_dim > 0 ? head_dim : 1));
+  }
+};
+
+/// This rank's local token counts. For self-attention kv == q; joint and cross attention
+/// (AnythingPolicy) may give a different K/V length.
+struct LocalLengths {
+  std::int64_t q = 0;   ///< local query tokens
+  std::int64_t kv = -1; ///< local key/value tokens; -1 means the same as q
+
+  /// kv with -1 resolved.
+  constexpr std::int64_t kv_count() const { return kv < 0 ? q : kv; }
+};
+
+}  // namespace seqpar

@@ -1,0 +1,70 @@
+#pragma once
+/// \file
+/// The LocalAttentionKernel concept: what each rank computes on its slice.
+
+#include <concepts>
+#include <cstdint>
+
+#include "seqpar/core/sequence_layout.hpp"
+#include "seqpar/core/tensor_view.hpp"
+#include "seqpar/core/types.hpp"
+
+namespace seqpar {
+
+/// Everything a local kernel needs besides the tensors: the scale, the causal mask as global
+/// positions of the query and key rows, and how local query heads map to local K/V heads.
+struct KernelParams {
+  double scale = 1.0;          ///< multiplies Q K^T
+  bool causal = false;         ///< key j is visible to query i iff k_positions(j) <= q_positions(i)
+  PositionMap q_positions;     ///< global position of each query row (used when causal)
+  PositionMap k_positions;     ///< global position of each key row (used when causal)
+  std::int64_t group_size = 1; ///< query heads per K/V head in the global problem (H / K)
+  std::int64_t q_head_begin = 0;  ///< global index of local query head 0
+  std::int64_t kv_head_begin = 0; ///< global index of local K/V head 0
+
+  /// Local K/V head that local query head `h` reads.
+  constexpr std::int64_t kv_head(std::int64_t h) const { return (q_head_begin + h) / group_size - kv_head_begin; }
+
+  /// True when no key of [k_lo, k_hi] can be seen by a query in [q_lo, q_hi] (global
+  /// positions, inclusive): such a tile is skipped.
+  constexpr bool fully_masked(std::int64_t q_hi, std::int64_t k_lo) const { return causal && k_lo > q_hi; }
+  /// True when every key of the tile is visible to every query: no mask work needed.
+  constexpr bool fully_visible(std::int64_t q_lo, std::int64_t k_hi) const { return !causal || k_hi <= q_lo; }
+};
+
+/// Opt-in for LocalAttentionKernel: true when the type declares
+/// `static constexpr bool is_seqpar_kernel = true;`.
+template <class K>
+inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; };
+
+/// A LocalAttentionKernel computes attention of local queries against one block of keys.
+/// Requirements, for element type T and A = acc_t<T>:
+/// - opt-in: `enable_kernel<K>`;
+/// - `typename K::memory_space`: where its tensors live;
+/// - `k.forward(q, k, v, out, lse, params)` with q, k, v `TensorView<const T, Space>`
+///   ([B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]), out `TensorView<T, Space>` [B, Sq, H, D]
+///   and lse `TensorView<A, Space>` [B, Sq, H, 1] (may be absent: then not written). It writes
+///   out = softmax(q k^T * scale + mask) v and lse = natural-log sum of exp of the visible
+///   scores, per row; a row that sees no key gets out = 0 and lse = -inf. Query head h reads
+///   K/V head params.kv_head(h).
+/// Optional: `k.prepare(max_head_dim)` is called when a plan is made, so forward allocates
+/// nothing; a forward that also accepts `out` of type `TensorView<A, Space>` lets ring
+/// policies keep partial outputs in A.
+template <class K, class T>
+concept LocalAttentionKernel =
+    enable_kernel<K> &&
+    requires(K& kern, TensorView<const T, typename K::memory_space> in, TensorView<T, typename K::memory_space> out,
+             TensorView<acc_t<T>, typename K::memory_space> lse, const KernelParams& p) {
+      typename K::memory_space;
+      kern.forward(in, in, in, out, lse, p);
+    };
+
+/// True when kernel K can write its output directly in the accumulation type.
+template <class K, class T>
+inline constexpr bool kernel_writes_acc =
+    requires(K& kern, TensorView<const T, typename K::memory_space> in,
+             TensorView<acc_t<T>, typename K::memory_space> out, const KernelParams& p) {
+      kern.forward(in, in, in, out, out, p);
+    };
+
+}  // namespace seqpar

@@ -1,0 +1,65 @@
+#pragma once
+/// \file
+/// ReferenceKernel: naive attention accumulated in double. Slow and exact; every other path
+/// is tested against it.
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "seqpar/kernel/local_attention_kernel.hpp"
+
+namespace seqpar {
+
+/// Exact local attention: scores, softmax and output in double, one query row at a time.
+/// It allocates a row of scores per call; it is the yardstick, not a fast path.
+struct ReferenceKernel {
+  static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
+  using memory_space = HostSpace;                 ///< host tensors
+
+  /// See LocalAttentionKernel. Accepts any output and LSE element types.
+  template <class T, class O, class L>
+  void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
+               TensorView<L> lse, const KernelParams& p) const {
+    const std::int64_t sk = k.seq(), dim = q.dim();
+    std::vector<double> score(static_cast<std::size_t>(sk));
+    std::vector<double> acc(static_cast<std::size_t>(dim));
+    for (std::int64_t b = 0; b < q.batch(); ++b)
+      for (std::int64_t h = 0; h < q.heads(); ++h) {
+        const std::int64_t kh = p.kv_head(h);
+        for (std::int64_t i = 0; i < q.seq(); ++i) {
+          double mx = -std::numeric_limits<double>::infinity();
+          for (std::int64_t j = 0; j < sk; ++j) {
+            if (p.causal && p.k_positions(j) > p.q_positions(i)) {
+              score[j] = -std::numeric_limits<double>::infinity();
+              continue;
+            }
+            double s = 0;
+            const T* qr = q.row(b, i, h);
+            const T* kr = k.row(b, j, kh);
+            for (std::int64_t d = 0; d < dim; ++d) s += double(qr[d]) * double(kr[d]);
+            score[j] = s * p.scale;
+            mx = std::max(mx, score[j]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.0);
+          double sum = 0;
+          if (mx > -std::numeric_limits<double>::infinity() || std::isnan(mx)) {
+            for (std::int64_t j = 0; j < sk; ++j) {
+              if (score[j] == -std::numeric_limits<double>::infinity()) continue;
+              const double w = std::exp(score[j] - mx);
+              sum += w;
+              const T* vr = v.row(b, j, kh);
+              for (std::int64_t d = 0; d < dim; ++d) acc[d] += w * double(vr[d]);
+            }
+          }
+          O* o = out.row(b, i, h);
+          for (std::int64_t d = 0; d < dim; ++d) o[d] = static_cast<O>(sum != 0 ? acc[d] / sum : 0.0);
+          if (!lse.absent())
+            lse(b, i, h) = static_cast<L>(sum != 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity());
+        }
+      }
+  }
+};
+
+}  // namespace seqpar
