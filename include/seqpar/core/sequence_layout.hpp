@@ -119,7 +119,8 @@ inline std::vector<std::int64_t> split_evenly(std::int64_t total, std::int64_t p
 /// rank); mapping them to world ranks is the policy's business.
 class SequenceLayout {
  public:
-  SequenceLayout() = default;
+  /// One rank holding nothing.
+  SequenceLayout() : SequenceLayout(LayoutKind::contiguous, 1, 1, std::vector<std::int64_t>(1, 0)) {}
 
   /// Builds the layout. `lengths[r * ulysses_degree + u]` is the local length of mesh rank
   /// (r, u). Throws ConfigError if the stripe layout gets lengths that do not follow from
@@ -197,8 +198,8 @@ class SequenceLayout {
  private:
   LayoutKind kind_ = LayoutKind::contiguous;
   int ring_ = 1, ulysses_ = 1;
-  std::vector<std::int64_t> lengths_{0};
-  std::vector<PositionMap> blocks_{PositionMap{}};
+  std::vector<std::int64_t> lengths_;
+  std::vector<PositionMap> blocks_;
   std::int64_t total_ = 0;
 };
 
