@@ -77,6 +77,8 @@ class SequenceParallelAttention {
   Comm& ring_comm() { return engine_.ring_comm(); }
   /// The local kernel (e.g. to set its thread count).
   Kernel& kernel() { return engine_.kernel(); }
+  /// The tensor operations between kernel calls (packing, merge); on CUDA it holds the stream.
+  TensorOps<memory_space>& ops() { return engine_.ops(); }
 
  private:
   detail::MeshEngine<Comm, Kernel> engine_;

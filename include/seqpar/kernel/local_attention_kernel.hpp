@@ -47,6 +47,13 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   out = softmax(q k^T * scale + mask) v and lse = natural-log sum of exp of the visible
 ///   scores, per row; a row that sees no key gets out = 0 and lse = -inf. Query head h reads
 ///   K/V head params.kv_head(h).
+/// Backward (needed by SequenceParallelAttention::backward):
+/// `k.backward(dout, q, k, v, out, lse, dq, dk, dv, params)` with dout, out
+///   `TensorView<const T, Space>` [B, Sq, H, D], lse `TensorView<const A, Space>` [B, Sq, H, 1]
+///   (the LSE of the *whole* attention, not of this block), and dq [B, Sq, H, D], dk, dv
+///   [B, Sk, Hkv, D] as `TensorView<A, Space>`: it ADDS this key block's contribution to dq, dk
+///   and dv (so ring steps and the query heads sharing a K/V head accumulate). It recomputes
+///   the probabilities as exp(q k^T * scale - lse); rows with lse = -inf contribute nothing.
 /// Optional: `k.prepare(max_head_dim)` is called when a plan is made, so forward allocates
 /// nothing; a forward that also accepts `out` of type `TensorView<A, Space>` lets ring
 /// policies keep partial outputs in A.

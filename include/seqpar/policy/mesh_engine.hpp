@@ -316,6 +316,8 @@ class MeshEngine {
   Kernel& kernel() { return kernel_; }
   /// The resolved mesh.
   const MeshConfig& mesh() const { return mesh_; }
+  /// Packing, merge and fill operations (on CUDA: they carry the stream).
+  TensorOps<Space>& ops() { return ops_; }
 
  private:
   static Comm split_checked(Comm& world, const MeshConfig& mesh) {
