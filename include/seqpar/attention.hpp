@@ -67,6 +67,21 @@ class SequenceParallelAttention {
     engine_.template forward<T>(plan, q, k, v, out, {}, workspace);
   }
 
+  /// Gradients of this rank's slices: dq [B, Lq, H, D], dk and dv [B, Lkv, K, D], from dout
+  /// and the forward's q, k, v, out and lse (the plan's problem needs with_lse). Overwrites
+  /// dq, dk, dv. Workspace: plan.backward_workspace_bytes(). Allocates nothing.
+  template <class T>
+  void backward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> dout,
+                std::type_identity_t<TensorView<const T, memory_space>> q,
+                std::type_identity_t<TensorView<const T, memory_space>> k,
+                std::type_identity_t<TensorView<const T, memory_space>> v,
+                std::type_identity_t<TensorView<const T, memory_space>> out,
+                std::type_identity_t<TensorView<const acc_t<T>, memory_space>> lse, TensorView<T, memory_space> dq,
+                std::type_identity_t<TensorView<T, memory_space>> dk,
+                std::type_identity_t<TensorView<T, memory_space>> dv, std::span<std::byte> workspace) {
+    engine_.template backward<T>(plan, dout, q, k, v, out, lse, dq, dk, dv, workspace);
+  }
+
   /// The resolved mesh (degrees, placement, layout).
   const MeshConfig& mesh() const { return engine_.mesh(); }
   /// The world communicator; its stats() include the traffic of the mesh's sub-groups.

@@ -44,10 +44,13 @@ struct Plan {
   AllToAllTable lse_table;  ///< LSE all-to-all back (when problem wants it)
   std::vector<unsigned char> ring_step_computes;  ///< per ring step: is any key visible?
   std::int64_t max_kv_block = 0;   ///< longest K/V ring block
-  std::size_t workspace = 0;       ///< bytes forward needs
+  std::size_t workspace = 0;           ///< bytes forward needs
+  std::size_t backward_workspace = 0;  ///< bytes backward needs
 
   /// Bytes of workspace forward needs (two-phase: size, allocate once, reuse).
   std::size_t workspace_bytes() const { return workspace; }
+  /// Bytes of workspace backward needs (training allocates the larger of the two once).
+  std::size_t backward_workspace_bytes() const { return backward_workspace; }
   /// Local query tokens of this rank.
   std::int64_t local_q() const { return q_layout.length(ring_rank, ulysses_rank); }
   /// Local K/V tokens of this rank.
@@ -74,35 +77,57 @@ struct Plan {
   /// Bytes world rank w sends to other ranks in one forward (the exact analytic count: no
   /// padding, each K/V head only to the ranks that need it).
   std::size_t forward_bytes(int w) const {
+    const Traffic t = traffic(w);
+    const std::size_t lse = problem.with_lse ? t.q_back * acc_bytes : 0;
+    return (t.q_out + 2 * t.kv_out + t.q_back * D()) * elem_bytes + lse + 2 * t.ring_kv * elem_bytes;
+  }
+
+  /// Bytes world rank w sends in one backward: Ulysses sends Q, O, dO, the LSE, K and V out
+  /// and dQ, dK, dV back; the ring passes K/V R-1 hops and every block's dK/dV (in the
+  /// accumulation type) R hops, the last one home.
+  std::size_t backward_bytes(int w) const {
+    const Traffic t = traffic(w);
+    const std::size_t ulysses = (3 * t.q_out + 2 * t.kv_out + t.q_back * D() + 2 * t.kv_back * D()) * elem_bytes +
+                                t.q_out / D() * acc_bytes;
+    return ulysses + 2 * t.ring_kv * elem_bytes + 2 * t.ring_all_kv * acc_bytes;
+  }
+
+ private:
+  std::size_t D() const { return static_cast<std::size_t>(problem.head_dim); }
+
+  /// Elements rank w moves, per tensor (K and V counted once).
+  struct Traffic {
+    std::size_t q_out = 0;        // my Q rows of other members' heads
+    std::size_t kv_out = 0;       // my K rows of other members' K/V heads
+    std::size_t q_back = 0;       // rows (token x head) of my heads that go back to other members
+    std::size_t kv_back = 0;      // rows of my K/V heads that go back to other members
+    std::size_t ring_kv = 0;      // K elements of the R-1 ring hops
+    std::size_t ring_all_kv = 0;  // K elements of every ring block (the dK hops)
+  };
+
+  Traffic traffic(int w) const {
     const int r = mesh.ring_rank(w), u = mesh.ulysses_rank(w), U = mesh.ulysses, R = mesh.ring;
-    const auto B = static_cast<std::size_t>(problem.batch), D = static_cast<std::size_t>(problem.head_dim);
-    std::size_t bytes = 0;
+    const auto B = static_cast<std::size_t>(problem.batch);
+    auto z = [](std::int64_t x) { return static_cast<std::size_t>(x); };
+    Traffic t;
     if (U > 1) {
-      const auto lq = static_cast<std::size_t>(q_layout.length(r, u)), lk = static_cast<std::size_t>(kv_layout.length(r, u));
-      std::size_t q_out = 0, kv_out = 0;
-      for (int v = 0; v < U; ++v)
-        if (v != u) {
-          q_out += static_cast<std::size_t>(q_heads[v].count);
-          kv_out += static_cast<std::size_t>(kv_heads[v].count);
-        }
-      bytes += (lq * q_out + 2 * lk * kv_out) * B * D * elem_bytes;  // Q, K, V out
-      std::size_t o_back = 0;
-      for (int v = 0; v < U; ++v)
-        if (v != u) o_back += static_cast<std::size_t>(q_layout.length(r, v));
-      const auto hq = static_cast<std::size_t>(q_heads[u].count);
-      bytes += o_back * B * hq * D * elem_bytes;  // O back
-      if (problem.with_lse) bytes += o_back * B * hq * acc_bytes;
-    }
-    if (R > 1) {
-      const auto hk = static_cast<std::size_t>(kv_heads[u].count);
-      for (int s = 0; s < R - 1; ++s) {
-        const int src = (r - s + R) % R;
-        std::int64_t block = 0;
-        for (int v = 0; v < U; ++v) block += kv_layout.length(src, v);
-        bytes += 2 * static_cast<std::size_t>(block) * B * hk * D * elem_bytes;
+      for (int v = 0; v < U; ++v) {
+        if (v == u) continue;
+        t.q_out += z(q_layout.length(r, u)) * z(q_heads[v].count) * B * D();
+        t.kv_out += z(kv_layout.length(r, u)) * z(kv_heads[v].count) * B * D();
+        t.q_back += z(q_layout.length(r, v)) * z(q_heads[u].count) * B;
+        t.kv_back += z(kv_layout.length(r, v)) * z(kv_heads[u].count) * B;
       }
     }
-    return bytes;
+    if (R > 1) {
+      const std::size_t per_token = B * z(kv_heads[u].count) * D();
+      for (int s = 0; s < R; ++s) {
+        const std::size_t block = z(kv_layout.block((r - s + R) % R).size()) * per_token;
+        if (s < R - 1) t.ring_kv += block;
+        t.ring_all_kv += block;
+      }
+    }
+    return t;
   }
 };
 

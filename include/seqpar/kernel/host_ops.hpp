@@ -47,6 +47,17 @@ struct TensorOps<HostSpace> {
           for (std::int64_t d = 0; d < src.dim(); ++d) out[d] = static_cast<D>(in[d]);
         }
   }
+  /// dst += src, converting the element type; extents must match.
+  template <class S, class D>
+  static void accumulate(TensorView<const S, HostSpace> src, TensorView<D, HostSpace> dst) {
+    for (std::int64_t b = 0; b < src.batch(); ++b)
+      for (std::int64_t s = 0; s < src.seq(); ++s)
+        for (std::int64_t h = 0; h < src.heads(); ++h) {
+          const S* in = src.row(b, s, h);
+          D* out = dst.row(b, s, h);
+          for (std::int64_t d = 0; d < src.dim(); ++d) out[d] += static_cast<D>(in[d]);
+        }
+  }
   /// Sets every element of `dst` to `value`.
   template <class D>
   static void fill(TensorView<D, HostSpace> dst, D value) {

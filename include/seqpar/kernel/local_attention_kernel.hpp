@@ -66,6 +66,15 @@ concept LocalAttentionKernel =
       kern.forward(in, in, in, out, lse, p);
     };
 
+/// True when kernel K has the backward the concept's doc comment describes.
+template <class K, class T>
+inline constexpr bool kernel_has_backward =
+    requires(K& kern, TensorView<const T, typename K::memory_space> in,
+             TensorView<const acc_t<T>, typename K::memory_space> lse,
+             TensorView<acc_t<T>, typename K::memory_space> grad, const KernelParams& p) {
+      kern.backward(in, in, in, in, in, lse, grad, grad, grad, p);
+    };
+
 /// True when kernel K can write its output directly in the accumulation type.
 template <class K, class T>
 inline constexpr bool kernel_writes_acc =

@@ -60,6 +60,52 @@ struct ReferenceKernel {
         }
       }
   }
+
+  /// See LocalAttentionKernel: adds this key block's gradients to dq, dk, dv. Each term is
+  /// formed in double: P = exp(s - lse), dS = P (dO.v - dO.o), dQ += scale dS k,
+  /// dK += scale dS q, dV += P dO.
+  template <class T, class L, class G>
+  void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                TensorView<const T> out, TensorView<const L> lse, TensorView<G> dq, TensorView<G> dk,
+                TensorView<G> dv, const KernelParams& p) const {
+    const std::int64_t dim = q.dim();
+    std::vector<double> dq_row(static_cast<std::size_t>(dim));
+    for (std::int64_t b = 0; b < q.batch(); ++b)
+      for (std::int64_t h = 0; h < q.heads(); ++h) {
+        const std::int64_t kh = p.kv_head(h);
+        for (std::int64_t i = 0; i < q.seq(); ++i) {
+          const double l = double(lse(b, i, h));
+          if (l == -std::numeric_limits<double>::infinity()) continue;
+          const T* qr = q.row(b, i, h);
+          const T* dor = dout.row(b, i, h);
+          const T* orow = out.row(b, i, h);
+          double delta = 0;
+          for (std::int64_t d = 0; d < dim; ++d) delta += double(dor[d]) * double(orow[d]);
+          std::fill(dq_row.begin(), dq_row.end(), 0.0);
+          for (std::int64_t j = 0; j < k.seq(); ++j) {
+            if (p.causal && p.k_positions(j) > p.q_positions(i)) continue;
+            const T* kr = k.row(b, j, kh);
+            const T* vr = v.row(b, j, kh);
+            double s = 0, dp = 0;
+            for (std::int64_t d = 0; d < dim; ++d) {
+              s += double(qr[d]) * double(kr[d]);
+              dp += double(dor[d]) * double(vr[d]);
+            }
+            const double pr = std::exp(s * p.scale - l);
+            const double ds = pr * (dp - delta) * p.scale;
+            G* dkr = dk.row(b, j, kh);
+            G* dvr = dv.row(b, j, kh);
+            for (std::int64_t d = 0; d < dim; ++d) {
+              dq_row[d] += ds * double(kr[d]);
+              dkr[d] = static_cast<G>(double(dkr[d]) + ds * double(qr[d]));
+              dvr[d] = static_cast<G>(double(dvr[d]) + pr * double(dor[d]));
+            }
+          }
+          G* dqr = dq.row(b, i, h);
+          for (std::int64_t d = 0; d < dim; ++d) dqr[d] = static_cast<G>(double(dqr[d]) + dq_row[d]);
+        }
+      }
+  }
 };
 
 }  // namespace seqpar

@@ -60,17 +60,44 @@ inline std::string disagreement(const std::vector<std::int64_t>& all, int world,
   return who;
 }
 
+/// Sizes of this rank's tensors under a plan, in elements.
+struct LocalShape {
+  std::size_t B, D, H, K;  // batch, head_dim, heads, kv_heads
+  std::size_t lq, lk;      // local tokens
+  std::size_t qr, kr;      // tokens of this rank's ring block (what the Ulysses group holds)
+  std::size_t hq, hk;      // heads this rank computes (query, K/V)
+  std::size_t kv_sent;     // K/V heads this rank packs for its group (shared heads count twice)
+  std::size_t kv_ring;     // elements of one [K | V] ring buffer
+
+  explicit LocalShape(const Plan& p) {
+    const int r = p.ring_rank, u = p.ulysses_rank;
+    B = static_cast<std::size_t>(p.problem.batch);
+    D = static_cast<std::size_t>(p.problem.head_dim);
+    H = static_cast<std::size_t>(p.problem.heads);
+    K = static_cast<std::size_t>(p.problem.kv_heads);
+    lq = static_cast<std::size_t>(p.local_q());
+    lk = static_cast<std::size_t>(p.local_kv());
+    qr = static_cast<std::size_t>(p.q_layout.block(r).size());
+    kr = static_cast<std::size_t>(p.kv_layout.block(r).size());
+    hq = static_cast<std::size_t>(p.q_heads[u].count);
+    hk = static_cast<std::size_t>(p.kv_heads[u].count);
+    kv_sent = 0;
+    for (const HeadRange& h : p.kv_heads) kv_sent += static_cast<std::size_t>(h.count);
+    kv_ring = 2 * (p.mesh.ring > 1 ? static_cast<std::size_t>(p.max_kv_block) : kr) * B * hk * D;
+  }
+};
+
 /// The buffers forward carves from the workspace. Phase-1 send buffers and phase-3 return
 /// buffers are never live together, so they share bytes.
 template <class T, class A>
-struct MeshBuffers {
-  T* q_block = nullptr;            // [Qr, B, hq, D] gathered queries (U > 1)
-  T* ring[2] = {nullptr, nullptr}; // [K | V] blocks, each [Kb, B, hk, D]
-  A* o_acc = nullptr;              // running output [Qr, B, hq, D] (R > 1)
-  A* l_acc = nullptr;              // running LSE [Qr, B, hq]
-  A* o_part = nullptr;             // one step's output
-  A* l_part = nullptr;             // one step's LSE
-  T* q_send = nullptr;             // phase 1 packing
+struct ForwardBuffers {
+  T* q_block = nullptr;             // [Qr, B, hq, D] gathered queries (U > 1)
+  T* ring[2] = {nullptr, nullptr};  // [K | V] blocks, each [Kb, B, hk, D]
+  A* o_acc = nullptr;               // running output [Qr, B, hq, D] (R > 1)
+  A* l_acc = nullptr;               // running LSE [Qr, B, hq]
+  A* o_part = nullptr;              // one step's output
+  A* l_part = nullptr;              // one step's LSE
+  T* q_send = nullptr;              // phase 1: packing
   T* k_send = nullptr;
   T* v_send = nullptr;
   T* o_send = nullptr;  // phase 3: [Qr, B, hq, D]
@@ -79,49 +106,124 @@ struct MeshBuffers {
   A* l_recv = nullptr;
 };
 
-/// Carves the buffers; with a sizing carver it only counts bytes.
+/// Carves the forward buffers; with a sizing carver it only counts bytes.
 template <class T, class A>
-MeshBuffers<T, A> carve_buffers(WorkspaceCarver& c, const Plan& p) {
-  MeshBuffers<T, A> buf;
-  const int U = p.mesh.ulysses, R = p.mesh.ring, r = p.ring_rank, u = p.ulysses_rank;
-  const auto B = static_cast<std::size_t>(p.problem.batch), D = static_cast<std::size_t>(p.problem.head_dim);
-  const auto H = static_cast<std::size_t>(p.problem.heads);
-  const auto hq = static_cast<std::size_t>(p.q_heads[u].count), hk = static_cast<std::size_t>(p.kv_heads[u].count);
-  std::size_t qr = 0, kr = 0;
-  for (int v = 0; v < U; ++v) {
-    qr += static_cast<std::size_t>(p.q_layout.length(r, v));
-    kr += static_cast<std::size_t>(p.kv_layout.length(r, v));
+ForwardBuffers<T, A> carve_forward(WorkspaceCarver& c, const Plan& p) {
+  ForwardBuffers<T, A> buf;
+  const LocalShape n(p);
+  const bool ulysses = p.mesh.ulysses > 1, ring = p.mesh.ring > 1;
+  if (ulysses) buf.q_block = c.take<T>(n.qr * n.B * n.hq * n.D);
+  if (ulysses || ring) buf.ring[0] = c.take<T>(n.kv_ring);
+  if (ring) {
+    buf.ring[1] = c.take<T>(n.kv_ring);
+    buf.o_acc = c.take<A>(n.qr * n.B * n.hq * n.D);
+    buf.o_part = c.take<A>(n.qr * n.B * n.hq * n.D);
+    buf.l_acc = c.take<A>(n.qr * n.B * n.hq);
+    buf.l_part = c.take<A>(n.qr * n.B * n.hq);
   }
-  if (U > 1) buf.q_block = c.take<T>(qr * B * hq * D);
-  if (R > 1) {
-    const std::size_t kv = 2 * static_cast<std::size_t>(p.max_kv_block) * B * hk * D;
-    buf.ring[0] = c.take<T>(kv);
-    buf.ring[1] = c.take<T>(kv);
-    buf.o_acc = c.take<A>(qr * B * hq * D);
-    buf.o_part = c.take<A>(qr * B * hq * D);
-    buf.l_acc = c.take<A>(qr * B * hq);
-    buf.l_part = c.take<A>(qr * B * hq);
-  } else if (U > 1) {
-    buf.ring[0] = c.take<T>(2 * kr * B * hk * D);
-  }
-  if (U > 1) {
-    const auto lq = static_cast<std::size_t>(p.local_q()), lk = static_cast<std::size_t>(p.local_kv());
-    std::size_t kv_sent = 0;
-    for (int v = 0; v < U; ++v) kv_sent += static_cast<std::size_t>(p.kv_heads[v].count);
+  if (ulysses) {
     const std::size_t start = c.mark();
-    buf.q_send = c.take<T>(lq * B * H * D);
-    buf.k_send = c.take<T>(lk * B * kv_sent * D);
-    buf.v_send = c.take<T>(lk * B * kv_sent * D);
+    buf.q_send = c.take<T>(n.lq * n.B * n.H * n.D);
+    buf.k_send = c.take<T>(n.lk * n.B * n.kv_sent * n.D);
+    buf.v_send = c.take<T>(n.lk * n.B * n.kv_sent * n.D);
     const std::size_t end1 = c.mark();
     c.rewind(start);
-    buf.o_send = c.take<T>(qr * B * hq * D);
-    buf.l_send = c.take<A>(qr * B * hq);
-    buf.o_recv = c.take<T>(lq * B * H * D);
-    buf.l_recv = c.take<A>(lq * B * H);
+    buf.o_send = c.take<T>(n.qr * n.B * n.hq * n.D);
+    buf.l_send = c.take<A>(n.qr * n.B * n.hq);
+    buf.o_recv = c.take<T>(n.lq * n.B * n.H * n.D);
+    buf.l_recv = c.take<A>(n.lq * n.B * n.H);
     if (c.mark() < end1) c.rewind(end1);
   }
   return buf;
 }
+
+/// The buffers backward carves. dK/dV accumulators travel the ring with K/V, in A.
+template <class T, class A>
+struct BackwardBuffers {
+  T* q_block = nullptr;  // gathered [Qr, B, hq, D] (U > 1)
+  T* do_block = nullptr;
+  T* o_block = nullptr;
+  A* l_block = nullptr;  // [Qr, B, hq]
+  T* ring[2] = {nullptr, nullptr};  // [K | V]
+  A* grad[2] = {nullptr, nullptr};  // [dK | dV] of the block in hand
+  A* dq_acc = nullptr;              // [Qr, B, hq, D]
+  T* q_send = nullptr;  // phase 1
+  T* do_send = nullptr;
+  T* o_send = nullptr;
+  A* l_send = nullptr;
+  T* k_send = nullptr;
+  T* v_send = nullptr;
+  T* dq_send = nullptr;  // phase 3
+  T* dq_recv = nullptr;
+  T* dk_send = nullptr;
+  T* dv_send = nullptr;
+  T* dk_recv = nullptr;
+  T* dv_recv = nullptr;
+  A* dk_sum = nullptr;  // [B, Lk, K, D]: a K/V head several members used gets their sum
+  A* dv_sum = nullptr;
+};
+
+/// Carves the backward buffers; with a sizing carver it only counts bytes.
+template <class T, class A>
+BackwardBuffers<T, A> carve_backward(WorkspaceCarver& c, const Plan& p) {
+  BackwardBuffers<T, A> buf;
+  const LocalShape n(p);
+  const bool ulysses = p.mesh.ulysses > 1, ring = p.mesh.ring > 1;
+  const std::size_t q_elems = n.qr * n.B * n.hq * n.D;
+  if (ulysses) {
+    buf.q_block = c.take<T>(q_elems);
+    buf.do_block = c.take<T>(q_elems);
+    buf.o_block = c.take<T>(q_elems);
+    buf.l_block = c.take<A>(n.qr * n.B * n.hq);
+  }
+  if (ulysses || ring) buf.ring[0] = c.take<T>(n.kv_ring);
+  if (ring) buf.ring[1] = c.take<T>(n.kv_ring);
+  buf.grad[0] = c.take<A>(n.kv_ring);
+  if (ring) buf.grad[1] = c.take<A>(n.kv_ring);
+  buf.dq_acc = c.take<A>(q_elems);
+  if (ulysses) {
+    const std::size_t start = c.mark();
+    buf.q_send = c.take<T>(n.lq * n.B * n.H * n.D);
+    buf.do_send = c.take<T>(n.lq * n.B * n.H * n.D);
+    buf.o_send = c.take<T>(n.lq * n.B * n.H * n.D);
+    buf.l_send = c.take<A>(n.lq * n.B * n.H);
+    buf.k_send = c.take<T>(n.lk * n.B * n.kv_sent * n.D);
+    buf.v_send = c.take<T>(n.lk * n.B * n.kv_sent * n.D);
+    const std::size_t end1 = c.mark();
+    c.rewind(start);
+    buf.dq_send = c.take<T>(q_elems);
+    buf.dq_recv = c.take<T>(n.lq * n.B * n.H * n.D);
+    buf.dk_send = c.take<T>(n.kr * n.B * n.hk * n.D);
+    buf.dv_send = c.take<T>(n.kr * n.B * n.hk * n.D);
+    buf.dk_recv = c.take<T>(n.lk * n.B * n.kv_sent * n.D);
+    buf.dv_recv = c.take<T>(n.lk * n.B * n.kv_sent * n.D);
+    buf.dk_sum = c.take<A>(n.lk * n.B * n.K * n.D);
+    buf.dv_sum = c.take<A>(n.lk * n.B * n.K * n.D);
+    if (c.mark() < end1) c.rewind(end1);
+  }
+  return buf;
+}
+
+/// Workspace bytes of a carve function for the plan's element type.
+template <template <class, class> class Carve>
+std::size_t workspace_for(const Plan& p) {
+  WorkspaceCarver sizing;
+  if (p.problem.dtype == DType::f64)
+    Carve<double, double>::run(sizing, p);
+  else if (p.problem.dtype == DType::f32)
+    Carve<float, float>::run(sizing, p);
+  else
+    Carve<std::uint16_t, float>::run(sizing, p);  // 2-byte types: only the sizes matter
+  return sizing.bytes_needed();
+}
+template <class T, class A>
+struct CarveForward {
+  static void run(WorkspaceCarver& c, const Plan& p) { carve_forward<T, A>(c, p); }
+};
+template <class T, class A>
+struct CarveBackward {
+  static void run(WorkspaceCarver& c, const Plan& p) { carve_backward<T, A>(c, p); }
+};
 
 /// Fills an all-to-all table: this rank sends member v `send_elems(v)` elements and receives
 /// `recv_elems(v)` from it; pieces are packed back to back in member order.
@@ -206,11 +308,7 @@ class MeshEngine {
     p.lse_table = make_table(U, p.acc_bytes, [&](int v) { return len(p.q_layout, r, u) * B * nq(v); },
                              [&](int v) { return len(p.q_layout, r, v) * B * nq(u); });
 
-    for (int src = 0; src < R; ++src) {
-      std::int64_t block = 0;
-      for (int v = 0; v < U; ++v) block += p.kv_layout.length(src, v);
-      p.max_kv_block = std::max(p.max_kv_block, block);
-    }
+    for (int src = 0; src < R; ++src) p.max_kv_block = std::max(p.max_kv_block, p.kv_layout.block(src).size());
     const PositionMap& qb = p.q_layout.block(r);
     for (int s = 0; s < R; ++s) {
       const PositionMap& kb = p.kv_layout.block((r - s + R) % R);
@@ -219,15 +317,10 @@ class MeshEngine {
       p.ring_step_computes.push_back(any);
     }
 
-    WorkspaceCarver sizing;
-    if (problem.dtype == DType::f64)
-      carve_buffers<double, double>(sizing, p);
-    else if (problem.dtype == DType::f32)
-      carve_buffers<float, float>(sizing, p);
-    else
-      carve_buffers<std::uint16_t, float>(sizing, p);  // 2-byte types: same sizes
-    p.workspace = sizing.bytes_needed();
+    p.workspace = workspace_for<CarveForward>(p);
+    p.backward_workspace = workspace_for<CarveBackward>(p);
     if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(problem.head_dim);
+    if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(problem.head_dim);
     return p;
   }
 
@@ -239,70 +332,98 @@ class MeshEngine {
     static_assert(LocalAttentionKernel<Kernel, T>,
                   "seqpar: the kernel does not model LocalAttentionKernel for this element type "
                   "(see kernel/local_attention_kernel.hpp for the requirements)");
-    check_call(p, q, k, v, out, lse, dtype_v<T>);
-    const int U = p.mesh.ulysses, R = p.mesh.ring, r = p.ring_rank, u = p.ulysses_rank;
-    const std::int64_t B = p.problem.batch, D = p.problem.head_dim;
-    const std::int64_t hq = p.q_heads[u].count, hk = p.kv_heads[u].count;
-    std::int64_t qr = 0, kr = 0;
-    for (int m = 0; m < U; ++m) {
-      qr += p.q_layout.length(r, m);
-      kr += p.kv_layout.length(r, m);
-    }
+    check_plan(p, dtype_v<T>, "forward");
+    check_inputs(p, q, k, v, "forward");
+    check_view(out, "forward: out", p.problem.batch, p.local_q(), p.problem.heads, p.problem.head_dim, true);
+    if (p.problem.with_lse)
+      check_view(lse, "forward: lse", p.problem.batch, p.local_q(), p.problem.heads, 1, true);
+    else
+      SEQPAR_CHECK(lse.absent(), ConfigError, "forward: lse given, but the plan's problem has with_lse = false");
+    const LocalShape n(p);
+    const auto B = p.problem.batch, D = p.problem.head_dim;
+    const auto qr = to_i(n.qr), hq = to_i(n.hq);
     WorkspaceCarver carver(workspace);
-    const MeshBuffers<T, A> buf = carve_buffers<T, A>(carver, p);
-    using CView = TensorView<const T, Space>;
+    const ForwardBuffers<T, A> buf = carve_forward<T, A>(carver, p);
     using View = TensorView<T, Space>;
     using AView = TensorView<A, Space>;
 
-    // 1. This rank's heads of its whole ring block.
-    CView qb = q, kb = k, vb = v;
-    if (U > 1) {
-      pack_heads(q, p.q_heads, p.q_table, buf.q_send);
-      pack_heads(k, p.kv_heads, p.kv_table, buf.k_send);
-      pack_heads(v, p.kv_heads, p.kv_table, buf.v_send);
-      const std::size_t k_elems = static_cast<std::size_t>(kr * B * hk * D);
-      exchange(ulysses_, buf.q_send, p.q_table, buf.q_block, false);
-      exchange(ulysses_, buf.k_send, p.kv_table, buf.ring[0], false);
-      exchange(ulysses_, buf.v_send, p.kv_table, buf.ring[0] + k_elems, false);
-      qb = CView::sbhd(buf.q_block, B, qr, hq, D);
-      kb = CView::sbhd(buf.ring[0], B, kr, hk, D);
-      vb = CView::sbhd(buf.ring[0] + k_elems, B, kr, hk, D);
-    } else if (R > 1) {
-      const std::size_t k_elems = static_cast<std::size_t>(kr * B * hk * D);
-      ops_.copy(k, View::sbhd(buf.ring[0], B, kr, hk, D));
-      ops_.copy(v, View::sbhd(buf.ring[0] + k_elems, B, kr, hk, D));
-    }
+    const Blocks<T> in = gather_qkv(p, q, k, v, buf.q_send, buf.k_send, buf.v_send, buf.q_block, buf.ring[0]);
+    KernelParams params = kernel_params(p);
 
-    KernelParams params;
-    params.scale = p.problem.softmax_scale();
-    params.causal = p.problem.causal;
-    params.q_positions = p.q_layout.block(r);
-    params.group_size = p.problem.heads / p.problem.kv_heads;
-    params.q_head_begin = p.q_heads[u].begin;
-    params.kv_head_begin = p.kv_heads[u].begin;
-
-    // 2. Attention of the block against every K/V block.
-    View o_block = U > 1 ? View::sbhd(buf.o_send, B, qr, hq, D) : out;
-    AView l_block = U > 1 ? AView::sbhd(buf.l_send, B, qr, hq, 1) : lse;
+    View o_block = p.mesh.ulysses > 1 ? View::sbhd(buf.o_send, B, qr, hq, D) : out;
+    AView l_block = p.mesh.ulysses > 1 ? AView::sbhd(buf.l_send, B, qr, hq, 1) : lse;
     if (!p.problem.with_lse) l_block = AView{};
-    if (R == 1) {
+    if (p.mesh.ring == 1) {
       params.k_positions = p.kv_layout.block(0);
-      kernel_.forward(qb, kb, vb, o_block, l_block, params);
+      kernel_.forward(in.q, in.k, in.v, o_block, l_block, params);
     } else {
-      ring_forward<T>(p, qb, buf, params, qr, hq, hk);
       const AView o_acc = AView::sbhd(buf.o_acc, B, qr, hq, D), l_acc = AView::sbhd(buf.l_acc, B, qr, hq, 1);
+      ring_forward<T>(p, in.q, buf, params, o_acc, l_acc);
       ops_.copy(TensorView<const A, Space>(o_acc), o_block);
       if (!l_block.absent()) ops_.copy(TensorView<const A, Space>(l_acc), l_block);
     }
 
-    // 3. Back to "all heads, my tokens".
-    if (U > 1) {
-      exchange(ulysses_, buf.o_send, p.q_table, buf.o_recv, true);
-      unpack_heads(buf.o_recv, p.q_heads, p.q_table, out);
-      if (p.problem.with_lse) {
-        exchange(ulysses_, buf.l_send, p.lse_table, buf.l_recv, true);
-        unpack_heads(buf.l_recv, p.q_heads, p.lse_table, lse);
-      }
+    if (p.mesh.ulysses > 1) {
+      scatter_heads<T>(o_block, p.q_heads, p.q_table, buf.o_send, buf.o_recv, out, nullptr);
+      if (p.problem.with_lse) scatter_heads<A>(l_block, p.q_heads, p.lse_table, buf.l_send, buf.l_recv, lse, nullptr);
+    }
+  }
+
+  /// Backward: adds nothing, overwrites dq, dk, dv with the gradients of this rank's slices.
+  /// Needs the forward's out and lse (so the plan's problem must have with_lse). Ulysses
+  /// gathers Q, K, V, O, dO and the LSE again (no activations are kept between calls); on the
+  /// ring, the dK/dV accumulators travel with their K/V block in the accumulation type and
+  /// take one last hop home to the rank that owns the block.
+  template <class T>
+  void backward(const Plan& p, TensorView<const T, Space> dout, TensorView<const T, Space> q,
+                TensorView<const T, Space> k, TensorView<const T, Space> v, TensorView<const T, Space> out,
+                TensorView<const acc_t<T>, Space> lse, TensorView<T, Space> dq, TensorView<T, Space> dk,
+                TensorView<T, Space> dv, std::span<std::byte> workspace) {
+    using A = acc_t<T>;
+    static_assert(LocalAttentionKernel<Kernel, T> && kernel_has_backward<Kernel, T>,
+                  "seqpar: the kernel has no backward for this element type (see the backward requirement in "
+                  "kernel/local_attention_kernel.hpp)");
+    check_plan(p, dtype_v<T>, "backward");
+    SEQPAR_CHECK(p.problem.with_lse, ConfigError,
+                 "backward: needs the forward's LSE, but the plan's problem has with_lse = false");
+    const auto& pr = p.problem;
+    check_inputs(p, q, k, v, "backward");
+    check_view(dout, "backward: dout", pr.batch, p.local_q(), pr.heads, pr.head_dim, false);
+    check_view(out, "backward: out", pr.batch, p.local_q(), pr.heads, pr.head_dim, false);
+    check_view(lse, "backward: lse", pr.batch, p.local_q(), pr.heads, 1, false);
+    check_view(dq, "backward: dq", pr.batch, p.local_q(), pr.heads, pr.head_dim, true);
+    check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
+    check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
+    const LocalShape n(p);
+    const auto B = pr.batch, D = pr.head_dim;
+    const auto qr = to_i(n.qr), kr = to_i(n.kr), hq = to_i(n.hq), hk = to_i(n.hk);
+    WorkspaceCarver carver(workspace);
+    const BackwardBuffers<T, A> buf = carve_backward<T, A>(carver, p);
+    using CView = TensorView<const T, Space>;
+    using AView = TensorView<A, Space>;
+
+    const Blocks<T> in = gather_qkv(p, q, k, v, buf.q_send, buf.k_send, buf.v_send, buf.q_block, buf.ring[0]);
+    CView dob = dout, ob = out;
+    TensorView<const A, Space> lb = lse;
+    if (p.mesh.ulysses > 1) {
+      dob = gather_heads(dout, p.q_heads, p.q_table, buf.do_send, buf.do_block, qr, hq);
+      ob = gather_heads(out, p.q_heads, p.q_table, buf.o_send, buf.o_block, qr, hq);
+      lb = gather_heads(lse, p.q_heads, p.lse_table, buf.l_send, buf.l_block, qr, hq);
+    }
+    const AView dq_acc = AView::sbhd(buf.dq_acc, B, qr, hq, D);
+    ops_.fill(dq_acc, A(0));
+    const A* own_grad = ring_backward<T>(p, in, dob, ob, lb, buf, dq_acc);
+
+    const AView dk_block = AView::sbhd(const_cast<A*>(own_grad), B, kr, hk, D);
+    const AView dv_block = AView::sbhd(const_cast<A*>(own_grad) + n.kr * n.B * n.hk * n.D, B, kr, hk, D);
+    if (p.mesh.ulysses > 1) {
+      scatter_heads<T>(dq_acc, p.q_heads, p.q_table, buf.dq_send, buf.dq_recv, dq, nullptr);
+      scatter_heads<T>(dk_block, p.kv_heads, p.kv_table, buf.dk_send, buf.dk_recv, dk, buf.dk_sum);
+      scatter_heads<T>(dv_block, p.kv_heads, p.kv_table, buf.dv_send, buf.dv_recv, dv, buf.dv_sum);
+    } else {
+      ops_.copy(TensorView<const A, Space>(dq_acc), dq);
+      ops_.copy(TensorView<const A, Space>(dk_block), dk);
+      ops_.copy(TensorView<const A, Space>(dv_block), dv);
     }
   }
 
@@ -371,44 +492,102 @@ class MeshEngine {
                  all[f_q_len] * mesh_.ulysses, fix);
   }
 
-  template <class T>
-  void check_call(const Plan& p, TensorView<const T, Space> q, TensorView<const T, Space> k,
-                  TensorView<const T, Space> v, TensorView<T, Space> out, TensorView<acc_t<T>, Space> lse,
-                  DType dtype) const {
-    SEQPAR_CHECK(dtype == p.problem.dtype, ConfigError, "forward: element type: the plan was made for ",
+  static std::int64_t to_i(std::size_t x) { return static_cast<std::int64_t>(x); }
+
+  void check_plan(const Plan& p, DType dtype, const char* call) const {
+    SEQPAR_CHECK(dtype == p.problem.dtype, ConfigError, call, ": element type: the plan was made for ",
                  dtype_name(p.problem.dtype), ", got ", dtype_name(dtype));
     SEQPAR_CHECK(p.world_rank == world_.rank() && p.mesh.ulysses == mesh_.ulysses && p.mesh.ring == mesh_.ring,
-                 ConfigError, "forward: the plan was made by another SequenceParallelAttention");
-    const auto& pr = p.problem;
-    check_view(q, "forward: q", pr.batch, p.local_q(), pr.heads, pr.head_dim, false);
-    check_view(k, "forward: k", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, false);
-    check_view(v, "forward: v", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, false);
-    check_view(out, "forward: out", pr.batch, p.local_q(), pr.heads, pr.head_dim, true);
-    if (pr.with_lse)
-      check_view(lse, "forward: lse", pr.batch, p.local_q(), pr.heads, 1, true);
-    else
-      SEQPAR_CHECK(lse.absent(), ConfigError, "forward: lse given, but the plan's problem has with_lse = false");
+                 ConfigError, call, ": the plan was made by another SequenceParallelAttention");
   }
 
-  /// Copies each member's heads of the local tokens into its piece of the send buffer.
   template <class T>
-  void pack_heads(TensorView<const T, Space> x, const std::vector<HeadRange>& heads, const AllToAllTable& t, T* send) {
-    for (std::size_t m = 0; m < heads.size(); ++m) {
-      T* dst = send + t.send_displs[m] / sizeof(T);
-      ops_.copy(x.slice_heads(heads[m].begin, heads[m].count),
-                TensorView<T, Space>::sbhd(dst, x.batch(), x.seq(), heads[m].count, x.dim()));
-    }
+  void check_inputs(const Plan& p, TensorView<const T, Space> q, TensorView<const T, Space> k,
+                    TensorView<const T, Space> v, const std::string& call) const {
+    const auto& pr = p.problem;
+    check_view(q, call + ": q", pr.batch, p.local_q(), pr.heads, pr.head_dim, false);
+    check_view(k, call + ": k", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, false);
+    check_view(v, call + ": v", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, false);
   }
 
-  /// Copies the pieces received back (each member's heads of my tokens) into the output.
-  /// They arrive on the reversed table, so piece m sits at the table's send displacement.
-  template <class E>
-  void unpack_heads(const E* recv, const std::vector<HeadRange>& heads, const AllToAllTable& t, TensorView<E, Space> out) {
-    for (std::size_t m = 0; m < heads.size(); ++m) {
-      const E* src = recv + t.send_displs[m] / sizeof(E);
-      ops_.copy(TensorView<const E, Space>::sbhd(src, out.batch(), out.seq(), heads[m].count, out.dim()),
-                out.slice_heads(heads[m].begin, heads[m].count));
+  KernelParams kernel_params(const Plan& p) const {
+    KernelParams params;
+    params.scale = p.problem.softmax_scale();
+    params.causal = p.problem.causal;
+    params.q_positions = p.q_layout.block(p.ring_rank);
+    params.group_size = p.problem.heads / p.problem.kv_heads;
+    params.q_head_begin = p.q_heads[p.ulysses_rank].begin;
+    params.kv_head_begin = p.kv_heads[p.ulysses_rank].begin;
+    return params;
+  }
+
+  /// Q, K, V of this rank's heads over its whole ring block.
+  template <class T>
+  struct Blocks {
+    TensorView<const T, Space> q, k, v;
+  };
+
+  /// Step 1 of the file comment. K and V land in ring buffer `kv` ([K | V]) whenever they
+  /// will travel the ring; with neither Ulysses nor ring the caller's tensors are used as is.
+  template <class T>
+  Blocks<T> gather_qkv(const Plan& p, TensorView<const T, Space> q, TensorView<const T, Space> k,
+                       TensorView<const T, Space> v, T* q_send, T* k_send, T* v_send, T* q_block, T* kv) {
+    const LocalShape n(p);
+    const auto B = p.problem.batch, D = p.problem.head_dim;
+    const auto qr = to_i(n.qr), kr = to_i(n.kr), hq = to_i(n.hq), hk = to_i(n.hk);
+    const std::size_t k_elems = n.kr * n.B * n.hk * n.D;
+    using View = TensorView<T, Space>;
+    if (p.mesh.ulysses > 1) {
+      return {gather_heads(q, p.q_heads, p.q_table, q_send, q_block, qr, hq),
+              gather_heads(k, p.kv_heads, p.kv_table, k_send, kv, kr, hk),
+              gather_heads(v, p.kv_heads, p.kv_table, v_send, kv + k_elems, kr, hk)};
     }
+    if (p.mesh.ring > 1) {
+      ops_.copy(k, View::sbhd(kv, B, kr, hk, D));
+      ops_.copy(v, View::sbhd(kv + k_elems, B, kr, hk, D));
+      return {q, TensorView<const T, Space>::sbhd(kv, B, kr, hk, D),
+              TensorView<const T, Space>::sbhd(kv + k_elems, B, kr, hk, D)};
+    }
+    return {q, k, v};
+  }
+
+  /// Ulysses all-to-all: sends each member its heads of my tokens, returns my heads of the
+  /// whole ring block. Pieces are packed [seq, batch, heads, dim] so that the received pieces,
+  /// back to back, form the block as one strided view.
+  template <class E>
+  TensorView<const E, Space> gather_heads(TensorView<const E, Space> x, const std::vector<HeadRange>& heads,
+                                          const AllToAllTable& t, E* send, E* block, std::int64_t rows,
+                                          std::int64_t nheads) {
+    for (std::size_t m = 0; m < heads.size(); ++m)
+      ops_.copy(x.slice_heads(heads[m].begin, heads[m].count),
+                TensorView<E, Space>::sbhd(send + t.send_displs[m] / sizeof(E), x.batch(), x.seq(), heads[m].count,
+                                           x.dim()));
+    exchange(ulysses_, send, t, block, false);
+    return TensorView<const E, Space>::sbhd(block, x.batch(), rows, nheads, x.dim());
+  }
+
+  /// The reverse trip: `block` (my heads of the whole ring block, any element type) goes
+  /// back as E, and each member's heads of my tokens land in `out`. With `sum` (an [B, L,
+  /// heads, D] scratch in the accumulation type) pieces of the same head from different
+  /// members add up: K/V heads that several members' query heads share.
+  template <class E, class S>
+  void scatter_heads(TensorView<S, Space> block, const std::vector<HeadRange>& heads, const AllToAllTable& t, E* send,
+                     E* recv, TensorView<E, Space> out, acc_t<E>* sum) {
+    ops_.copy(TensorView<const S, Space>(block),
+              TensorView<E, Space>::sbhd(send, block.batch(), block.seq(), block.heads(), block.dim()));
+    exchange(ulysses_, send, t, recv, true);
+    using AView = TensorView<acc_t<E>, Space>;
+    const AView total = sum ? AView::bshd(sum, out.batch(), out.seq(), out.heads(), out.dim()) : AView{};
+    if (sum) ops_.fill(total, acc_t<E>(0));
+    for (std::size_t m = 0; m < heads.size(); ++m) {
+      const auto piece = TensorView<const E, Space>::sbhd(recv + t.send_displs[m] / sizeof(E), out.batch(), out.seq(),
+                                                          heads[m].count, out.dim());
+      if (sum)
+        ops_.accumulate(piece, total.slice_heads(heads[m].begin, heads[m].count));
+      else
+        ops_.copy(piece, out.slice_heads(heads[m].begin, heads[m].count));
+    }
+    if (sum) ops_.copy(TensorView<const acc_t<E>, Space>(total), out);
   }
 
   template <class E>
@@ -421,38 +600,40 @@ class MeshEngine {
       c.all_to_all_v(s, t.send_counts, t.send_displs, d, t.recv_counts, t.recv_displs);
   }
 
+  /// Starts the ring hop of `elems(src)`-sized buffers: mine to the next rank, the previous
+  /// rank's into `into`. Both sides know every block's size from the plan.
+  template <class E>
+  typename Comm::request_type ring_hop(const Plan& p, const E* from, int src, E* into, std::size_t per_token) {
+    const int R = p.mesh.ring, r = p.ring_rank;
+    const auto bytes = [&](int block) {
+      return sizeof(E) * 2 * static_cast<std::size_t>(p.kv_layout.block(block).size()) * per_token;
+    };
+    return ring_.start_exchange(reinterpret_cast<const std::byte*>(from), bytes(src), (r + 1) % R,
+                                reinterpret_cast<std::byte*>(into), bytes((src - 1 + R) % R), (r - 1 + R) % R);
+  }
+
   template <class T, class A>
-  void ring_forward(const Plan& p, TensorView<const T, Space> qb, const MeshBuffers<T, A>& buf, KernelParams params,
-                    std::int64_t qr, std::int64_t hq, std::int64_t hk) {
-    const int R = p.mesh.ring, r = p.ring_rank, U = p.mesh.ulysses;
-    const std::int64_t B = p.problem.batch, D = p.problem.head_dim;
+  void ring_forward(const Plan& p, TensorView<const T, Space> qb, const ForwardBuffers<T, A>& buf,
+                    KernelParams params, TensorView<A, Space> o_acc, TensorView<A, Space> l_acc) {
+    const int R = p.mesh.ring, r = p.ring_rank;
+    const LocalShape n(p);
+    const auto B = p.problem.batch, D = p.problem.head_dim, hk = to_i(n.hk);
     using AView = TensorView<A, Space>;
-    const AView o_acc = AView::sbhd(buf.o_acc, B, qr, hq, D), l_acc = AView::sbhd(buf.l_acc, B, qr, hq, 1);
-    const AView o_part = AView::sbhd(buf.o_part, B, qr, hq, D), l_part = AView::sbhd(buf.l_part, B, qr, hq, 1);
+    const AView o_part = AView::sbhd(buf.o_part, o_acc.batch(), o_acc.seq(), o_acc.heads(), D);
+    const AView l_part = AView::sbhd(buf.l_part, o_acc.batch(), o_acc.seq(), o_acc.heads(), 1);
     ops_.fill(o_acc, A(0));
     ops_.fill(l_acc, -std::numeric_limits<A>::infinity());
-    auto block_len = [&](int src) {
-      std::int64_t n = 0;
-      for (int m = 0; m < U; ++m) n += p.kv_layout.length(src, m);
-      return n;
-    };
     T* cur = buf.ring[0];
     T* nxt = buf.ring[1];
-    const int next = (r + 1) % R, prev = (r - 1 + R) % R;
     for (int s = 0; s < R; ++s) {
       const int src = (r - s + R) % R;
-      const std::int64_t kb = block_len(src);
+      const std::int64_t kb = p.kv_layout.block(src).size();
       typename Comm::request_type req{};
-      if (s + 1 < R) {
-        const std::int64_t kn = block_len((src - 1 + R) % R);
-        req = ring_.start_exchange(reinterpret_cast<const std::byte*>(cur), sizeof(T) * 2 * kb * B * hk * D, next,
-                                   reinterpret_cast<std::byte*>(nxt), sizeof(T) * 2 * kn * B * hk * D, prev);
-      }
+      if (s + 1 < R) req = ring_hop(p, cur, src, nxt, n.B * n.hk * n.D);
       if (p.ring_step_computes[s]) {
-        const std::size_t k_elems = static_cast<std::size_t>(kb * B * hk * D);
         params.k_positions = p.kv_layout.block(src);
         kernel_.forward(qb, TensorView<const T, Space>::sbhd(cur, B, kb, hk, D),
-                        TensorView<const T, Space>::sbhd(cur + k_elems, B, kb, hk, D), o_part, l_part, params);
+                        TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, D), o_part, l_part, params);
         ops_.merge(o_acc, l_acc, TensorView<const A, Space>(o_part), TensorView<const A, Space>(l_part));
       }
       if (s + 1 < R) {
@@ -460,6 +641,50 @@ class MeshEngine {
         std::swap(cur, nxt);
       }
     }
+  }
+
+  /// Ring backward; returns the buffer holding this rank's own block's [dK | dV] (the sum of
+  /// every rank's contributions). With R == 1 it is one local kernel call.
+  template <class T, class A>
+  const A* ring_backward(const Plan& p, const Blocks<T>& in, TensorView<const T, Space> dob,
+                         TensorView<const T, Space> ob, TensorView<const A, Space> lb,
+                         const BackwardBuffers<T, A>& buf, TensorView<A, Space> dq_acc) {
+    const int R = p.mesh.ring, r = p.ring_rank;
+    const LocalShape n(p);
+    const auto B = p.problem.batch, D = p.problem.head_dim, hk = to_i(n.hk);
+    KernelParams params = kernel_params(p);
+    using CView = TensorView<const T, Space>;
+    using AView = TensorView<A, Space>;
+    T* cur = buf.ring[0];
+    T* nxt = buf.ring[1];
+    A* g_cur = buf.grad[0];
+    A* g_nxt = buf.grad[1];
+    const std::size_t per_token = n.B * n.hk * n.D;
+    ops_.fill(AView::sbhd(g_cur, B, 2 * to_i(n.kr), hk, D), A(0));
+    for (int s = 0; s < R; ++s) {
+      const int src = (r - s + R) % R;
+      const std::int64_t kb = p.kv_layout.block(src).size();
+      const std::size_t k_elems = static_cast<std::size_t>(kb) * per_token;
+      typename Comm::request_type req{};
+      if (s + 1 < R) req = ring_hop(p, cur, src, nxt, per_token);
+      if (p.ring_step_computes[s]) {
+        params.k_positions = p.kv_layout.block(src);
+        const CView kv = R > 1 ? CView::sbhd(cur, B, kb, hk, D) : in.k;
+        const CView vv = R > 1 ? CView::sbhd(cur + k_elems, B, kb, hk, D) : in.v;
+        kernel_.backward(dob, in.q, kv, vv, ob, lb, dq_acc, AView::sbhd(g_cur, B, kb, hk, D),
+                         AView::sbhd(g_cur + k_elems, B, kb, hk, D), params);
+      }
+      if (R == 1) break;
+      if (s + 1 < R) {
+        ring_.wait(req);
+        std::swap(cur, nxt);
+      }
+      // The block's gradient follows it; after the last step this hop brings my own home.
+      auto g_req = ring_hop(p, g_cur, src, g_nxt, per_token);
+      ring_.wait(g_req);
+      std::swap(g_cur, g_nxt);
+    }
+    return g_cur;
   }
 
   Comm& world_;
