@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "seqpar/core/host_device.hpp"
 #include "seqpar/core/tensor_view.hpp"
 
 namespace seqpar {
@@ -14,9 +15,9 @@ namespace seqpar {
 /// Merges a partial result (o2, l2) over a disjoint key set into (o1, l1), in place:
 /// O = O1 - sigmoid(L2 - L1) (O1 - O2), L = max + log1p(exp(min - max)). A side with
 /// L = -inf contributes nothing, so a row no block saw stays O = 0, L = -inf (never NaN).
-/// Works per row so that a device kernel can share it.
+/// Works per row so that a device kernel can share it (SEQPAR_HOST_DEVICE).
 template <class A>
-constexpr void merge_row(A* o1, A& l1, const A* o2, A l2, std::int64_t dim) {
+SEQPAR_HOST_DEVICE constexpr void merge_row(A* o1, A& l1, const A* o2, A l2, std::int64_t dim) {
   if (l2 == -std::numeric_limits<A>::infinity()) return;
   if (l1 == -std::numeric_limits<A>::infinity()) {
     for (std::int64_t d = 0; d < dim; ++d) o1[d] = o2[d];

@@ -1,0 +1,97 @@
+# seqpar::cuda and seqpar::nccl: the CUDA backend (CudaFlashKernel, TensorOps<CudaSpace>,
+# the device-memory ThreadCommunicator) and NcclCommunicator. Included from the top-level
+# CMakeLists.txt. Both are INTERFACE targets: the library stays header-only, and a consumer's
+# own .cu files compile the kernels they use.
+#
+# SEQPAR_ENABLE_CUDA / SEQPAR_ENABLE_NCCL: ON (fail if missing), OFF, or AUTO (if found).
+# The CUDA language is enabled only when nvcc is found, so a host-only build never needs it.
+# Unless the caller sets CMAKE_CUDA_ARCHITECTURES, CUDA code targets sm_80 (SASS) and sm_90
+# (SASS + PTX, so newer GPUs can JIT it): explicit, never whatever nvcc defaults to.
+
+set(SEQPAR_HAS_CUDA OFF)
+set(SEQPAR_HAS_NCCL OFF)
+
+if(NOT SEQPAR_ENABLE_CUDA MATCHES "^(ON|OFF|AUTO)$")
+  message(FATAL_ERROR "SEQPAR_ENABLE_CUDA: expected ON, OFF or AUTO, got '${SEQPAR_ENABLE_CUDA}'")
+endif()
+if(NOT SEQPAR_ENABLE_NCCL MATCHES "^(ON|OFF|AUTO)$")
+  message(FATAL_ERROR "SEQPAR_ENABLE_NCCL: expected ON, OFF or AUTO, got '${SEQPAR_ENABLE_NCCL}'")
+endif()
+if(SEQPAR_ENABLE_NCCL STREQUAL "ON" AND SEQPAR_ENABLE_CUDA STREQUAL "OFF")
+  message(FATAL_ERROR "SEQPAR_ENABLE_NCCL=ON needs CUDA, but SEQPAR_ENABLE_CUDA=OFF")
+endif()
+
+if(NOT SEQPAR_ENABLE_CUDA STREQUAL "OFF")
+  # nvcc is often installed but not on PATH: look in the usual places before giving up.
+  if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
+    find_program(SEQPAR_NVCC nvcc
+      HINTS ENV CUDA_HOME ENV CUDA_PATH ENV CUDAToolkit_ROOT
+      PATH_SUFFIXES bin
+      PATHS /usr/local/cuda/bin /opt/cuda/bin)
+    if(SEQPAR_NVCC)
+      set(CMAKE_CUDA_COMPILER "${SEQPAR_NVCC}" CACHE FILEPATH "CUDA compiler")
+    endif()
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
+      set(CMAKE_CUDA_ARCHITECTURES "80-real;90" CACHE STRING
+          "CUDA architectures (seqpar default: sm_80 SASS, sm_90 SASS + PTX)")
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit)
+  endif()
+  if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
+    set(SEQPAR_HAS_CUDA ON)
+  elseif(SEQPAR_ENABLE_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "SEQPAR_ENABLE_CUDA=ON but no CUDA compiler or toolkit was found "
+                        "(set CMAKE_CUDA_COMPILER or CUDACXX to nvcc)")
+  else()
+    message(STATUS "seqpar: CUDA not found; seqpar::cuda and seqpar::nccl are not built")
+  endif()
+endif()
+
+if(SEQPAR_HAS_CUDA)
+  add_library(seqpar_cuda INTERFACE)
+  add_library(seqpar::cuda ALIAS seqpar_cuda)
+  set_target_properties(seqpar_cuda PROPERTIES EXPORT_NAME cuda)
+  target_link_libraries(seqpar_cuda INTERFACE seqpar CUDA::cudart)
+  target_compile_features(seqpar_cuda INTERFACE cuda_std_20)
+  target_compile_definitions(seqpar_cuda INTERFACE SEQPAR_HAS_CUDA=1)
+  # merge_row and PositionMap are constexpr host functions that the device code shares.
+  target_compile_options(seqpar_cuda INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr>)
+  message(STATUS "seqpar: seqpar::cuda with ${CMAKE_CUDA_COMPILER} (CUDA ${CUDAToolkit_VERSION}), "
+                 "architectures ${CMAKE_CUDA_ARCHITECTURES}")
+
+  if(NOT SEQPAR_ENABLE_NCCL STREQUAL "OFF")
+    # NCCL ships with the toolkit here, or on its own (NCCL_ROOT / NCCL_HOME).
+    find_path(SEQPAR_NCCL_INCLUDE_DIR nccl.h
+      HINTS ENV NCCL_ROOT ENV NCCL_HOME ${CUDAToolkit_INCLUDE_DIRS}
+      PATH_SUFFIXES include)
+    find_library(SEQPAR_NCCL_LIBRARY NAMES nccl
+      HINTS ENV NCCL_ROOT ENV NCCL_HOME ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}
+      PATH_SUFFIXES lib lib64)
+    if(SEQPAR_NCCL_INCLUDE_DIR AND SEQPAR_NCCL_LIBRARY)
+      set(SEQPAR_HAS_NCCL ON)
+      add_library(seqpar_nccl INTERFACE)
+      add_library(seqpar::nccl ALIAS seqpar_nccl)
+      set_target_properties(seqpar_nccl PROPERTIES EXPORT_NAME nccl)
+      target_include_directories(seqpar_nccl SYSTEM INTERFACE ${SEQPAR_NCCL_INCLUDE_DIR})
+      target_link_libraries(seqpar_nccl INTERFACE seqpar_cuda ${SEQPAR_NCCL_LIBRARY})
+      target_compile_definitions(seqpar_nccl INTERFACE SEQPAR_HAS_NCCL=1)
+      message(STATUS "seqpar: seqpar::nccl with ${SEQPAR_NCCL_LIBRARY}")
+    elseif(SEQPAR_ENABLE_NCCL STREQUAL "ON")
+      message(FATAL_ERROR "SEQPAR_ENABLE_NCCL=ON but nccl.h / libnccl were not found (set NCCL_ROOT)")
+    else()
+      message(STATUS "seqpar: NCCL not found; seqpar::nccl is not built")
+    endif()
+  endif()
+elseif(SEQPAR_ENABLE_NCCL STREQUAL "ON")
+  message(FATAL_ERROR "SEQPAR_ENABLE_NCCL=ON needs CUDA, which was not found")
+endif()
+
+# The CUDA examples (a demo per GPU rank under mpirun needs seqpar::mpi too).
+if(SEQPAR_BUILD_EXAMPLES AND SEQPAR_HAS_CUDA AND EXISTS ${CMAKE_CURRENT_LIST_DIR}/../examples/cuda/CMakeLists.txt)
+  add_subdirectory(${CMAKE_CURRENT_LIST_DIR}/../examples/cuda ${CMAKE_CURRENT_BINARY_DIR}/examples/cuda)
+endif()

@@ -1,0 +1,159 @@
+#pragma once
+/// \file
+/// The per-tile math of the CUDA flash kernels, as __host__ __device__ functions so that the
+/// CPU tests exercise the very code the GPU runs (tests/test_tile_math.cpp):
+/// - the online-softmax steps (FlashAttention-2, Alg. 1) in base 2: scores are pre-multiplied
+///   by scale * log2(e), so each exponential is one exp2 and the row state is (m, l) in log2
+///   units; the natural-log LSE is (m + log2 l) * ln 2;
+/// - the guards that keep a row that sees no key at O = 0, LSE = -inf, never NaN;
+/// - causal tile classification from global positions, and device copies of PositionMap and
+///   of the query-to-K/V head map (plain structs, cheap to pass to a kernel by value);
+/// - the register layout of the mma.sync m16n8k16 fragments the tensor-core kernel uses.
+/// The LSE merge of partial results is merge_row (kernel/host_ops.hpp), shared the same way.
+
+#include <cmath>
+#include <cstdint>
+
+#include "seqpar/core/host_device.hpp"
+#include "seqpar/core/sequence_layout.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+
+namespace seqpar::tile {
+
+/// log2(e): multiplies the softmax scale so that exp(x) becomes exp2(x * log2e).
+inline constexpr float log2e = 1.4426950408889634f;
+/// ln(2): turns a base-2 LSE back into the natural-log LSE the library reports.
+inline constexpr float ln2 = 0.6931471805599453f;
+
+/// 2^x; on the device the fast hardware exp2 (relative error ~2 ulp), on the host std::exp2.
+SEQPAR_HOST_DEVICE inline float exp2_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  return exp2f(x);
+#else
+  return std::exp2(x);
+#endif
+}
+
+/// log2(x) for x > 0.
+SEQPAR_HOST_DEVICE inline float log2_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  return log2f(x);
+#else
+  return std::log2(x);
+#endif
+}
+
+/// The value subtracted from a row's scores before exp2: the running max, or 0 while the row
+/// has seen no visible key (max = -inf), so that exp2(-inf - offset) = 0 instead of NaN.
+SEQPAR_HOST_DEVICE inline float softmax_offset(float row_max) { return row_max == -INFINITY ? 0.0f : row_max; }
+
+/// Factor that rescales a row's running sum and output when its max moves from `m_old` to
+/// `m_new` (>= m_old): exp2(m_old - m_new), and 0 for a row that had seen nothing.
+SEQPAR_HOST_DEVICE inline float rescale_factor(float m_old, float m_new) {
+  return exp2_fast(m_old - softmax_offset(m_new));
+}
+
+/// Weight of a score `s` (log2 units) in a row whose max is `m_new`; 0 for a hidden score.
+SEQPAR_HOST_DEVICE inline float softmax_weight(float s, float m_new) { return exp2_fast(s - softmax_offset(m_new)); }
+
+/// What a finished row writes: output = accumulator * inv_sum; lse in natural log.
+struct RowFinish {
+  float inv_sum;  ///< 1 / l, or 0 for a row that saw no key (its output is then 0)
+  float lse;      ///< (m + log2 l) * ln 2, or -inf for a row that saw no key
+};
+
+/// Closes a row with running max `m` (log2 units) and running sum `l`.
+SEQPAR_HOST_DEVICE inline RowFinish finish_row(float m, float l) {
+  if (!(l > 0.0f)) return {0.0f, -INFINITY};
+  return {1.0f / l, (m + log2_fast(l)) * ln2};
+}
+
+/// How a causal mask treats a (query tile, key tile) pair.
+enum class TileMask : int {
+  hidden = 0,   ///< no key visible to any query: skip the tile
+  visible = 1,  ///< every key visible to every query: no per-element test
+  partial = 2,  ///< test each (query, key) pair
+};
+
+/// Classifies a tile from the global positions of its first and last query and key (both maps
+/// increase, so the extremes decide).
+SEQPAR_HOST_DEVICE inline TileMask classify_tile(bool causal, std::int64_t q_first, std::int64_t q_last,
+                                                 std::int64_t k_first, std::int64_t k_last) {
+  if (!causal) return TileMask::visible;
+  if (k_first > q_last) return TileMask::hidden;
+  return k_last <= q_first ? TileMask::visible : TileMask::partial;
+}
+
+/// PositionMap as a kernel argument: at most two runs, no std:: types, callable on the device.
+struct Positions {
+  std::int64_t count0 = 0;                 ///< tokens in the first run
+  std::int64_t start0 = 0, stride0 = 1;    ///< first run
+  std::int64_t start1 = 0, stride1 = 1;    ///< second run (tokens count0 and on)
+
+  /// Copies a PositionMap (host side).
+  static Positions from(const PositionMap& m) {
+    Positions p;
+    if (m.segments > 0) {
+      p.count0 = m.seg[0].count;
+      p.start0 = m.seg[0].start;
+      p.stride0 = m.seg[0].stride;
+    }
+    if (m.segments > 1) {
+      p.start1 = m.seg[1].start;
+      p.stride1 = m.seg[1].stride;
+    } else {
+      // One run: let the "second" continue the first, so no index falls off the end.
+      p.start1 = p.start0 + p.count0 * p.stride0;
+      p.stride1 = p.stride0;
+    }
+    return p;
+  }
+  /// Global position of local token i.
+  SEQPAR_HOST_DEVICE std::int64_t operator()(std::int64_t i) const {
+    return i < count0 ? start0 + i * stride0 : start1 + (i - count0) * stride1;
+  }
+};
+
+/// KernelParams::kv_head as a kernel argument.
+struct HeadMap {
+  std::int64_t group_size = 1;     ///< query heads per K/V head (global)
+  std::int64_t q_head_begin = 0;   ///< global index of local query head 0
+  std::int64_t kv_head_begin = 0;  ///< global index of local K/V head 0
+
+  /// Copies the head map of `p` (host side).
+  static HeadMap from(const KernelParams& p) { return {p.group_size, p.q_head_begin, p.kv_head_begin}; }
+  /// Local K/V head read by local query head h.
+  SEQPAR_HOST_DEVICE std::int64_t kv_head(std::int64_t h) const {
+    return (q_head_begin + h) / group_size - kv_head_begin;
+  }
+};
+
+/// Row and column of one element of an mma fragment.
+struct FragCoord {
+  int row;  ///< row of the element in the operand tile
+  int col;  ///< column of the element in the operand tile
+};
+
+/// mma.sync.m16n8k16 operand A (16 x 16, row-major), element i (0..7) of `lane`. Registers
+/// hold elements (0,1), (2,3), (4,5), (6,7); each pair is two adjacent columns of one row.
+SEQPAR_HOST_DEVICE constexpr FragCoord mma_a_coord(int lane, int i) {
+  return {(lane >> 2) + 8 * ((i >> 1) & 1), 2 * (lane & 3) + (i & 1) + 8 * (i >> 2)};
+}
+/// Operand B (16 x 8, "col": k down, n across), element i (0..3): (k, n). Each register pair
+/// is two adjacent k of one column n.
+SEQPAR_HOST_DEVICE constexpr FragCoord mma_b_coord(int lane, int i) {
+  return {2 * (lane & 3) + (i & 1) + 8 * (i >> 1), lane >> 2};
+}
+/// Accumulator C/D (16 x 8), element i (0..3). Elements 0, 1 are row lane/4, elements 2, 3 row
+/// lane/4 + 8: a row lives in the four lanes of one quad, which reduce it with shuffles.
+SEQPAR_HOST_DEVICE constexpr FragCoord mma_c_coord(int lane, int i) {
+  return {(lane >> 2) + 8 * (i >> 1), 2 * (lane & 3) + (i & 1)};
+}
+/// The accumulator element that becomes A-element i when a 16 x 16 block of C (two n-tiles of
+/// 8 columns) is fed back as operand A: n-tile (i >> 2) of the pair, element (i & 3). This is
+/// what lets the kernel keep P = softmax(S) in registers between the two products.
+SEQPAR_HOST_DEVICE constexpr int a_from_c_tile(int i) { return i >> 2; }
+/// See a_from_c_tile: the element index inside that n-tile.
+SEQPAR_HOST_DEVICE constexpr int a_from_c_elem(int i) { return i & 3; }
+
+}  // namespace seqpar::tile
