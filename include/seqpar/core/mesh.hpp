@@ -4,6 +4,7 @@
 /// policy runs on (Ulysses is the mesh 1 x P, Ring the mesh P x 1).
 
 #include <cstdint>
+#include <vector>
 
 #include "seqpar/core/sequence_layout.hpp"
 
@@ -35,5 +36,16 @@ struct MeshConfig {
     return placement == MeshPlacement::ulysses_adjacent ? r * ulysses + u : u * ring + r;
   }
 };
+
+/// Local length of every world rank for a global length `total`, as even as the mesh allows
+/// (ring blocks, then their pieces, differ by at most one token). Valid for every layout,
+/// stripe included; a plain policy still needs `total` to divide evenly.
+inline std::vector<std::int64_t> split_sequence(std::int64_t total, const MeshConfig& mesh) {
+  const std::vector<std::int64_t> per_mesh = split_mesh(total, mesh.ring, mesh.ulysses);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(mesh.world()));
+  for (int w = 0; w < mesh.world(); ++w)
+    out[static_cast<std::size_t>(w)] = per_mesh[static_cast<std::size_t>(mesh.ring_rank(w) * mesh.ulysses + mesh.ulysses_rank(w))];
+  return out;
+}
 
 }  // namespace seqpar
