@@ -17,16 +17,22 @@ struct GlobalGrads {
   std::vector<double> dout, dq, dk, dv;
 };
 
-/// The exact output of attention on inputs q, k, v of case `c` (for finite differences).
-inline std::vector<double> reference_out(const GlobalCase& c, const std::vector<double>& q, const std::vector<double>& k,
-                                         const std::vector<double>& v) {
-  std::vector<double> out(q.size());
+/// Kernel parameters of case `c` computed on one rank over the whole sequence.
+inline KernelParams whole_sequence_params(const GlobalCase& c) {
   KernelParams p;
   p.scale = c.softmax_scale();
   p.causal = c.causal;
   p.q_positions = PositionMap::run(c.seq_q, 0);
   p.k_positions = PositionMap::run(c.kv_len(), 0);
   p.group_size = c.heads / c.kv_heads;
+  return p;
+}
+
+/// The exact output of attention on inputs q, k, v of case `c` (for finite differences).
+inline std::vector<double> reference_out(const GlobalCase& c, const std::vector<double>& q, const std::vector<double>& k,
+                                         const std::vector<double>& v) {
+  std::vector<double> out(q.size());
+  const KernelParams p = whole_sequence_params(c);
   using V = TensorView<const double>;
   ReferenceKernel{}.forward(V::bshd(q.data(), c.batch, c.seq_q, c.heads, c.head_dim),
                             V::bshd(k.data(), c.batch, c.kv_len(), c.kv_heads, c.head_dim),
@@ -45,12 +51,7 @@ GlobalGrads make_global_grads(const GlobalCase& c, const GlobalData& g) {
   gr.dq.assign(g.q.size(), 0.0);
   gr.dk.assign(g.k.size(), 0.0);
   gr.dv.assign(g.v.size(), 0.0);
-  KernelParams p;
-  p.scale = c.softmax_scale();
-  p.causal = c.causal;
-  p.q_positions = PositionMap::run(c.seq_q, 0);
-  p.k_positions = PositionMap::run(c.kv_len(), 0);
-  p.group_size = c.heads / c.kv_heads;
+  const KernelParams p = whole_sequence_params(c);
   using V = TensorView<const double>;
   using G = TensorView<double>;
   const auto B = c.batch, Sq = c.seq_q, Sk = c.kv_len(), H = c.heads, K = c.kv_heads, D = c.head_dim;
