@@ -38,7 +38,8 @@ inline constexpr bool enable_communicator = requires { requires C::is_seqpar_com
 ///   bytes, spans of size()); the piece to itself is copied;
 /// - `c.start_exchange(send, send_bytes, dest, recv, recv_bytes, source)`: starts sending to
 ///   `dest` and receiving from `source` without blocking, returns a request;
-///   `c.wait(request)` completes both. Messages between one pair of ranks arrive in order;
+///   `c.wait(request)` completes both. Messages between one pair of ranks arrive in order,
+///   and requests that receive from the same source are waited in the order they started;
 /// - `c.all_gather_host(mine, all)`: host integers, `all` = concatenation of every rank's
 ///   `mine` in rank order (the metadata channel; counted in stats().host_gathers);
 /// - `c.barrier()`;

@@ -145,7 +145,8 @@ struct BackwardBuffers {
   T* o_block = nullptr;
   A* l_block = nullptr;  // [Qr, B, hq]
   T* ring[2] = {nullptr, nullptr};  // [K | V]
-  A* grad[2] = {nullptr, nullptr};  // [dK | dV] of the block in hand
+  A* grad[2] = {nullptr, nullptr};  // [dK | dV] accumulators: the one in hand, the one arriving
+  A* grad_part = nullptr;           // this step's contribution, added once the accumulator arrived
   A* dq_acc = nullptr;              // [Qr, B, hq, D]
   T* q_send = nullptr;  // phase 1
   T* do_send = nullptr;
@@ -179,7 +180,10 @@ BackwardBuffers<T, A> carve_backward(WorkspaceCarver& c, const Plan& p) {
   if (ulysses || ring) buf.ring[0] = c.take<T>(n.kv_ring);
   if (ring) buf.ring[1] = c.take<T>(n.kv_ring);
   buf.grad[0] = c.take<A>(n.kv_ring);
-  if (ring) buf.grad[1] = c.take<A>(n.kv_ring);
+  if (ring) {
+    buf.grad[1] = c.take<A>(n.kv_ring);
+    buf.grad_part = c.take<A>(n.kv_ring);
+  }
   buf.dq_acc = c.take<A>(q_elems);
   if (ulysses) {
     const std::size_t start = c.mark();
@@ -644,7 +648,11 @@ class MeshEngine {
   }
 
   /// Ring backward; returns the buffer holding this rank's own block's [dK | dV] (the sum of
-  /// every rank's contributions). With R == 1 it is one local kernel call.
+  /// every rank's contributions). Each block's gradient accumulator follows the block one hop
+  /// behind: step s computes into a zeroed `grad_part` while the accumulator of the same block
+  /// is still arriving from the previous rank, then adds it in and sends it on, so the hop
+  /// overlaps the compute. After the last step the hop brings each block home. With R == 1
+  /// it is one local kernel call.
   template <class T, class A>
   const A* ring_backward(const Plan& p, const Blocks<T>& in, TensorView<const T, Space> dob,
                          TensorView<const T, Space> ob, TensorView<const A, Space> lb,
@@ -655,36 +663,51 @@ class MeshEngine {
     KernelParams params = kernel_params(p);
     using CView = TensorView<const T, Space>;
     using AView = TensorView<A, Space>;
+    const std::size_t per_token = n.B * n.hk * n.D;
+    auto grad_view = [&](A* g, std::int64_t kb) { return AView::sbhd(g, B, 2 * kb, hk, D); };
+    auto compute = [&](const T* kv, std::int64_t kb, int src, A* grad) {
+      const std::size_t k_elems = static_cast<std::size_t>(kb) * per_token;
+      params.k_positions = p.kv_layout.block(src);
+      kernel_.backward(dob, in.q, R > 1 ? CView::sbhd(kv, B, kb, hk, D) : in.k,
+                       R > 1 ? CView::sbhd(kv + k_elems, B, kb, hk, D) : in.v, ob, lb, dq_acc,
+                       AView::sbhd(grad, B, kb, hk, D), AView::sbhd(grad + k_elems, B, kb, hk, D), params);
+    };
+    A* g_cur = buf.grad[0];
+    ops_.fill(grad_view(g_cur, to_i(n.kr)), A(0));
+    if (R == 1) {
+      if (p.ring_step_computes[0]) compute(in.k.data, to_i(n.kr), r, g_cur);
+      return g_cur;
+    }
     T* cur = buf.ring[0];
     T* nxt = buf.ring[1];
-    A* g_cur = buf.grad[0];
     A* g_nxt = buf.grad[1];
-    const std::size_t per_token = n.B * n.hk * n.D;
-    ops_.fill(AView::sbhd(g_cur, B, 2 * to_i(n.kr), hk, D), A(0));
+    typename Comm::request_type g_req{};
     for (int s = 0; s < R; ++s) {
       const int src = (r - s + R) % R;
       const std::int64_t kb = p.kv_layout.block(src).size();
-      const std::size_t k_elems = static_cast<std::size_t>(kb) * per_token;
-      typename Comm::request_type req{};
-      if (s + 1 < R) req = ring_hop(p, cur, src, nxt, per_token);
-      if (p.ring_step_computes[s]) {
-        params.k_positions = p.kv_layout.block(src);
-        const CView kv = R > 1 ? CView::sbhd(cur, B, kb, hk, D) : in.k;
-        const CView vv = R > 1 ? CView::sbhd(cur + k_elems, B, kb, hk, D) : in.v;
-        kernel_.backward(dob, in.q, kv, vv, ob, lb, dq_acc, AView::sbhd(g_cur, B, kb, hk, D),
-                         AView::sbhd(g_cur + k_elems, B, kb, hk, D), params);
+      typename Comm::request_type kv_req{};
+      if (s + 1 < R) kv_req = ring_hop(p, cur, src, nxt, per_token);
+      if (s == 0) {
+        if (p.ring_step_computes[s]) compute(cur, kb, src, g_cur);
+      } else {
+        // Requests to one peer complete in the order they started: the gradient hop first.
+        const bool computes = p.ring_step_computes[s];
+        if (computes) {
+          ops_.fill(grad_view(buf.grad_part, kb), A(0));
+          compute(cur, kb, src, buf.grad_part);
+        }
+        ring_.wait(g_req);
+        std::swap(g_cur, g_nxt);
+        if (computes) ops_.accumulate(TensorView<const A, Space>(grad_view(buf.grad_part, kb)), grad_view(g_cur, kb));
       }
-      if (R == 1) break;
+      g_req = ring_hop(p, g_cur, src, g_nxt, per_token);
       if (s + 1 < R) {
-        ring_.wait(req);
+        ring_.wait(kv_req);
         std::swap(cur, nxt);
       }
-      // The block's gradient follows it; after the last step this hop brings my own home.
-      auto g_req = ring_hop(p, g_cur, src, g_nxt, per_token);
-      ring_.wait(g_req);
-      std::swap(g_cur, g_nxt);
     }
-    return g_cur;
+    ring_.wait(g_req);
+    return g_nxt;
   }
 
   Comm& world_;
