@@ -67,9 +67,13 @@ struct ThreadFamily {
 
   /// Waits for `ready` under `lock`; throws CommAborted when a peer failed or on time-out.
   /// Before throwing it lets every in-flight copy finish, so no peer reads a buffer that the
-  /// unwinding stack is about to free.
+  /// unwinding stack is about to free. With `completed_wins`, a wait whose condition did come
+  /// true returns normally even if a peer failed meanwhile: only for the last barrier of an
+  /// operation (no buffer is read after it), so that ranks which then evaluate one check on
+  /// the same gathered data all throw the same error, instead of a race deciding which of
+  /// them see CommAborted.
   template <class Pred>
-  void wait(std::unique_lock<std::mutex>& lock, Pred ready, const char* what) {
+  void wait(std::unique_lock<std::mutex>& lock, Pred ready, const char* what, bool completed_wins = false) {
     auto stop = [&] { return aborted || ready(); };
     if (timeout.count() > 0) {
       if (!cv.wait_for(lock, timeout, stop)) {
@@ -80,7 +84,7 @@ struct ThreadFamily {
     } else {
       cv.wait(lock, stop);
     }
-    if (ready() && !aborted) return;
+    if (ready() && (completed_wins || !aborted)) return;
     cv.wait(lock, [&] { return active_reads == 0; });
     throw CommAborted(std::string("ThreadCommunicator: ") + what + " interrupted: " + reason);
   }
@@ -112,7 +116,7 @@ struct ThreadGroup {
   std::vector<std::deque<std::shared_ptr<Message>>> mailbox;  // [src * size + dst]
   std::map<std::pair<std::uint64_t, int>, std::shared_ptr<ThreadGroup>> children;  // (split #, color)
 
-  void barrier_locked(std::unique_lock<std::mutex>& lock, const char* what) {
+  void barrier_locked(std::unique_lock<std::mutex>& lock, const char* what, bool last = false) {
     const std::uint64_t gen = generation;
     if (++arrived == size) {
       arrived = 0;
@@ -120,7 +124,7 @@ struct ThreadGroup {
       family->cv.notify_all();
       return;
     }
-    family->wait(lock, [&] { return generation != gen; }, what);
+    family->wait(lock, [&] { return generation != gen; }, what, last);
   }
 };
 
@@ -193,7 +197,7 @@ class BasicThreadCommunicator {
         ++stats_->messages_sent;
       }
     ++stats_->all_to_alls;
-    group_->barrier_locked(lock, "all_to_all_v");
+    group_->barrier_locked(lock, "all_to_all_v", true);
   }
 
   /// Starts sending `send_bytes` to `dest` and receiving `recv_bytes` from `source`. The send
@@ -265,13 +269,13 @@ class BasicThreadCommunicator {
       std::copy(s.ints, s.ints + s.n, all.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
     }
     ++stats_->host_gathers;
-    group_->barrier_locked(lock, "all_gather_host");
+    group_->barrier_locked(lock, "all_gather_host", true);
   }
 
   /// Blocks until every rank of the group arrives.
   void barrier() {
     std::unique_lock lock(group_->family->mu);
-    group_->barrier_locked(lock, "barrier");
+    group_->barrier_locked(lock, "barrier", true);
   }
 
   /// Splits into one communicator per color, ranked by (key, rank). Collective.

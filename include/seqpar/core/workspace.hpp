@@ -21,7 +21,10 @@ class WorkspaceCarver {
   /// Sizing mode: counts the bytes `take` would use.
   WorkspaceCarver() = default;
   /// Carving mode over the caller's buffer; the base is aligned up first.
-  explicit WorkspaceCarver(std::span<std::byte> buffer) : base_(buffer.data()), capacity_(buffer.size()) {
+  explicit WorkspaceCarver(std::span<std::byte> buffer)
+      : base_(buffer.data()), capacity_(buffer.size()), carving_(true) {
+    SEQPAR_CHECK(base_ != nullptr || capacity_ == 0, ConfigError, "workspace: null data pointer with a size of ",
+                 capacity_, " bytes");
     const auto addr = reinterpret_cast<std::uintptr_t>(base_);
     const std::size_t skew = (workspace_alignment - addr % workspace_alignment) % workspace_alignment;
     used_ = skew;
@@ -31,11 +34,12 @@ class WorkspaceCarver {
   template <class T>
   T* take(std::size_t count) {
     used_ = (used_ + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
-    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    const std::size_t at = used_;
     used_ += count * sizeof(T);
-    SEQPAR_CHECK(!base_ || used_ <= capacity_, ConfigError, "workspace: expected at least ", used_,
+    // An empty span is a carving workspace too (of 0 bytes), never a silent switch to sizing.
+    SEQPAR_CHECK(!carving_ || used_ <= capacity_, ConfigError, "workspace: expected at least ", used_,
                  " bytes, got ", capacity_, " (size it with plan.workspace_bytes())");
-    return p;
+    return carving_ ? reinterpret_cast<T*>(base_ + at) : nullptr;
   }
   /// Current offset; with `rewind` it lets two phases share the same bytes.
   std::size_t mark() const { return used_; }
@@ -48,6 +52,7 @@ class WorkspaceCarver {
   std::byte* base_ = nullptr;
   std::size_t capacity_ = 0;
   std::size_t used_ = 0;
+  bool carving_ = false;
 };
 
 }  // namespace seqpar
