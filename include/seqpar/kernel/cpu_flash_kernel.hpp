@@ -2,35 +2,180 @@
 /// \file
 /// CpuFlashKernel: blocked online-softmax attention on the CPU (FlashAttention-2's loop
 /// structure), for float and double, with the causal mask taken from global positions.
+///
+/// Layout of the work (why it is fast). Everything runs *transposed*: a block of queries is
+/// packed once as Q^T [head_dim][block_q] (pre-scaled), the scores of a key block are formed
+/// as S^T = K Q^T [block_k][block_q] and the output accumulates as O^T [head_dim][block_q].
+/// Queries then sit in SIMD lanes, so
+///  - both products are the same register-tiled micro-kernel C[MR x 2 vectors] += A B, with
+///    A read by broadcast straight from the caller's K or V rows (no per-key-block packing or
+///    transposing; only Q is packed, once per query block) and B a contiguous panel of Q^T or
+///    P^T that stays in L1;
+///  - the softmax statistics (running max m, sum l, rescale alpha) of a column of queries are
+///    lane-wise vector operations over the rows of S^T, and exp is the vectorised fast_exp.
+/// O^T is transposed back, divided by l, once per query block. Per thread the working set is
+/// Q^T, O^T (head_dim x block_q each) and S^T (block_k x block_q): 96 KiB at head_dim 128 in
+/// float, in L2; one micro-kernel's B panel (<= 16 KiB) stays in L1.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "seqpar/core/error.hpp"
 #include "seqpar/kernel/fast_exp.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/kernel/thread_pool.hpp"
 
 namespace seqpar {
 
-/// Fast local attention on the CPU. Each (batch, head, block of queries) streams over blocks
-/// of keys, keeping a running max, sum and output (online softmax), so memory stays
-/// O(block) and the working set stays in cache. Key blocks that a causal mask hides entirely
-/// are skipped; blocks it shows entirely skip the mask. Scratch is sized by prepare() (called
-/// when a plan is made), so forward allocates nothing.
+/// Options of CpuFlashKernel.
+struct CpuFlashOptions {
+  /// Threads a forward call uses: the caller plus threads - 1 pool workers, created once.
+  /// Work is split over (batch x heads x query blocks). 1 runs on the caller alone.
+  int threads = 1;
+};
+
+namespace detail {
+
+/// Register tile of the CPU kernel's micro-kernel for accumulation type A: MR rows (keys for
+/// S^T, head-dim rows for O^T) by NR vectors of queries. 2 x MR accumulators plus the two B
+/// vectors fill most of the register file (8 x 2 with 32 registers, 6 x 2 with 16).
+template <class A>
+struct FlashTile {
+  static constexpr int nr = 2;                                  ///< vectors of queries per tile
+  static constexpr int width = Simd<A>::width;                  ///< lanes per vector
+  static constexpr int panel = nr * width;                      ///< queries per tile
+  static constexpr int mr = simd_registers >= 32 ? 8 : 6;      ///< rows per tile
+};
+
+/// C[M x NR vectors] = A B (Accumulate false), or C = C * alpha + A B (Accumulate true, alpha
+/// one value per query lane). A is read by broadcast at a[r * a_row + k * a_k] (so it can be K
+/// rows, or V read column-wise, in the caller's strides); B row k is the contiguous panel at
+/// b + k * ldb. The M x NR accumulators stay in registers for the whole k loop.
+template <int M, bool Accumulate, class A>
+inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb,
+                       std::int64_t kdim, A* c, std::ptrdiff_t ldc, const A* alpha) {
+  using V = simd_t<A>;
+  constexpr int W = FlashTile<A>::width;
+  static_assert(FlashTile<A>::nr == 2, "flash_tile is written for two vectors of queries");
+  V acc0[M], acc1[M];
+  for (int r = 0; r < M; ++r) acc0[r] = acc1[r] = V{};
+  auto step = [&]<int... R>(std::integer_sequence<int, R...>, const A* ak, const A* bk) {
+    const V b0 = simd_load(bk), b1 = simd_load(bk + W);
+    ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
+      acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
+     ...);
+  };
+  for (std::int64_t k = 0; k < kdim; ++k) step(std::make_integer_sequence<int, M>{}, a + k * a_k, b + k * ldb);
+  for (int r = 0; r < M; ++r) {
+    A* cr = c + r * ldc;
+    if constexpr (Accumulate) {
+      simd_store(cr, simd_fma(simd_load(cr), simd_load(alpha), acc0[r]));
+      simd_store(cr + W, simd_fma(simd_load(cr + W), simd_load(alpha + W), acc1[r]));
+    } else {
+      simd_store(cr, acc0[r]);
+      simd_store(cr + W, acc1[r]);
+    }
+  }
+}
+
+/// flash_tile over `rows` rows: full MR tiles, then one tail tile of rows % MR.
+template <bool Accumulate, class A>
+inline void flash_tiles(std::int64_t rows, const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, const A* b,
+                        std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc, const A* alpha) {
+  constexpr int MR = FlashTile<A>::mr;
+  std::int64_t r0 = 0;
+  for (; r0 + MR <= rows; r0 += MR)
+    flash_tile<MR, Accumulate>(a + r0 * a_row, a_row, a_k, b, ldb, kdim, c + r0 * ldc, ldc, alpha);
+  const int tail = static_cast<int>(rows - r0);
+  if (tail == 0) return;
+  a += r0 * a_row;
+  c += r0 * ldc;
+  [&]<int... T>(std::integer_sequence<int, T...>) {
+    ((tail == T + 1 ? flash_tile<T + 1, Accumulate>(a, a_row, a_k, b, ldb, kdim, c, ldc, alpha) : void()), ...);
+  }(std::make_integer_sequence<int, MR - 1>{});
+}
+
+}  // namespace detail
+
+/// Fast local attention on the CPU (see the file comment for the blocking). Each (batch,
+/// head, block of queries) streams over blocks of keys, keeping a running max, sum and
+/// output (online softmax), so memory stays O(block). Key blocks that a causal mask hides
+/// entirely are skipped; blocks it shows entirely skip the mask. Scratch (one slice per
+/// thread) and the thread pool are made by prepare() and the constructor, so forward
+/// allocates nothing and starts no thread. One forward at a time per object; copies get
+/// their own pool and scratch.
 class CpuFlashKernel {
  public:
   static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
   using memory_space = HostSpace;                 ///< host tensors
-  static constexpr std::int64_t block_q = 64;     ///< query rows per block
-  static constexpr std::int64_t block_k = 64;     ///< key rows per block
+  static constexpr std::int64_t block_q = 64;     ///< query rows per block (a multiple of every tile's query panel)
+  static constexpr std::int64_t block_k = 128;    ///< key rows per block
 
-  /// Sizes the scratch for head dims up to `max_head_dim` (both float and double).
+  /// One thread.
+  CpuFlashKernel() = default;
+  /// With options (e.g. `CpuFlashKernel(CpuFlashOptions{.threads = 2})`); starts the pool.
+  explicit CpuFlashKernel(CpuFlashOptions options) { set_threads(options.threads); }
+  /// Same options, own pool and scratch (the engine stores its kernel by value).
+  CpuFlashKernel(const CpuFlashKernel& other) : CpuFlashKernel(other.options_) { prepare(other.prepared_dim_); }
+  /// Same options, own pool and scratch.
+  CpuFlashKernel& operator=(const CpuFlashKernel& other) {
+    if (this != &other) {
+      set_threads(other.options_.threads);
+      prepare(other.prepared_dim_);
+    }
+    return *this;
+  }
+  /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
+  CpuFlashKernel(CpuFlashKernel&& other) noexcept
+      : options_(std::exchange(other.options_, CpuFlashOptions{})), pool_(std::move(other.pool_)),
+        prepared_dim_(std::exchange(other.prepared_dim_, 0)), thread_stride_(std::exchange(other.thread_stride_, 0)),
+        scratch_(std::move(other.scratch_)) {}
+  /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
+  CpuFlashKernel& operator=(CpuFlashKernel&& other) noexcept {
+    if (this != &other) {
+      options_ = std::exchange(other.options_, CpuFlashOptions{});
+      pool_ = std::move(other.pool_);
+      prepared_dim_ = std::exchange(other.prepared_dim_, 0);
+      thread_stride_ = std::exchange(other.thread_stride_, 0);
+      scratch_ = std::move(other.scratch_);
+      other.scratch_.clear();
+    }
+    return *this;
+  }
+  ~CpuFlashKernel() = default;
+
+  /// Sets the thread count (>= 1; throws ConfigError otherwise) and (re)starts the pool and
+  /// the per-thread scratch. Not to be called while a forward runs.
+  void set_threads(int threads) {
+    SEQPAR_CHECK(threads >= 1, ConfigError, "CpuFlashKernel threads: expected >= 1, got ", threads);
+    options_.threads = threads;
+    if (threads == 1)
+      pool_.reset();
+    else if (!pool_ || pool_->size() != threads)
+      pool_ = std::make_unique<detail::ThreadPool>(threads);
+    const std::int64_t dim = prepared_dim_;
+    prepared_dim_ = 0;
+    prepare(dim);
+  }
+  /// Threads a forward call uses.
+  int threads() const { return options_.threads; }
+  /// The options in force.
+  const CpuFlashOptions& options() const { return options_; }
+
+  /// Sizes the scratch of every thread for head dims up to `max_head_dim` (both float and
+  /// double).
   void prepare(std::int64_t max_head_dim) {
-    const std::size_t need = scratch_elems(max_head_dim) * sizeof(double);
-    if (scratch_.size() < need) scratch_.resize(need);
+    if (max_head_dim <= prepared_dim_) return;
+    thread_stride_ = round_up(scratch_bytes(max_head_dim), 256);
+    scratch_.resize(static_cast<std::size_t>(options_.threads) * thread_stride_ + 64);
+    prepared_dim_ = max_head_dim;
   }
 
   /// See LocalAttentionKernel. `out` may be T or the accumulation type.
@@ -40,43 +185,94 @@ class CpuFlashKernel {
     using A = acc_t<T>;
     const std::int64_t dim = q.dim();
     prepare(dim);  // no-op once prepared
-    Scratch<A> s(reinterpret_cast<A*>(scratch_.data()), dim);
-    for (std::int64_t b = 0; b < q.batch(); ++b)
-      for (std::int64_t h = 0; h < q.heads(); ++h)
-        for (std::int64_t i0 = 0; i0 < q.seq(); i0 += block_q)
-          query_block<T, O, A>(q, k, v, out, lse, p, b, h, i0, s);
+    const std::int64_t nqb = (q.seq() + block_q - 1) / block_q;
+    const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
+    // Later query blocks see more keys under a causal mask: hand them out first, so that the
+    // cheap ones fill the gaps at the end.
+    auto task = [&](std::int64_t t, int worker) {
+      const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
+      query_block<T, O, A>(q, k, v, out, lse, p, b, h, qb * block_q, thread_scratch<A>(worker, dim));
+    };
+    if (pool_)
+      pool_->run(tasks, task);
+    else
+      for (std::int64_t t = 0; t < tasks; ++t) task(t, 0);
   }
 
  private:
+  /// One thread's scratch, carved for element type A and head dim `dim`.
   template <class A>
   struct Scratch {
-    Scratch(A* base, std::int64_t dim)
-        : q(base), kt(q + block_q * dim), v(kt + block_k * dim), s(v + block_k * dim),
-          o(s + block_q * block_k), m(o + block_q * dim), l(m + block_q) {}
-    A *q, *kt, *v, *s, *o, *m, *l;
-    std::int64_t qpos[block_q], kpos[block_k];
+    A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
+    std::int64_t *qpos, *kpos;
   };
 
-  static std::size_t scratch_elems(std::int64_t dim) {
-    return static_cast<std::size_t>(2 * block_q * dim + 2 * block_k * dim + block_q * block_k + 2 * block_q);
+  static constexpr std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+  /// Carves the scratch at `base` (or, with a null base, only measures it).
+  template <class A>
+  static std::size_t carve(std::byte* base, std::int64_t dim, Scratch<A>* s) {
+    std::size_t used = 0;
+    auto take = [&](auto*& ptr, std::int64_t count) {
+      using E = std::remove_reference_t<decltype(*ptr)>;
+      ptr = reinterpret_cast<E*>(base + used);
+      used += round_up(static_cast<std::size_t>(count) * sizeof(E), 64);
+    };
+    Scratch<A> tmp;
+    Scratch<A>& r = s ? *s : tmp;
+    take(r.qt, dim * block_q);
+    take(r.ot, dim * block_q);
+    take(r.st, block_k * block_q);
+    take(r.m, block_q);
+    take(r.l, block_q);
+    take(r.alpha, block_q);
+    take(r.kbuf, block_k * dim);  // K and V converted to A, only when T is not A
+    take(r.vbuf, block_k * dim);
+    take(r.qpos, block_q);
+    take(r.kpos, block_k);
+    return used;
+  }
+
+  static std::size_t scratch_bytes(std::int64_t dim) {
+    return std::max(carve<float>(nullptr, dim, nullptr), carve<double>(nullptr, dim, nullptr));
+  }
+
+  template <class A>
+  Scratch<A> thread_scratch(int worker, std::int64_t dim) {
+    std::byte* base = scratch_.data() + (64 - reinterpret_cast<std::uintptr_t>(scratch_.data()) % 64) % 64;
+    Scratch<A> s;
+    carve<A>(base + static_cast<std::size_t>(worker) * thread_stride_, dim, &s);
+    return s;
   }
 
   template <class T, class O, class A>
   static void query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                           TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
-                          std::int64_t i0, Scratch<A>& s) {
+                          std::int64_t i0, const Scratch<A>& s) {
+    using V = detail::simd_t<A>;
+    using Tile = detail::FlashTile<A>;
+    constexpr int W = Tile::width, PW = Tile::panel;
+    constexpr std::int64_t BQ = block_q;
+    static_assert(BQ % PW == 0, "block_q must be a multiple of the query panel");
     constexpr A neg_inf = -std::numeric_limits<A>::infinity();
     const std::int64_t dim = q.dim(), nq = std::min(block_q, q.seq() - i0), kh = p.kv_head(h);
+    const std::int64_t ncols = (nq + PW - 1) / PW * PW;  // queries padded to whole panels
     const A scale = static_cast<A>(p.scale);
-    for (std::int64_t i = 0; i < nq; ++i) {
-      const T* src = q.row(b, i0 + i, h);
-      A* dst = s.q + i * dim;
-      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<A>(src[d]) * scale;
-      std::fill(s.o + i * dim, s.o + (i + 1) * dim, A(0));
+
+    // Q^T, scaled; padding lanes are zero (finite scores, never written out).
+    for (std::int64_t i = 0; i < ncols; ++i) {
+      if (i < nq) {
+        const T* src = q.row(b, i0 + i, h);
+        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * BQ + i] = static_cast<A>(src[d]) * scale;
+        if (p.causal) s.qpos[i] = p.q_positions(i0 + i);
+      } else {
+        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * BQ + i] = A(0);
+      }
       s.m[i] = neg_inf;
       s.l[i] = 0;
-      if (p.causal) s.qpos[i] = p.q_positions(i0 + i);
     }
+    for (std::int64_t d = 0; d < dim; ++d) std::fill(s.ot + d * BQ, s.ot + d * BQ + ncols, A(0));
+
     const std::int64_t q_lo = p.causal ? s.qpos[0] : 0, q_hi = p.causal ? s.qpos[nq - 1] : 0;
     for (std::int64_t j0 = 0; j0 < k.seq(); j0 += block_k) {
       const std::int64_t nk = std::min(block_k, k.seq() - j0);
@@ -88,67 +284,87 @@ class CpuFlashKernel {
         if (masked)
           for (std::int64_t j = 0; j < nk; ++j) s.kpos[j] = p.k_positions(j0 + j);
       }
-      for (std::int64_t j = 0; j < nk; ++j) {
-        const T* kr = k.row(b, j0 + j, kh);
-        const T* vr = v.row(b, j0 + j, kh);
-        for (std::int64_t d = 0; d < dim; ++d) s.kt[d * block_k + j] = static_cast<A>(kr[d]);
-        A* vd = s.v + j * dim;
-        for (std::int64_t d = 0; d < dim; ++d) vd[d] = static_cast<A>(vr[d]);
-      }
-      for (std::int64_t i = 0; i < nq; ++i) {
-        A* __restrict srow = s.s + i * block_k;
-        const A* __restrict qrow = s.q + i * dim;
-        for (std::int64_t j = 0; j < nk; ++j) srow[j] = 0;
-        for (std::int64_t d = 0; d < dim; ++d) {
-          const A a = qrow[d];
-          const A* __restrict ktd = s.kt + d * block_k;
-          for (std::int64_t j = 0; j < nk; ++j) srow[j] += a * ktd[j];
+      // K and V rows: the caller's memory when already in A, else converted once here.
+      const A *kr, *vr;
+      std::ptrdiff_t ks, vs;
+      if constexpr (std::is_same_v<T, A>) {
+        kr = k.row(b, j0, kh);
+        vr = v.row(b, j0, kh);
+        ks = k.stride[1];
+        vs = v.stride[1];
+      } else {
+        for (std::int64_t j = 0; j < nk; ++j) {
+          const T* ksrc = k.row(b, j0 + j, kh);
+          const T* vsrc = v.row(b, j0 + j, kh);
+          for (std::int64_t d = 0; d < dim; ++d) {
+            s.kbuf[j * dim + d] = static_cast<A>(ksrc[d]);
+            s.vbuf[j * dim + d] = static_cast<A>(vsrc[d]);
+          }
         }
-        if (masked)
-          for (std::int64_t j = 0; j < nk; ++j)
-            if (s.kpos[j] > s.qpos[i]) srow[j] = neg_inf;
-        online_softmax_row(srow, nk, s.v, s.o + i * dim, s.m[i], s.l[i], dim);
+        kr = s.kbuf;
+        vr = s.vbuf;
+        ks = vs = dim;
       }
+
+      // S^T = K Q^T, one query panel at a time (its Q^T panel stays in L1).
+      for (std::int64_t c0 = 0; c0 < ncols; c0 += PW)
+        detail::flash_tiles<false>(nk, kr, ks, 1, s.qt + c0, BQ, dim, s.st + c0, BQ, static_cast<const A*>(nullptr));
+      if (masked)
+        for (std::int64_t j = 0; j < nk; ++j)
+          for (std::int64_t i = 0; i < nq; ++i)
+            if (s.kpos[j] > s.qpos[i]) s.st[j * BQ + i] = neg_inf;
+
+      // Online softmax, W queries at a time: P^T = exp(S^T - m') in place.
+      for (std::int64_t c = 0; c < ncols; c += W) {
+        V mx = detail::simd_load(s.m + c);
+        const V m_old = mx;
+        for (std::int64_t j = 0; j < nk; ++j) mx = detail::simd_max(detail::simd_load(s.st + j * BQ + c), mx);
+        // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
+        // weights exp(-inf) = 0 instead of NaN. NaN scores pass through to the output.
+        const V shift = mx == neg_inf ? V{} : mx;
+        V sum{};
+        for (std::int64_t j = 0; j < nk; ++j) {
+          A* sj = s.st + j * BQ + c;
+          const V e = exp_lanes(detail::simd_load(sj) - shift);
+          detail::simd_store(sj, e);
+          sum += e;
+        }
+        const V alpha = exp_lanes(m_old - shift);
+        detail::simd_store(s.alpha + c, alpha);
+        detail::simd_store(s.l + c, detail::simd_fma(alpha, detail::simd_load(s.l + c), sum));
+        detail::simd_store(s.m + c, mx);
+      }
+
+      // O^T = alpha O^T + V^T P^T: A reads V column-wise (head-dim rows), B is a P^T panel.
+      for (std::int64_t c0 = 0; c0 < ncols; c0 += PW)
+        detail::flash_tiles<true>(dim, vr, 1, vs, s.st + c0, BQ, nk, s.ot + c0, BQ, s.alpha + c0);
     }
+
     for (std::int64_t i = 0; i < nq; ++i) {
       O* dst = out.row(b, i0 + i, h);
-      const A* acc = s.o + i * dim;
       const A l = s.l[i];
       const A inv = l != 0 ? A(1) / l : A(0);
-      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(acc[d] * inv);
+      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(s.ot[d * BQ + i] * inv);
       if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] + std::log(l) : neg_inf;
     }
   }
 
-  /// One row of the FlashAttention-2 update: rescale the running output by exp(m - m'), add
-  /// exp(s - m') V. A row whose scores are all hidden leaves the state untouched.
-  template <class A>
-  static void online_softmax_row(A* __restrict srow, std::int64_t nk, const A* __restrict vblock, A* __restrict orow,
-                                 A& m, A& l, std::int64_t dim) {
-    A mx = m;
-    for (std::int64_t j = 0; j < nk; ++j) mx = srow[j] > mx ? srow[j] : mx;
-    if (mx == -std::numeric_limits<A>::infinity()) {
-      // Either all hidden, or a NaN that the comparisons skipped: let the NaN through.
-      bool nan = false;
-      for (std::int64_t j = 0; j < nk; ++j) nan |= std::isnan(srow[j]);
-      if (!nan) return;
-    }
-    const A alpha = detail::fast_exp(m - mx);
-    A sum = 0;
-    for (std::int64_t j = 0; j < nk; ++j) {
-      srow[j] = detail::fast_exp(srow[j] - mx);
-      sum += srow[j];
-    }
-    l = alpha * l + sum;
-    m = mx;
-    for (std::int64_t d = 0; d < dim; ++d) orow[d] *= alpha;
-    for (std::int64_t j = 0; j < nk; ++j) {
-      const A w = srow[j];
-      const A* __restrict vr = vblock + j * dim;
-      for (std::int64_t d = 0; d < dim; ++d) orow[d] += w * vr[d];
+  /// exp of every lane: the vectorised fast_exp for float, the library exp for double (the
+  /// exact path).
+  template <class V>
+  static V exp_lanes(V x) {
+    if constexpr (std::is_same_v<V, detail::simd_t<float>>) {
+      return detail::fast_exp_lanes(x);
+    } else {
+      for (int i = 0; i < detail::Simd<double>::width; ++i) x[i] = std::exp(x[i]);
+      return x;
     }
   }
 
+  CpuFlashOptions options_;
+  std::unique_ptr<detail::ThreadPool> pool_;
+  std::int64_t prepared_dim_ = 0;
+  std::size_t thread_stride_ = 0;
   std::vector<std::byte> scratch_;
 };
 
