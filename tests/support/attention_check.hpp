@@ -1,14 +1,22 @@
 #pragma once
 // Test support: random global problems, the exact single-process answer (ReferenceKernel in
 // double over the whole sequence), scattering a global tensor into a rank's slice by the
-// plan's positions, and comparing a distributed run against the reference.
+// plan's positions, running a policy on threads and comparing it against the reference, and
+// a watchdog so that a regression that hangs fails instead.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <future>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "seqpar/seqpar.hpp"
@@ -19,8 +27,10 @@ namespace seqpar::test {
 struct GlobalCase {
   std::int64_t batch = 1, heads = 4, kv_heads = 4, head_dim = 16, seq_q = 64, seq_kv = -1;
   bool causal = false;
+  double scale = 0.0;  ///< 0: 1/sqrt(head_dim), as AttentionProblem
   std::uint64_t seed = 1;
   std::int64_t kv_len() const { return seq_kv < 0 ? seq_q : seq_kv; }
+  double softmax_scale() const { return scale != 0.0 ? scale : 1.0 / std::sqrt(double(head_dim)); }
 };
 
 /// Random values in [-1, 1] (never zeros), BSHD contiguous.
@@ -36,16 +46,25 @@ struct GlobalData {
   std::vector<double> q, k, v, out, lse;  // BSHD; lse [B, S, H]
 };
 
-inline GlobalData make_global(const GlobalCase& c) {
+/// Rounds every element to T and back: the reference of a float run must see the float inputs.
+template <class T>
+std::vector<double> rounded(std::vector<double> x) {
+  for (auto& e : x) e = static_cast<double>(static_cast<T>(e));
+  return x;
+}
+
+/// Random inputs of case `c`, rounded to T, and the exact double answer on them.
+template <class T = double>
+GlobalData make_global_as(const GlobalCase& c) {
   std::mt19937_64 rng(c.seed);
   GlobalData g;
-  g.q = random_tensor(c.batch * c.seq_q * c.heads * c.head_dim, rng);
-  g.k = random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng);
-  g.v = random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng);
+  g.q = rounded<T>(random_tensor(c.batch * c.seq_q * c.heads * c.head_dim, rng));
+  g.k = rounded<T>(random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng));
+  g.v = rounded<T>(random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng));
   g.out.resize(g.q.size());
   g.lse.resize(static_cast<std::size_t>(c.batch * c.seq_q * c.heads));
   KernelParams p;
-  p.scale = 1.0 / std::sqrt(double(c.head_dim));
+  p.scale = c.softmax_scale();
   p.causal = c.causal;
   p.q_positions = PositionMap::run(c.seq_q, 0);
   p.k_positions = PositionMap::run(c.kv_len(), 0);
@@ -58,6 +77,10 @@ inline GlobalData make_global(const GlobalCase& c) {
                             TensorView<double>::bshd(g.lse.data(), c.batch, c.seq_q, c.heads, 1), p);
   return g;
 }
+
+/// Inputs and answer in double. A float run converts the inputs when it scatters them, so
+/// its reference is off by the rounding of the inputs (~1e-7); make_global_as<float> removes it.
+inline GlobalData make_global(const GlobalCase& c) { return make_global_as<double>(c); }
 
 /// The rows of a global BSHD tensor at `pos`, converted to T.
 template <class T>
@@ -73,6 +96,7 @@ std::vector<T> scatter_rows(const std::vector<double>& global, std::int64_t batc
 }
 
 /// Error of a run against the reference: max |got - want| / max |want| (normwise relative).
+/// An LSE of -inf must be matched exactly; anything else there counts as an infinite error.
 struct Errors {
   double max_abs = 0, max_ref = 0, lse_max_abs = 0, lse_max_ref = 0;
   bool nan = false;
@@ -85,95 +109,194 @@ struct Errors {
     lse_max_ref = std::max(lse_max_ref, o.lse_max_ref);
     nan = nan || o.nan;
   }
+  void add_out(double got, double want) {
+    if (std::isnan(got)) nan = true;
+    max_abs = std::max(max_abs, std::abs(got - want));
+    max_ref = std::max(max_ref, std::abs(want));
+  }
+  void add_lse(double got, double want) {
+    if (std::isnan(got)) nan = true;
+    if (std::isinf(want)) {
+      if (got != want) lse_max_abs = std::numeric_limits<double>::infinity();
+    } else {
+      lse_max_abs = std::max(lse_max_abs, std::abs(got - want));
+      lse_max_ref = std::max(lse_max_ref, std::abs(want));
+    }
+  }
+  /// True when output and LSE are within `tol` and nothing is NaN.
+  bool within(double tol) const { return !nan && rel() <= tol && lse_rel() <= tol; }
 };
 
-/// Result of a distributed run.
+/// Tolerance of the library against the exact reference: float 1e-5, double 1e-12.
+template <class T>
+inline constexpr double tolerance = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+
+/// How run_policy runs.
+struct RunOptions {
+  /// Every world rank's local lengths; empty: split as evenly as the mesh allows.
+  std::vector<std::int64_t> lengths_q, lengths_kv;
+  bool with_lse = true;           ///< ask for the LSE (changes the traffic)
+  bool gather = false;            ///< assemble every rank's O and LSE into RunResult::out/lse
+  int forward_calls = 1;          ///< forward calls on one plan and workspace (the last is checked)
+  std::chrono::milliseconds timeout{120000};  ///< ThreadRunOptions::timeout: a hang fails
+};
+
+/// Result of a distributed run. Per-rank vectors are indexed by world rank.
 struct RunResult {
   Errors err;
-  std::vector<std::uint64_t> bytes_sent, expected_bytes, host_gathers_in_forward;
-  std::vector<std::int64_t> work;
+  std::vector<std::uint64_t> bytes_sent;   ///< forward traffic (the last call)
+  std::vector<std::uint64_t> messages_sent;
+  std::vector<std::uint64_t> expected_bytes;  ///< plan.forward_bytes
+  std::vector<std::uint64_t> host_gathers_in_forward;  ///< over every forward call
+  std::vector<std::int64_t> work;  ///< plan.work
+  std::vector<std::int64_t> lengths_q, lengths_kv;  ///< the lengths the ranks gave
+  std::vector<Plan> plans;
+  std::vector<double> out, lse;  ///< gathered global O (BSHD) and LSE ([B, S, H]) when asked
 };
 
-/// Runs `Policy` with `ranks` threads on case `c`; `lengths_q`/`lengths_kv` give every world
-/// rank's local lengths (empty: split as evenly as the mesh allows).
+/// No per-rank hook.
+struct NoHook {
+  template <class... Args>
+  void operator()(Args&&...) const {}
+};
+
+/// Every world rank's share of `total` tokens, as even as `mesh` allows (split_mesh, mapped
+/// from mesh coordinates to world ranks).
+inline std::vector<std::int64_t> even_lengths(const MeshConfig& mesh, std::int64_t total) {
+  const auto per_mesh = split_mesh(total, mesh.ring, mesh.ulysses);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(mesh.world()));
+  for (int w = 0; w < mesh.world(); ++w) out[w] = per_mesh[mesh.ring_rank(w) * mesh.ulysses + mesh.ulysses_rank(w)];
+  return out;
+}
+
+/// Runs `Policy` with `ranks` threads on case `c` (inputs `g`, rounded to T), checks every
+/// rank's output rows against the reference, and records traffic. `hook(w, attn, plan)` runs
+/// on each rank after its forward calls (serialised).
+template <class T, class Policy, class Kernel = CpuFlashKernel, class Hook = NoHook>
+RunResult run_policy(int ranks, Policy policy, const GlobalCase& c, const GlobalData& g, RunOptions opt = {},
+                     Hook hook = {}) {
+  const MeshConfig mesh = mesh_config(policy, ranks);
+  if (opt.lengths_q.empty()) opt.lengths_q = even_lengths(mesh, c.seq_q);
+  if (opt.lengths_kv.empty()) opt.lengths_kv = even_lengths(mesh, c.kv_len());
+  RunResult res;
+  res.bytes_sent.resize(ranks);
+  res.messages_sent.resize(ranks);
+  res.expected_bytes.resize(ranks);
+  res.host_gathers_in_forward.resize(ranks);
+  res.work.resize(ranks);
+  res.plans.resize(ranks);
+  res.lengths_q = opt.lengths_q;
+  res.lengths_kv = opt.lengths_kv;
+  if (opt.gather) {
+    res.out.assign(g.out.size(), std::numeric_limits<double>::quiet_NaN());
+    res.lse.assign(g.lse.size(), std::numeric_limits<double>::quiet_NaN());
+  }
+  std::mutex mu;
+  const std::int64_t H = c.heads, D = c.head_dim, B = c.batch;
+  run_ranks(
+      ranks,
+      [&](ThreadCommunicator& comm) {
+        const int w = comm.rank();
+        SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(comm, policy);
+        AttentionProblem prob;
+        prob.batch = B;
+        prob.heads = H;
+        prob.kv_heads = c.kv_heads;
+        prob.head_dim = D;
+        prob.causal = c.causal;
+        prob.scale = c.scale;
+        prob.dtype = dtype_v<T>;
+        prob.with_lse = opt.with_lse;
+        const Plan plan = attn.plan(prob, {opt.lengths_q[w], opt.lengths_kv[w]});
+        const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
+        auto q = scatter_rows<T>(g.q, B, c.seq_q, H, D, qp);
+        auto k = scatter_rows<T>(g.k, B, c.kv_len(), c.kv_heads, D, kp);
+        auto v = scatter_rows<T>(g.v, B, c.kv_len(), c.kv_heads, D, kp);
+        const std::int64_t lq = qp.size(), lk = kp.size();
+        std::vector<T> out(q.size());
+        std::vector<acc_t<T>> lse(static_cast<std::size_t>(B * lq * H));
+        std::vector<std::byte> ws(plan.workspace_bytes());
+        using CV = TensorView<const T>;
+        std::uint64_t gathers = 0;
+        for (int call = 0; call < opt.forward_calls; ++call) {
+          // A sentinel, so that a row the library forgets to write cannot pass.
+          std::fill(out.begin(), out.end(), T(12345));
+          std::fill(lse.begin(), lse.end(), acc_t<T>(12345));
+          comm.stats().reset();
+          attn.template forward<T>(plan, CV::bshd(q.data(), B, lq, H, D), CV::bshd(k.data(), B, lk, c.kv_heads, D),
+                                   CV::bshd(v.data(), B, lk, c.kv_heads, D),
+                                   TensorView<T>::bshd(out.data(), B, lq, H, D),
+                                   opt.with_lse ? TensorView<acc_t<T>>::lse_bhs(lse.data(), B, lq, H)
+                                                : TensorView<acc_t<T>>{},
+                                   ws);
+          gathers += comm.stats().host_gathers;
+        }
+        Errors e;
+        for (std::int64_t b = 0; b < B; ++b)
+          for (std::int64_t i = 0; i < lq; ++i)
+            for (std::int64_t h = 0; h < H; ++h) {
+              const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
+              for (std::int64_t d = 0; d < D; ++d)
+                e.add_out(out[((b * lq + i) * H + h) * D + d], g.out[row * D + d]);
+              if (opt.with_lse) e.add_lse(lse[(b * H + h) * lq + i], g.lse[row]);
+            }
+        std::lock_guard lock(mu);
+        if (opt.gather)
+          for (std::int64_t b = 0; b < B; ++b)
+            for (std::int64_t i = 0; i < lq; ++i)
+              for (std::int64_t h = 0; h < H; ++h) {
+                const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
+                for (std::int64_t d = 0; d < D; ++d) res.out[row * D + d] = out[((b * lq + i) * H + h) * D + d];
+                if (opt.with_lse) res.lse[row] = lse[(b * H + h) * lq + i];
+              }
+        res.err.merge(e);
+        res.bytes_sent[w] = comm.stats().bytes_sent;
+        res.messages_sent[w] = comm.stats().messages_sent;
+        res.expected_bytes[w] = plan.forward_bytes(w);
+        res.host_gathers_in_forward[w] = gathers;
+        res.work[w] = plan.work(w);
+        res.plans[w] = plan;
+        hook(w, attn, plan);
+      },
+      ThreadRunOptions{opt.timeout});
+  return res;
+}
+
+/// The original entry point, kept for callers that pass lengths positionally.
 template <class T, class Policy, class Kernel = CpuFlashKernel>
 RunResult run_distributed(int ranks, Policy policy, const GlobalCase& c, const GlobalData& g,
                           std::vector<std::int64_t> lengths_q = {}, std::vector<std::int64_t> lengths_kv = {},
                           bool with_lse = true) {
-  const MeshConfig mesh = mesh_config(policy, ranks);
-  auto by_world = [&](std::int64_t total) {
-    const auto per_mesh = split_mesh(total, mesh.ring, mesh.ulysses);
-    std::vector<std::int64_t> out(static_cast<std::size_t>(ranks));
-    for (int w = 0; w < ranks; ++w) out[w] = per_mesh[mesh.ring_rank(w) * mesh.ulysses + mesh.ulysses_rank(w)];
-    return out;
-  };
-  if (lengths_q.empty()) lengths_q = by_world(c.seq_q);
-  if (lengths_kv.empty()) lengths_kv = by_world(c.kv_len());
-  RunResult res;
-  res.bytes_sent.resize(ranks);
-  res.expected_bytes.resize(ranks);
-  res.host_gathers_in_forward.resize(ranks);
-  res.work.resize(ranks);
-  std::mutex mu;
-  run_ranks(ranks, [&](ThreadCommunicator& comm) {
-    const int w = comm.rank();
-    SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(comm, policy);
-    AttentionProblem prob;
-    prob.batch = c.batch;
-    prob.heads = c.heads;
-    prob.kv_heads = c.kv_heads;
-    prob.head_dim = c.head_dim;
-    prob.causal = c.causal;
-    prob.dtype = dtype_v<T>;
-    prob.with_lse = with_lse;
-    const Plan plan = attn.plan(prob, {lengths_q[w], lengths_kv[w]});
-    const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
-    auto q = scatter_rows<T>(g.q, c.batch, c.seq_q, c.heads, c.head_dim, qp);
-    auto k = scatter_rows<T>(g.k, c.batch, c.kv_len(), c.kv_heads, c.head_dim, kp);
-    auto v = scatter_rows<T>(g.v, c.batch, c.kv_len(), c.kv_heads, c.head_dim, kp);
-    const std::int64_t lq = qp.size(), lk = kp.size();
-    std::vector<T> out(q.size(), T(12345));
-    std::vector<acc_t<T>> lse(static_cast<std::size_t>(c.batch * lq * c.heads), acc_t<T>(12345));
-    std::vector<std::byte> ws(plan.workspace_bytes());
-    using CV = TensorView<const T>;
-    comm.stats().reset();
-    attn.template forward<T>(plan, CV::bshd(q.data(), c.batch, lq, c.heads, c.head_dim),
-                             CV::bshd(k.data(), c.batch, lk, c.kv_heads, c.head_dim),
-                             CV::bshd(v.data(), c.batch, lk, c.kv_heads, c.head_dim),
-                             TensorView<T>::bshd(out.data(), c.batch, lq, c.heads, c.head_dim),
-                             with_lse ? TensorView<acc_t<T>>::lse_bhs(lse.data(), c.batch, lq, c.heads)
-                                      : TensorView<acc_t<T>>{},
-                             ws);
-    Errors e;
-    for (std::int64_t b = 0; b < c.batch; ++b)
-      for (std::int64_t i = 0; i < lq; ++i)
-        for (std::int64_t h = 0; h < c.heads; ++h) {
-          for (std::int64_t d = 0; d < c.head_dim; ++d) {
-            const double want = g.out[((b * c.seq_q + qp(i)) * c.heads + h) * c.head_dim + d];
-            const double got = out[((b * lq + i) * c.heads + h) * c.head_dim + d];
-            if (std::isnan(got)) e.nan = true;
-            e.max_abs = std::max(e.max_abs, std::abs(got - want));
-            e.max_ref = std::max(e.max_ref, std::abs(want));
-          }
-          if (with_lse) {
-            const double want = g.lse[(b * c.seq_q + qp(i)) * c.heads + h];
-            const double got = lse[(b * c.heads + h) * lq + i];
-            if (std::isinf(want)) {
-              if (got != want) e.lse_max_abs = std::numeric_limits<double>::infinity();
-            } else {
-              e.lse_max_abs = std::max(e.lse_max_abs, std::abs(got - want));
-              e.lse_max_ref = std::max(e.lse_max_ref, std::abs(want));
-            }
-          }
-        }
-    std::lock_guard lock(mu);
-    res.err.merge(e);
-    res.bytes_sent[w] = comm.stats().bytes_sent;
-    res.expected_bytes[w] = plan.forward_bytes(w);
-    res.host_gathers_in_forward[w] = comm.stats().host_gathers;
-    res.work[w] = plan.work(w);
+  RunOptions opt;
+  opt.lengths_q = std::move(lengths_q);
+  opt.lengths_kv = std::move(lengths_kv);
+  opt.with_lse = with_lse;
+  return run_policy<T, Policy, Kernel>(ranks, policy, c, g, opt);
+}
+
+/// Runs `fn` on its own thread and waits at most `limit`. If it has not returned by then the
+/// process exits with a message (the blocked threads cannot be unwound safely): a hang
+/// becomes a failure. Otherwise rethrows what `fn` threw.
+template <class Fn>
+void within(std::chrono::milliseconds limit, Fn&& fn, const char* what = "a test step") {
+  std::promise<void> done;
+  auto fut = done.get_future();
+  std::thread t([&] {
+    try {
+      fn();
+      done.set_value();
+    } catch (...) {
+      done.set_exception(std::current_exception());
+    }
   });
-  return res;
+  if (fut.wait_for(limit) != std::future_status::ready) {
+    std::fprintf(stderr, "FATAL: %s did not finish within %lld ms (a hang)\n", what,
+                 static_cast<long long>(limit.count()));
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+  t.join();
+  fut.get();
 }
 
 }  // namespace seqpar::test
