@@ -149,6 +149,21 @@ SEQPAR_HOST_DEVICE constexpr FragCoord mma_b_coord(int lane, int i) {
 SEQPAR_HOST_DEVICE constexpr FragCoord mma_c_coord(int lane, int i) {
   return {(lane >> 2) + 8 * (i >> 1), 2 * (lane & 3) + (i & 1)};
 }
+/// Offset, in a row-major shared tile with row stride `stride` (elements), of the two adjacent
+/// elements A-register r (0..3) of `lane` holds: one 32-bit load.
+SEQPAR_HOST_DEVICE constexpr int mma_a_offset(int lane, int r, int stride) {
+  return mma_a_coord(lane, 2 * r).row * stride + mma_a_coord(lane, 2 * r).col;
+}
+/// Offset of B-register r (0..1) when B^T is stored row-major ([n][k], e.g. K as keys x dims):
+/// the register's two k are adjacent, so this is one 32-bit load.
+SEQPAR_HOST_DEVICE constexpr int mma_b_offset_nk(int lane, int r, int stride) {
+  return mma_b_coord(lane, 2 * r).col * stride + mma_b_coord(lane, 2 * r).row;
+}
+/// Offset of B-element i (0..3) when B is stored row-major ([k][n], e.g. V as keys x dims): a
+/// register's two elements sit in consecutive rows and are loaded separately.
+SEQPAR_HOST_DEVICE constexpr int mma_b_offset_kn(int lane, int i, int stride) {
+  return mma_b_coord(lane, i).row * stride + mma_b_coord(lane, i).col;
+}
 /// The accumulator element that becomes A-element i when a 16 x 16 block of C (two n-tiles of
 /// 8 columns) is fed back as operand A: n-tile (i >> 2) of the pair, element (i & 3). This is
 /// what lets the kernel keep P = softmax(S) in registers between the two products.

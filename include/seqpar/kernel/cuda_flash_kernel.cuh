@@ -1,0 +1,854 @@
+#pragma once
+/// \file
+/// CudaFlashKernel: flash attention on NVIDIA GPUs for __half, __nv_bfloat16 and float inputs,
+/// float32 accumulation and a natural-log float32 LSE, with the causal mask taken from global
+/// positions and GQA through KernelParams. It models LocalAttentionKernel in CudaSpace.
+///
+/// Two forward paths, chosen per call:
+/// - tensor cores (sm_80+, half/bf16, head_dim 64 or 128, 16-byte aligned rows): 64 x 64
+///   tiles, four warps of 16 query rows, mma.sync m16n8k16 for Q K^T and P V with P kept in
+///   registers, K/V tiles streamed into shared memory with cp.async (the V load overlaps
+///   Q K^T, the next K load overlaps softmax and P V);
+/// - SIMT (every type, any head_dim <= 256, any strides): 32 x 32 tiles, one warp per eight
+///   query rows, float in shared memory.
+/// Both walk key tiles with the online softmax of kernel/tile_math.hpp, skip tiles a causal
+/// mask hides (and stop at the first: positions increase), and test the mask per element
+/// only on tiles it cuts. Query tiles are launched last-first so the heaviest causal tiles
+/// start early.
+///
+/// Backward (SIMT, any type and head_dim <= 256) follows the LocalAttentionKernel contract: it
+/// recomputes P from the saved LSE and ADDS into float dq, dk, dv with atomics, so ring steps
+/// and query heads sharing a K/V head accumulate. It needs no scratch: each block recomputes
+/// rowsum(dO * O) for the query tiles it visits.
+///
+/// Every launch goes on `stream()`; nothing synchronises the host and nothing is allocated.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/core/cuda_types.hpp"
+#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/kernel/tile_math.hpp"
+
+namespace seqpar {
+namespace cuda_detail {
+
+/// Everything a forward kernel reads besides shared memory.
+template <class T, class O>
+struct FwdArgs {
+  DeviceView<const T> q, k, v;
+  DeviceView<O> out;
+  DeviceView<float> lse;  // data == nullptr: not written
+  std::int64_t sq, sk;
+  int dim;
+  float scale_log2;  // softmax scale * log2(e)
+  bool causal;
+  tile::Positions qpos, kpos;
+  tile::HeadMap heads;
+};
+
+/// Everything the backward kernel reads.
+template <class T>
+struct BwdArgs {
+  DeviceView<const T> dout, q, k, v, out;
+  DeviceView<const float> lse;
+  DeviceView<float> dq, dk, dv;
+  std::int64_t sq, sk;
+  int dim;
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e)
+  bool causal;
+  tile::Positions qpos, kpos;
+  tile::HeadMap heads;
+};
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+inline constexpr std::int64_t no_position = std::numeric_limits<std::int64_t>::max();
+
+// ---------------------------------------------------------------------------------------
+// SIMT forward: any type, head_dim <= 32 * DC.
+
+inline constexpr int simt_bq = 32;       // query rows per block (8 per warp)
+inline constexpr int simt_bk = 32;       // keys per tile (one per lane)
+inline constexpr int simt_threads = 128;
+inline constexpr int simt_rows = simt_bq / (simt_threads / 32);  // rows per warp
+
+/// Padded row length of the float Q and K tiles (float4 loads of Q need a multiple of 4).
+__host__ __device__ constexpr int simt_padded_dim(int dim) { return (dim + 3) & ~3; }
+
+/// Dynamic shared memory of the SIMT forward: Q [bq][Dp], K [bk][Dp + 1] (odd stride: a lane
+/// per key reads without bank conflicts), V [bk][32 DC], P [bq][bk].
+constexpr std::size_t simt_fwd_smem(int dim, int dc) {
+  const int dp = simt_padded_dim(dim);
+  return sizeof(float) *
+         (static_cast<std::size_t>(simt_bq) * dp + static_cast<std::size_t>(simt_bk) * (dp + 1) +
+          static_cast<std::size_t>(simt_bk) * 32 * dc + static_cast<std::size_t>(simt_bq) * simt_bk);
+}
+
+template <class T, class O, int DC>
+__global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  const int D = a.dim, Dp = simt_padded_dim(D), Dv = 32 * DC;
+  float* sQ = smem;
+  float* sK = sQ + simt_bq * Dp;
+  float* sV = sK + simt_bk * (Dp + 1);
+  float* sP = sV + simt_bk * Dv;
+
+  const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * simt_bq;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nq = static_cast<int>(a.sq - i0 < simt_bq ? a.sq - i0 : simt_bq);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  for (int idx = tid; idx < simt_bq * Dp; idx += simt_threads) {
+    const int r = idx / Dp, d = idx - r * Dp;
+    sQ[idx] = (r < nq && d < D) ? to_float(a.q.row(b, i0 + r, h)[d]) * a.scale_log2 : 0.0f;
+  }
+  float m[simt_rows], l[simt_rows], o[simt_rows][DC];
+  std::int64_t qp[simt_rows];
+#pragma unroll
+  for (int rr = 0; rr < simt_rows; ++rr) {
+    m[rr] = -INFINITY;
+    l[rr] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DC; ++c) o[rr][c] = 0.0f;
+    const int r = warp * simt_rows + rr;
+    qp[rr] = (a.causal && r < nq) ? a.qpos(i0 + r) : no_position;
+  }
+  const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
+
+  for (std::int64_t j0 = 0; j0 < a.sk; j0 += simt_bk) {
+    const int nk = static_cast<int>(a.sk - j0 < simt_bk ? a.sk - j0 : simt_bk);
+    const tile::TileMask mask = tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(j0 + nk - 1));
+    if (mask == tile::TileMask::hidden) break;
+    __syncthreads();  // the previous tile's K, V, P are consumed
+    for (int idx = tid; idx < simt_bk * Dp; idx += simt_threads) {
+      const int j = idx / Dp, d = idx - j * Dp;
+      sK[j * (Dp + 1) + d] = (j < nk && d < D) ? to_float(a.k.row(b, j0 + j, kh)[d]) : 0.0f;
+    }
+    for (int idx = tid; idx < simt_bk * Dv; idx += simt_threads) {
+      const int j = idx / Dv, d = idx - j * Dv;
+      sV[idx] = (j < nk && d < D) ? to_float(a.v.row(b, j0 + j, kh)[d]) : 0.0f;
+    }
+    __syncthreads();
+
+    float s[simt_rows];
+#pragma unroll
+    for (int rr = 0; rr < simt_rows; ++rr) s[rr] = 0.0f;
+    const float* kr = sK + lane * (Dp + 1);
+    for (int d = 0; d < Dp; d += 4) {
+      const float k0 = kr[d], k1 = kr[d + 1], k2 = kr[d + 2], k3 = kr[d + 3];
+#pragma unroll
+      for (int rr = 0; rr < simt_rows; ++rr) {
+        const float4 qv = *reinterpret_cast<const float4*>(sQ + (warp * simt_rows + rr) * Dp + d);
+        s[rr] += qv.x * k0 + qv.y * k1 + qv.z * k2 + qv.w * k3;
+      }
+    }
+    const bool key_ok = lane < nk;
+    const std::int64_t kp = (mask == tile::TileMask::partial && key_ok) ? a.kpos(j0 + lane) : 0;
+#pragma unroll
+    for (int rr = 0; rr < simt_rows; ++rr) {
+      const bool visible = key_ok && (mask != tile::TileMask::partial || kp <= qp[rr]);
+      const float x = visible ? s[rr] : -INFINITY;
+      const float m_new = fmaxf(m[rr], warp_max(x));
+      const float alpha = tile::rescale_factor(m[rr], m_new);
+      const float p = tile::softmax_weight(x, m_new);
+      l[rr] = l[rr] * alpha + warp_sum(p);
+      m[rr] = m_new;
+#pragma unroll
+      for (int c = 0; c < DC; ++c) o[rr][c] *= alpha;
+      sP[(warp * simt_rows + rr) * simt_bk + lane] = p;
+    }
+    __syncwarp();
+    for (int j = 0; j < nk; ++j) {
+      float vv[DC];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) vv[c] = sV[j * Dv + lane + 32 * c];
+#pragma unroll
+      for (int rr = 0; rr < simt_rows; ++rr) {
+        const float p = sP[(warp * simt_rows + rr) * simt_bk + j];
+#pragma unroll
+        for (int c = 0; c < DC; ++c) o[rr][c] += p * vv[c];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int rr = 0; rr < simt_rows; ++rr) {
+    const int r = warp * simt_rows + rr;
+    if (r >= nq) continue;
+    const tile::RowFinish f = tile::finish_row(m[rr], l[rr]);
+    O* orow = a.out.row(b, i0 + r, h);
+#pragma unroll
+    for (int c = 0; c < DC; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) orow[d] = convert<O>(o[rr][c] * f.inv_sum);
+    }
+    if (lane == 0 && a.lse.data) *a.lse.row(b, i0 + r, h) = f.lse;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core forward: half / bf16, head_dim 64 or 128.
+
+inline constexpr int mma_bq = 64;  // query rows per block (16 per warp)
+inline constexpr int mma_bk = 64;  // keys per tile
+inline constexpr int mma_threads = 128;
+
+/// Packs two floats into the 32-bit register of two T (first in the low half).
+template <class T>
+__device__ __forceinline__ std::uint32_t pack_pair(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    union {
+      __half2 h;
+      std::uint32_t u;
+    } x{__floats2half2_rn(lo, hi)};
+    return x.u;
+  } else {
+    union {
+      __nv_bfloat162 h;
+      std::uint32_t u;
+    } x{__floats2bfloat162_rn(lo, hi)};
+    return x.u;
+  }
+}
+
+/// Packs two 16-bit elements read from shared memory (first in the low half).
+template <class T>
+__device__ __forceinline__ std::uint32_t pack_bits(const T& lo, const T& hi) {
+  return static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t&>(lo)) |
+         (static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t&>(hi)) << 16);
+}
+
+/// c += a * b for one m16n8k16 tile, float accumulators.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                          std::uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the host never picks this path below sm_80
+#endif
+}
+
+/// 16-byte asynchronous copy global -> shared; `valid == false` writes zeros instead.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+/// Waits until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/// Starts loading rows [j0, j0 + 64) of one head of `x` into a [64][D + 8] shared tile; rows
+/// past `n` become zeros (a zero V row keeps 0 * garbage from turning into NaN).
+template <class T, int D>
+__device__ __forceinline__ void load_tile_async(T* tile, const DeviceView<const T>& x, std::int64_t b,
+                                                std::int64_t j0, std::int64_t head, int n) {
+  constexpr int stride = D + 8, chunks = D / 8;
+  for (int c = threadIdx.x; c < mma_bk * chunks; c += mma_threads) {
+    const int r = c / chunks, col = (c - r * chunks) * 8;
+    const bool valid = r < n;
+    const T* src = valid ? x.row(b, j0 + r, head) + col : x.data;
+    cp_async_16(tile + r * stride + col, src, valid);
+  }
+}
+
+template <class T, class O, int D>
+__global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
+  constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
+  constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8;
+  __shared__ alignas(16) T sK[mma_bk * stride];
+  __shared__ alignas(16) T sV[mma_bk * stride];
+
+  const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * mma_bq;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nq = static_cast<int>(a.sq - i0 < mma_bq ? a.sq - i0 : mma_bq);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  // Q: staged through sK, then kept in registers as A fragments for the whole block.
+  load_tile_async<T, D>(sK, a.q, b, i0, h, nq);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  std::uint32_t qf[kc_steps][4];
+#pragma unroll
+  for (int kc = 0; kc < kc_steps; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      qf[kc][r] = *reinterpret_cast<const std::uint32_t*>(sK + warp * 16 * stride + kc * 16 +
+                                                          tile::mma_a_offset(lane, r, stride));
+  __syncthreads();
+
+  // This thread's two query rows (C fragment rows g and g + 8 of the warp's 16).
+  const int row0 = warp * 16 + tile::mma_c_coord(lane, 0).row, row1 = row0 + 8;
+  const std::int64_t qp0 = (a.causal && row0 < nq) ? a.qpos(i0 + row0) : no_position;
+  const std::int64_t qp1 = (a.causal && row1 < nq) ? a.qpos(i0 + row1) : no_position;
+  const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
+  auto tile_mask = [&](std::int64_t j0) {
+    const std::int64_t last = (a.sk - j0 < mma_bk ? a.sk : j0 + mma_bk) - 1;
+    return tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(last));
+  };
+
+  float oacc[nt_o][4];
+#pragma unroll
+  for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) oacc[n][i] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+
+  bool tile_ok = a.sk > 0 && tile_mask(0) != tile::TileMask::hidden;
+  if (tile_ok) load_tile_async<T, D>(sK, a.k, b, 0, kh, static_cast<int>(a.sk < mma_bk ? a.sk : mma_bk));
+  cp_async_commit();
+
+  for (std::int64_t j0 = 0; tile_ok; j0 += mma_bk) {
+    const int nk = static_cast<int>(a.sk - j0 < mma_bk ? a.sk - j0 : mma_bk);
+    const tile::TileMask mask = tile_mask(j0);
+    load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
+    cp_async_commit();
+    cp_async_wait<1>();  // K(j0) has landed (V may still be in flight)
+    __syncthreads();
+
+    float sacc[nt_s][4];
+#pragma unroll
+    for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sacc[nt][i] = 0.0f;
+    const int kb0 = tile::mma_b_offset_nk(lane, 0, stride), kb1 = tile::mma_b_offset_nk(lane, 1, stride);
+#pragma unroll
+    for (int kc = 0; kc < kc_steps; ++kc)
+#pragma unroll
+      for (int nt = 0; nt < nt_s; ++nt) {
+        // B = K^T: element (k = dim, n = key) is K[key][dim]; a register holds two adjacent dims.
+        const T* kr = sK + nt * 8 * stride + kc * 16;
+        mma_16816<T>(sacc[nt], qf[kc], *reinterpret_cast<const std::uint32_t*>(kr + kb0),
+                     *reinterpret_cast<const std::uint32_t*>(kr + kb1));
+      }
+    __syncthreads();  // every warp is done with sK: prefetch the next K tile into it
+    const std::int64_t j1 = j0 + mma_bk;
+    const bool next_ok = j1 < a.sk && tile_mask(j1) != tile::TileMask::hidden;
+    if (next_ok) load_tile_async<T, D>(sK, a.k, b, j1, kh, static_cast<int>(a.sk - j1 < mma_bk ? a.sk - j1 : mma_bk));
+    cp_async_commit();
+
+    // Online softmax on the S fragments (rows row0: elements 0, 1; row1: elements 2, 3).
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
+        bool visible = col < nk;
+        if (visible && mask == tile::TileMask::partial) visible = a.kpos(j0 + col) <= (i < 2 ? qp0 : qp1);
+        const float x = visible ? sacc[nt][i] * a.scale_log2 : -INFINITY;
+        sacc[nt][i] = x;
+        if (i < 2)
+          mx0 = fmaxf(mx0, x);
+        else
+          mx1 = fmaxf(mx1, x);
+      }
+    // A row lives in the four lanes of a quad.
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float alpha0 = tile::rescale_factor(m0, mn0), alpha1 = tile::rescale_factor(m1, mn1);
+    m0 = mn0;
+    m1 = mn1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < nt_s; ++nt) {
+      sacc[nt][0] = tile::softmax_weight(sacc[nt][0], mn0);
+      sacc[nt][1] = tile::softmax_weight(sacc[nt][1], mn0);
+      sacc[nt][2] = tile::softmax_weight(sacc[nt][2], mn1);
+      sacc[nt][3] = tile::softmax_weight(sacc[nt][3], mn1);
+      sum0 += sacc[nt][0] + sacc[nt][1];
+      sum1 += sacc[nt][2] + sacc[nt][3];
+    }
+    // Partial sums stay per lane (alpha is the same in the four lanes); the quad adds them at the end.
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+#pragma unroll
+    for (int n = 0; n < nt_o; ++n) {
+      oacc[n][0] *= alpha0;
+      oacc[n][1] *= alpha0;
+      oacc[n][2] *= alpha1;
+      oacc[n][3] *= alpha1;
+    }
+
+    cp_async_wait<1>();  // V(j0) has landed (the next K may still be in flight)
+    __syncthreads();
+    int vb[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride);
+#pragma unroll
+    for (int kc = 0; kc < mma_bk / 16; ++kc) {
+      // P's accumulator fragments of n-tiles 2kc, 2kc + 1 are exactly A's fragment of k-chunk kc.
+      std::uint32_t pa[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float* c = sacc[2 * kc + tile::a_from_c_tile(2 * r)];
+        const int e = tile::a_from_c_elem(2 * r);
+        pa[r] = pack_pair<T>(c[e], c[e + 1]);
+      }
+      const T* vk = sV + kc * 16 * stride;
+#pragma unroll
+      for (int n = 0; n < nt_o; ++n) {
+        // B = V: element (k = key, n = dim); a register holds two adjacent keys of one dim.
+        const T* vc = vk + n * 8;
+        const std::uint32_t b0 = pack_bits(vc[vb[0]], vc[vb[1]]);
+        const std::uint32_t b1 = pack_bits(vc[vb[2]], vc[vb[3]]);
+        mma_16816<T>(oacc[n], pa, b0, b1);
+      }
+    }
+    __syncthreads();  // every warp is done with sV before the next V load
+    tile_ok = next_ok;
+  }
+  cp_async_wait<0>();
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const tile::RowFinish f0 = tile::finish_row(m0, l0), f1 = tile::finish_row(m1, l1);
+#pragma unroll
+  for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const tile::FragCoord c = tile::mma_c_coord(lane, i);
+      const int row = warp * 16 + c.row;
+      if (row < nq) a.out.row(b, i0 + row, h)[n * 8 + c.col] = convert<O>(oacc[n][i] * (i < 2 ? f0.inv_sum : f1.inv_sum));
+    }
+  if ((lane & 3) == 0 && a.lse.data) {
+    if (row0 < nq) *a.lse.row(b, i0 + row0, h) = f0.lse;
+    if (row1 < nq) *a.lse.row(b, i0 + row1, h) = f1.lse;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// SIMT backward: any type, head_dim <= 32 * DC. One block per (key tile, query head, batch).
+
+inline constexpr int bwd_bq = 32, bwd_bk = 32, bwd_threads = 128;
+inline constexpr int bwd_rows = bwd_bq / (bwd_threads / 32);  // query rows (or keys) per warp
+
+/// Dynamic shared memory of the backward: K, V [bk][Dp + 1]; Q, dO [bq][Dp]; P, dS [bq][bk + 1];
+/// D_i, LSE [bq].
+constexpr std::size_t simt_bwd_smem(int dim) {
+  const std::size_t dp = static_cast<std::size_t>(simt_padded_dim(dim));
+  return sizeof(float) * (2 * bwd_bk * (dp + 1) + 2 * bwd_bq * dp + 2 * bwd_bq * (bwd_bk + 1) + 2 * bwd_bq);
+}
+
+template <class T, int DC>
+__global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  const int D = a.dim, Dp = simt_padded_dim(D), Ks = Dp + 1, Ps = bwd_bk + 1;
+  float* sK = smem;
+  float* sV = sK + bwd_bk * Ks;
+  float* sQ = sV + bwd_bk * Ks;
+  float* sO = sQ + bwd_bq * Dp;  // dO
+  float* sP = sO + bwd_bq * Dp;
+  float* sS = sP + bwd_bq * Ps;  // dS
+  float* sD = sS + bwd_bq * Ps;  // rowsum(dO * O)
+  float* sL = sD + bwd_bq;       // LSE in log2 units; -inf: the row contributes nothing
+
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * bwd_bk;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nk = static_cast<int>(a.sk - j0 < bwd_bk ? a.sk - j0 : bwd_bk);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  for (int idx = tid; idx < bwd_bk * Dp; idx += bwd_threads) {
+    const int j = idx / Dp, d = idx - j * Dp;
+    const bool ok = j < nk && d < D;
+    sK[j * Ks + d] = ok ? to_float(a.k.row(b, j0 + j, kh)[d]) : 0.0f;
+    sV[j * Ks + d] = ok ? to_float(a.v.row(b, j0 + j, kh)[d]) : 0.0f;
+  }
+  const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
+  const std::int64_t kp = (a.causal && lane < nk) ? a.kpos(j0 + lane) : 0;
+
+  // dK, dV of keys warp * 8 + kk, columns lane + 32 c.
+  float dk[bwd_rows][DC], dv[bwd_rows][DC];
+#pragma unroll
+  for (int kk = 0; kk < bwd_rows; ++kk)
+#pragma unroll
+    for (int c = 0; c < DC; ++c) dk[kk][c] = dv[kk][c] = 0.0f;
+
+  for (std::int64_t i0 = 0; i0 < a.sq; i0 += bwd_bq) {
+    const int nq = static_cast<int>(a.sq - i0 < bwd_bq ? a.sq - i0 : bwd_bq);
+    const tile::TileMask mask = tile::classify_tile(a.causal, a.qpos(i0), a.qpos(i0 + nq - 1), k_first, k_last);
+    if (mask == tile::TileMask::hidden) continue;
+    __syncthreads();  // the previous query tile is consumed
+    for (int idx = tid; idx < bwd_bq * Dp; idx += bwd_threads) {
+      const int r = idx / Dp, d = idx - r * Dp;
+      const bool ok = r < nq && d < D;
+      sQ[idx] = ok ? to_float(a.q.row(b, i0 + r, h)[d]) : 0.0f;
+      sO[idx] = ok ? to_float(a.dout.row(b, i0 + r, h)[d]) : 0.0f;
+    }
+#pragma unroll
+    for (int rr = 0; rr < bwd_rows; ++rr) {
+      const int r = warp * bwd_rows + rr;
+      float acc = 0.0f;
+      if (r < nq) {
+        const T* orow = a.out.row(b, i0 + r, h);
+        const T* grow = a.dout.row(b, i0 + r, h);
+        for (int d = lane; d < D; d += 32) acc += to_float(orow[d]) * to_float(grow[d]);
+      }
+      acc = warp_sum(acc);
+      if (lane == 0) {
+        sD[r] = acc;
+        sL[r] = r < nq ? *a.lse.row(b, i0 + r, h) * tile::log2e : -INFINITY;
+      }
+    }
+    __syncthreads();
+
+    // P and dS: lane = key, warp rows.
+    const float* kr = sK + lane * Ks;
+    const float* vr = sV + lane * Ks;
+#pragma unroll
+    for (int rr = 0; rr < bwd_rows; ++rr) {
+      const int r = warp * bwd_rows + rr;
+      const float* qr = sQ + r * Dp;
+      const float* gr = sO + r * Dp;
+      float s = 0.0f, dp = 0.0f;
+      for (int d = 0; d < Dp; d += 4) {
+        const float4 q4 = *reinterpret_cast<const float4*>(qr + d);
+        const float4 g4 = *reinterpret_cast<const float4*>(gr + d);
+        s += q4.x * kr[d] + q4.y * kr[d + 1] + q4.z * kr[d + 2] + q4.w * kr[d + 3];
+        dp += g4.x * vr[d] + g4.y * vr[d + 1] + g4.z * vr[d + 2] + g4.w * vr[d + 3];
+      }
+      bool visible = lane < nk && r < nq && sL[r] != -INFINITY;
+      if (visible && mask == tile::TileMask::partial) visible = kp <= a.qpos(i0 + r);
+      const float p = visible ? tile::exp2_fast(s * a.scale_log2 - sL[r]) : 0.0f;
+      sP[r * Ps + lane] = p;
+      sS[r * Ps + lane] = p * (dp - sD[r]);
+    }
+    __syncthreads();
+
+    // dV += P^T dO, dK += dS^T Q: warp keys, lane columns.
+    for (int i = 0; i < nq; ++i) {
+      float gq[DC], qq[DC];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) {
+        const int d = lane + 32 * c;
+        gq[c] = d < Dp ? sO[i * Dp + d] : 0.0f;
+        qq[c] = d < Dp ? sQ[i * Dp + d] : 0.0f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < bwd_rows; ++kk) {
+        const float p = sP[i * Ps + warp * bwd_rows + kk], ds = sS[i * Ps + warp * bwd_rows + kk];
+#pragma unroll
+        for (int c = 0; c < DC; ++c) {
+          dv[kk][c] += p * gq[c];
+          dk[kk][c] += ds * qq[c];
+        }
+      }
+    }
+    // dQ += scale * dS K: warp rows, lane columns; other key tiles add to the same rows.
+#pragma unroll
+    for (int rr = 0; rr < bwd_rows; ++rr) {
+      const int r = warp * bwd_rows + rr;
+      if (r >= nq) continue;
+      float acc[DC];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) acc[c] = 0.0f;
+      for (int j = 0; j < nk; ++j) {
+        const float ds = sS[r * Ps + j];
+#pragma unroll
+        for (int c = 0; c < DC; ++c) {
+          const int d = lane + 32 * c;
+          acc[c] += ds * (d < Dp ? sK[j * Ks + d] : 0.0f);
+        }
+      }
+      float* dqr = a.dq.row(b, i0 + r, h);
+#pragma unroll
+      for (int c = 0; c < DC; ++c) {
+        const int d = lane + 32 * c;
+        if (d < D) atomicAdd(dqr + d, acc[c] * a.scale);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int kk = 0; kk < bwd_rows; ++kk) {
+    const int j = warp * bwd_rows + kk;
+    if (j >= nk) continue;
+    float* dkr = a.dk.row(b, j0 + j, kh);
+    float* dvr = a.dv.row(b, j0 + j, kh);
+#pragma unroll
+    for (int c = 0; c < DC; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) {
+        atomicAdd(dkr + d, dk[kk][c] * a.scale);
+        atomicAdd(dvr + d, dv[kk][c]);
+      }
+    }
+  }
+}
+
+/// Raises a kernel's dynamic shared memory limit when it needs more than the default 48 KiB.
+template <class Kernel>
+void allow_smem(Kernel* kernel, std::size_t bytes) {
+  if (bytes > 48 * 1024)
+    SEQPAR_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <class T, class Space>
+bool rows_aligned_16(const TensorView<T, Space>& v) {
+  constexpr std::int64_t per16 = 16 / static_cast<std::int64_t>(sizeof(T));
+  return reinterpret_cast<std::uintptr_t>(v.data) % 16 == 0 && v.stride[0] % per16 == 0 &&
+         v.stride[1] % per16 == 0 && v.stride[2] % per16 == 0;
+}
+
+}  // namespace cuda_detail
+
+/// Flash attention in CUDA device memory (see the file comment). Set the stream with the
+/// constructor, set_stream(), or use_stream() on a SequenceParallelAttention.
+class CudaFlashKernel {
+ public:
+  static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
+  using memory_space = CudaSpace;                 ///< device tensors
+  static constexpr std::int64_t max_head_dim = 256;  ///< largest head_dim supported
+
+  /// A kernel that launches on `stream` (default: the legacy default stream).
+  explicit CudaFlashKernel(cudaStream_t stream = nullptr) : stream_(stream) {}
+
+  /// The stream every launch goes on.
+  cudaStream_t stream() const { return stream_; }
+  /// Sets the stream.
+  void set_stream(cudaStream_t s) { stream_ = s; }
+  /// Allows (default) or forbids the tensor-core path; without it every call runs SIMT.
+  void set_tensor_cores(bool on) { tensor_cores_ = on; }
+  /// Whether the tensor-core path may be used.
+  bool tensor_cores() const { return tensor_cores_; }
+
+  /// Called when a plan is made: rejects head dims the kernels do not cover, before any forward.
+  void prepare(std::int64_t head_dim) const {
+    SEQPAR_CHECK(head_dim >= 1 && head_dim <= max_head_dim, ConfigError,
+                 "CudaFlashKernel: head_dim: expected 1..", max_head_dim, ", got ", head_dim);
+  }
+
+  /// Which forward path these arguments take: "mma" (tensor cores) or "simt".
+  template <class T>
+  const char* forward_path(TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k,
+                           TensorView<const T, CudaSpace> v) const {
+    return uses_mma(q, k, v) ? "mma" : "simt";
+  }
+
+  /// See LocalAttentionKernel. `out` may be T or float (ring partial results); `lse` may be
+  /// absent. Enqueued on stream(); returns without waiting.
+  template <class T, class O>
+  void forward(TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k, TensorView<const T, CudaSpace> v,
+               TensorView<O, CudaSpace> out, TensorView<acc_t<T>, CudaSpace> lse, const KernelParams& p) const {
+    static_assert(is_element<T>,
+                  "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
+    static_assert(std::is_same_v<O, T> || std::is_same_v<O, float>,
+                  "CudaFlashKernel: out must have the input type or float");
+    check_shapes(q, k, v, out.extent, "forward");
+    SEQPAR_CHECK(lse.absent() || (lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads()),
+                 ConfigError, "CudaFlashKernel::forward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(),
+                 ", 1], got [", lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
+    if (q.numel() == 0) return;
+    cuda_detail::FwdArgs<T, O> a{cuda_detail::device_view(q), cuda_detail::device_view(k), cuda_detail::device_view(v),
+                                 cuda_detail::device_view(out), cuda_detail::device_view(lse),
+                                 q.seq(), k.seq(), static_cast<int>(q.dim()),
+                                 static_cast<float>(p.scale) * tile::log2e, p.causal,
+                                 tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
+                                 tile::HeadMap::from(p)};
+    if (lse.absent()) a.lse.data = nullptr;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (uses_mma(q, k, v)) {
+        const dim3 grid = grid_of(q, cuda_detail::mma_bq);
+        if (q.dim() == 64)
+          cuda_detail::flash_fwd_mma<T, O, 64><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
+        else
+          cuda_detail::flash_fwd_mma<T, O, 128><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
+        SEQPAR_CUDA_CHECK(cudaGetLastError());
+        return;
+      }
+    }
+    const int dim = static_cast<int>(q.dim());
+    if (dim <= 64)
+      launch_simt<T, O, 2>(a, q);
+    else if (dim <= 128)
+      launch_simt<T, O, 4>(a, q);
+    else
+      launch_simt<T, O, 8>(a, q);
+  }
+
+  /// See LocalAttentionKernel: adds this key block's contribution to dq, dk, dv (float).
+  template <class T>
+  void backward(TensorView<const T, CudaSpace> dout, TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k,
+                TensorView<const T, CudaSpace> v, TensorView<const T, CudaSpace> out,
+                TensorView<const acc_t<T>, CudaSpace> lse, TensorView<acc_t<T>, CudaSpace> dq,
+                TensorView<acc_t<T>, CudaSpace> dk, TensorView<acc_t<T>, CudaSpace> dv, const KernelParams& p) const {
+    static_assert(is_element<T>,
+                  "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
+    check_shapes(q, k, v, out.extent, "backward");
+    check_same("dout", dout.extent, q.extent);
+    check_same("dq", dq.extent, q.extent);
+    check_same("dk", dk.extent, k.extent);
+    check_same("dv", dv.extent, v.extent);
+    SEQPAR_CHECK(lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads(), ConfigError,
+                 "CudaFlashKernel::backward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(), ", 1], got [",
+                 lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
+    if (q.numel() == 0 || k.seq() == 0) return;
+    cuda_detail::BwdArgs<T> a{cuda_detail::device_view(dout), cuda_detail::device_view(q), cuda_detail::device_view(k),
+                              cuda_detail::device_view(v), cuda_detail::device_view(out), cuda_detail::device_view(lse),
+                              cuda_detail::device_view(dq), cuda_detail::device_view(dk), cuda_detail::device_view(dv),
+                              q.seq(), k.seq(), static_cast<int>(q.dim()), static_cast<float>(p.scale),
+                              static_cast<float>(p.scale) * tile::log2e, p.causal,
+                              tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
+                              tile::HeadMap::from(p)};
+    const int dim = static_cast<int>(q.dim());
+    if (dim <= 64)
+      launch_bwd<T, 2>(a, k, q);
+    else if (dim <= 128)
+      launch_bwd<T, 4>(a, k, q);
+    else
+      launch_bwd<T, 8>(a, k, q);
+  }
+
+ private:
+  template <class T>
+  static constexpr bool is_element =
+      std::is_same_v<T, float> || std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+
+  template <class T>
+  static dim3 grid_of(const TensorView<T, CudaSpace>& rows, int tile) {
+    const std::int64_t tiles = (rows.seq() + tile - 1) / tile;
+    SEQPAR_CHECK(rows.heads() <= 65535 && rows.batch() <= 65535 && tiles <= 0x7fffffff, ConfigError,
+                 "CudaFlashKernel: heads and batch must be <= 65535 each, got heads ", rows.heads(), ", batch ",
+                 rows.batch());
+    return dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(rows.heads()), static_cast<unsigned>(rows.batch()));
+  }
+
+  static void check_same(const char* name, const std::array<std::int64_t, 4>& got,
+                         const std::array<std::int64_t, 4>& want) {
+    for (int i = 0; i < 4; ++i)
+      SEQPAR_CHECK(got[i] == want[i], ConfigError, "CudaFlashKernel: ", name, ".extent[", i, "]: expected ", want[i],
+                   ", got ", got[i]);
+  }
+
+  template <class T>
+  void check_shapes(const TensorView<const T, CudaSpace>& q, const TensorView<const T, CudaSpace>& k,
+                    const TensorView<const T, CudaSpace>& v, const std::array<std::int64_t, 4>& out,
+                    const char* what) const {
+    SEQPAR_CHECK(q.dim() >= 1 && q.dim() <= max_head_dim, ConfigError, "CudaFlashKernel::", what,
+                 ": head_dim: expected 1..", max_head_dim, ", got ", q.dim());
+    SEQPAR_CHECK(k.dim() == q.dim() && v.dim() == q.dim() && k.batch() == q.batch() && v.batch() == q.batch(),
+                 ConfigError, "CudaFlashKernel::", what, ": k and v must have q's batch ", q.batch(), " and head_dim ",
+                 q.dim(), ", got k [", k.batch(), ", ", k.dim(), "], v [", v.batch(), ", ", v.dim(), "]");
+    SEQPAR_CHECK(v.seq() == k.seq() && v.heads() == k.heads(), ConfigError, "CudaFlashKernel::", what,
+                 ": v: expected k's seq ", k.seq(), " and heads ", k.heads(), ", got ", v.seq(), " and ", v.heads());
+    check_same("out", out, q.extent);
+  }
+
+  template <class T>
+  bool uses_mma(const TensorView<const T, CudaSpace>& q, const TensorView<const T, CudaSpace>& k,
+                const TensorView<const T, CudaSpace>& v) const {
+    if constexpr (std::is_same_v<T, float>) {
+      return false;
+    } else {
+      if (!tensor_cores_ || (q.dim() != 64 && q.dim() != 128)) return false;
+      if (!cuda_detail::rows_aligned_16(q) || !cuda_detail::rows_aligned_16(k) || !cuda_detail::rows_aligned_16(v))
+        return false;
+      return device_major() >= 8;
+    }
+  }
+
+  /// Compute capability (major) of the current device, remembered per device.
+  int device_major() const {
+    int dev = 0;
+    SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
+    if (dev != cached_device_) {
+      int major = 0;
+      SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+      cached_major_ = major;
+      cached_device_ = dev;
+    }
+    return cached_major_;
+  }
+
+  template <class T, class O, int DC>
+  void launch_simt(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
+    const std::size_t smem = cuda_detail::simt_fwd_smem(a.dim, DC);
+    cuda_detail::allow_smem(cuda_detail::flash_fwd_simt<T, O, DC>, smem);
+    cuda_detail::flash_fwd_simt<T, O, DC>
+        <<<grid_of(q, cuda_detail::simt_bq), cuda_detail::simt_threads, smem, stream_>>>(a);
+    SEQPAR_CUDA_CHECK(cudaGetLastError());
+  }
+
+  template <class T, int DC>
+  void launch_bwd(const cuda_detail::BwdArgs<T>& a, const TensorView<const T, CudaSpace>& k,
+                  const TensorView<const T, CudaSpace>& q) const {
+    const std::size_t smem = cuda_detail::simt_bwd_smem(a.dim);
+    cuda_detail::allow_smem(cuda_detail::flash_bwd_simt<T, DC>, smem);
+    // One block per key tile, per query head (it reads K/V head kv_head(h)), per batch.
+    const dim3 grid = grid_of(k, cuda_detail::bwd_bk);
+    cuda_detail::flash_bwd_simt<T, DC>
+        <<<dim3(grid.x, static_cast<unsigned>(q.heads()), grid.z), cuda_detail::bwd_threads, smem, stream_>>>(a);
+    SEQPAR_CUDA_CHECK(cudaGetLastError());
+  }
+
+  cudaStream_t stream_ = nullptr;
+  bool tensor_cores_ = true;
+  mutable int cached_device_ = -1;
+  mutable int cached_major_ = 0;
+};
+
+/// Puts every launch and copy of `attn` (a SequenceParallelAttention over CUDA) on `stream`:
+/// its kernel, its tensor operations and, when they have one, its communicators.
+template <class Attention>
+void use_stream(Attention& attn, cudaStream_t stream) {
+  attn.kernel().set_stream(stream);
+  attn.ops().set_stream(stream);
+  if constexpr (requires { attn.world().set_stream(stream); }) {
+    attn.world().set_stream(stream);
+    attn.ulysses_comm().set_stream(stream);
+    attn.ring_comm().set_stream(stream);
+  }
+}
+
+}  // namespace seqpar

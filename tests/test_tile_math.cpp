@@ -1,0 +1,452 @@
+// CPU tests of the per-tile math the CUDA kernels share (kernel/tile_math.hpp, merge_row):
+// the same __host__ __device__ functions, run here on the host against the exact reference.
+// Two emulations replay the kernels' data flow with these functions: the SIMT kernel's row
+// loop, and the tensor-core kernel's warp fragments (mma layouts, quad reductions, P fed back
+// as operand A), so a wrong index composition fails here before it ever reaches a GPU.
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "seqpar/kernel/host_ops.hpp"
+#include "seqpar/kernel/reference_kernel.hpp"
+#include "seqpar/kernel/tile_math.hpp"
+
+using namespace seqpar;
+
+namespace {
+
+constexpr double inf = std::numeric_limits<double>::infinity();
+
+/// A random attention problem for one (batch, head): q [sq, d], k/v [sk, d], positions.
+struct TileCase {
+  int sq = 0, sk = 0, dim = 0;
+  bool causal = false;
+  double scale = 0;
+  PositionMap qpos, kpos;
+  std::vector<double> q, k, v;
+};
+
+TileCase make_case(int sq, int sk, int dim, bool causal, PositionMap qpos, PositionMap kpos, std::uint64_t seed) {
+  TileCase c{sq, sk, dim, causal, 1.0 / std::sqrt(double(dim)), qpos, kpos, {}, {}, {}};
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  // Inputs rounded to float so that a float computation sees the reference's exact inputs.
+  auto fill = [&](std::vector<double>& x, int n) {
+    x.resize(static_cast<std::size_t>(n));
+    for (auto& e : x) e = static_cast<double>(static_cast<float>(u(rng) * 3.0));
+  };
+  fill(c.q, sq * dim);
+  fill(c.k, sk * dim);
+  fill(c.v, sk * dim);
+  return c;
+}
+
+/// The exact answer (ReferenceKernel, double) for a case.
+void reference(const TileCase& c, std::vector<double>& out, std::vector<double>& lse) {
+  out.assign(c.q.size(), 0.0);
+  lse.assign(static_cast<std::size_t>(c.sq), 0.0);
+  KernelParams p;
+  p.scale = c.scale;
+  p.causal = c.causal;
+  p.q_positions = c.qpos;
+  p.k_positions = c.kpos;
+  using V = TensorView<const double>;
+  ReferenceKernel{}.forward(V::bshd(c.q.data(), 1, c.sq, 1, c.dim), V::bshd(c.k.data(), 1, c.sk, 1, c.dim),
+                            V::bshd(c.v.data(), 1, c.sk, 1, c.dim),
+                            TensorView<double>::bshd(out.data(), 1, c.sq, 1, c.dim),
+                            TensorView<double>::bshd(lse.data(), 1, c.sq, 1, 1), p);
+}
+
+/// Normwise error of (out, lse) against the reference; -inf LSE must match exactly.
+double error_of(const TileCase& c, const std::vector<float>& out, const std::vector<float>& lse) {
+  std::vector<double> want, want_lse;
+  reference(c, want, want_lse);
+  double err = 0, ref = 0, lerr = 0, lref = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(out[i])) return inf;
+    err = std::max(err, std::abs(out[i] - want[i]));
+    ref = std::max(ref, std::abs(want[i]));
+  }
+  for (std::size_t i = 0; i < want_lse.size(); ++i) {
+    if (std::isinf(want_lse[i])) {
+      if (lse[i] != -std::numeric_limits<float>::infinity()) return inf;
+      continue;
+    }
+    lerr = std::max(lerr, std::abs(lse[i] - want_lse[i]));
+    lref = std::max(lref, std::abs(want_lse[i]));
+  }
+  return std::max(ref > 0 ? err / ref : err, lref > 0 ? lerr / lref : lerr);
+}
+
+/// The SIMT kernel's loop for each query tile of 32 rows: key tiles of 32, tile classified from
+/// the extreme positions (stop at the first hidden one), per-row online softmax in base 2.
+void simt_emulation(const TileCase& c, std::vector<float>& out, std::vector<float>& lse) {
+  constexpr int bq = 32, bk = 32;
+  const tile::Positions qp = tile::Positions::from(c.qpos), kp = tile::Positions::from(c.kpos);
+  const float scale_log2 = static_cast<float>(c.scale) * tile::log2e;
+  out.assign(c.q.size(), 0.0f);
+  lse.assign(static_cast<std::size_t>(c.sq), 0.0f);
+  for (int i0 = 0; i0 < c.sq; i0 += bq) {
+    const int nq = std::min(bq, c.sq - i0);
+    std::vector<float> m(bq, -INFINITY), l(bq, 0.0f), o(static_cast<std::size_t>(bq * c.dim), 0.0f);
+    for (int j0 = 0; j0 < c.sk; j0 += bk) {
+      const int nk = std::min(bk, c.sk - j0);
+      const tile::TileMask mask =
+          tile::classify_tile(c.causal, qp(i0), qp(i0 + nq - 1), kp(j0), kp(j0 + nk - 1));
+      if (mask == tile::TileMask::hidden) break;
+      for (int r = 0; r < nq; ++r) {
+        float s[bk], mx = -INFINITY;
+        for (int j = 0; j < bk; ++j) {
+          float x = 0;
+          for (int d = 0; d < c.dim; ++d)
+            x += static_cast<float>(c.q[(i0 + r) * c.dim + d]) * scale_log2 *
+                 (j < nk ? static_cast<float>(c.k[(j0 + j) * c.dim + d]) : 0.0f);
+          const bool visible = j < nk && (mask != tile::TileMask::partial || kp(j0 + j) <= qp(i0 + r));
+          s[j] = visible ? x : -INFINITY;
+          mx = std::max(mx, s[j]);
+        }
+        const float m_new = std::max(m[r], mx);
+        const float alpha = tile::rescale_factor(m[r], m_new);
+        float sum = 0;
+        for (int d = 0; d < c.dim; ++d) o[r * c.dim + d] *= alpha;
+        for (int j = 0; j < nk; ++j) {
+          const float p = tile::softmax_weight(s[j], m_new);
+          sum += p;
+          for (int d = 0; d < c.dim; ++d) o[r * c.dim + d] += p * static_cast<float>(c.v[(j0 + j) * c.dim + d]);
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+      }
+    }
+    for (int r = 0; r < nq; ++r) {
+      const tile::RowFinish f = tile::finish_row(m[r], l[r]);
+      for (int d = 0; d < c.dim; ++d) out[(i0 + r) * c.dim + d] = o[r * c.dim + d] * f.inv_sum;
+      lse[i0 + r] = f.lse;
+    }
+  }
+}
+
+/// One warp-wide mma.m16n8k16 by its documented layout: every lane's registers (as floats,
+/// element i of A at a[lane][i]) gathered into the operand tiles, multiplied, scattered back.
+void emulate_mma(std::array<std::array<float, 4>, 32>& c, const std::array<std::array<float, 8>, 32>& a,
+                 const std::array<std::array<float, 4>, 32>& b) {
+  float A[16][16], B[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int i = 0; i < 8; ++i) A[tile::mma_a_coord(lane, i).row][tile::mma_a_coord(lane, i).col] = a[lane][i];
+    for (int i = 0; i < 4; ++i) B[tile::mma_b_coord(lane, i).row][tile::mma_b_coord(lane, i).col] = b[lane][i];
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      const tile::FragCoord f = tile::mma_c_coord(lane, i);
+      float acc = 0;
+      for (int k = 0; k < 16; ++k) acc += A[f.row][k] * B[k][f.col];
+      c[lane][i] += acc;
+    }
+}
+
+/// Max (or sum) over the four lanes of each quad, as the kernel's two xor-shuffles do.
+template <class Op>
+void quad_reduce(std::array<float, 32>& x, Op op) {
+  for (int mask : {1, 2}) {
+    std::array<float, 32> y = x;
+    for (int lane = 0; lane < 32; ++lane) y[lane] = op(x[lane], x[lane ^ mask]);
+    x = y;
+  }
+}
+
+/// The tensor-core kernel's data flow for one head: 64-row query tiles of four 16-row warps,
+/// 64-key tiles in [64][D + 8] shared tiles, fragments loaded by the layout offsets, S and P V
+/// by emulated mma, P's accumulators reused as operand A, row state reduced over quads.
+void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float>& lse) {
+  constexpr int bq = 64, bk = 64;
+  const int D = c.dim, stride = D + 8;
+  const tile::Positions qp = tile::Positions::from(c.qpos), kp = tile::Positions::from(c.kpos);
+  const float scale_log2 = static_cast<float>(c.scale) * tile::log2e;
+  out.assign(c.q.size(), 0.0f);
+  lse.assign(static_cast<std::size_t>(c.sq), 0.0f);
+  using Acc = std::array<std::array<float, 4>, 32>;
+  using RegA = std::array<std::array<float, 8>, 32>;
+  auto load_tile = [&](const std::vector<double>& x, int r0, int n) {
+    std::vector<float> t(static_cast<std::size_t>(bk * stride), 12345.0f);  // padding is never read
+    for (int r = 0; r < bk; ++r)
+      for (int d = 0; d < D; ++d) t[r * stride + d] = r < n ? static_cast<float>(x[(r0 + r) * D + d]) : 0.0f;
+    return t;
+  };
+  for (int i0 = 0; i0 < c.sq; i0 += bq) {
+    const int nq = std::min(bq, c.sq - i0);
+    const std::vector<float> sq_tile = load_tile(c.q, i0, nq);
+    for (int w = 0; w < 4; ++w) {
+      std::vector<RegA> qf(static_cast<std::size_t>(D / 16));
+      for (int kc = 0; kc < D / 16; ++kc)
+        for (int lane = 0; lane < 32; ++lane)
+          for (int r = 0; r < 4; ++r) {
+            const int off = w * 16 * stride + kc * 16 + tile::mma_a_offset(lane, r, stride);
+            qf[kc][lane][2 * r] = sq_tile[off];
+            qf[kc][lane][2 * r + 1] = sq_tile[off + 1];
+          }
+      std::vector<Acc> oacc(static_cast<std::size_t>(D / 8), Acc{});
+      std::array<float, 32> m0, m1, l0{}, l1{};
+      m0.fill(-INFINITY);
+      m1.fill(-INFINITY);
+      for (int j0 = 0; j0 < c.sk; j0 += bk) {
+        const int nk = std::min(bk, c.sk - j0);
+        const tile::TileMask mask = tile::classify_tile(c.causal, qp(i0), qp(i0 + nq - 1), kp(j0), kp(j0 + nk - 1));
+        if (mask == tile::TileMask::hidden) break;
+        const std::vector<float> sk_tile = load_tile(c.k, j0, nk), sv_tile = load_tile(c.v, j0, nk);
+        std::vector<Acc> sacc(bk / 8, Acc{});
+        for (int kc = 0; kc < D / 16; ++kc)
+          for (int nt = 0; nt < bk / 8; ++nt) {
+            Acc b{};
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                const int off = nt * 8 * stride + kc * 16 + tile::mma_b_offset_nk(lane, r, stride);
+                b[lane][2 * r] = sk_tile[off];
+                b[lane][2 * r + 1] = sk_tile[off + 1];
+              }
+            emulate_mma(sacc[nt], qf[kc], b);
+          }
+        std::array<float, 32> mx0, mx1;
+        mx0.fill(-INFINITY);
+        mx1.fill(-INFINITY);
+        for (int lane = 0; lane < 32; ++lane)
+          for (int nt = 0; nt < bk / 8; ++nt)
+            for (int i = 0; i < 4; ++i) {
+              const tile::FragCoord f = tile::mma_c_coord(lane, i);
+              const int col = nt * 8 + f.col, row = w * 16 + f.row;
+              bool visible = col < nk;
+              if (visible && mask == tile::TileMask::partial && row < nq) visible = kp(j0 + col) <= qp(i0 + row);
+              const float x = visible ? sacc[nt][lane][i] * scale_log2 : -INFINITY;
+              sacc[nt][lane][i] = x;
+              (i < 2 ? mx0 : mx1)[lane] = std::max((i < 2 ? mx0 : mx1)[lane], x);
+            }
+        auto fmax = [](float a, float b) { return std::max(a, b); };
+        quad_reduce(mx0, fmax);
+        quad_reduce(mx1, fmax);
+        for (int lane = 0; lane < 32; ++lane) {
+          const float mn0 = std::max(m0[lane], mx0[lane]), mn1 = std::max(m1[lane], mx1[lane]);
+          const float a0 = tile::rescale_factor(m0[lane], mn0), a1 = tile::rescale_factor(m1[lane], mn1);
+          float s0 = 0, s1 = 0;
+          for (int nt = 0; nt < bk / 8; ++nt)
+            for (int i = 0; i < 4; ++i) {
+              float& x = sacc[nt][lane][i];
+              x = tile::softmax_weight(x, i < 2 ? mn0 : mn1);
+              (i < 2 ? s0 : s1) += x;
+            }
+          l0[lane] = l0[lane] * a0 + s0;
+          l1[lane] = l1[lane] * a1 + s1;
+          m0[lane] = mn0;
+          m1[lane] = mn1;
+          for (auto& n : oacc) {
+            n[lane][0] *= a0;
+            n[lane][1] *= a0;
+            n[lane][2] *= a1;
+            n[lane][3] *= a1;
+          }
+        }
+        for (int kc = 0; kc < bk / 16; ++kc) {
+          RegA pa{};
+          for (int lane = 0; lane < 32; ++lane)
+            for (int i = 0; i < 8; ++i)
+              pa[lane][i] = sacc[2 * kc + tile::a_from_c_tile(i)][lane][tile::a_from_c_elem(i)];
+          for (int n = 0; n < D / 8; ++n) {
+            Acc b{};
+            for (int lane = 0; lane < 32; ++lane)
+              for (int i = 0; i < 4; ++i)
+                b[lane][i] = sv_tile[kc * 16 * stride + n * 8 + tile::mma_b_offset_kn(lane, i, stride)];
+            emulate_mma(oacc[n], pa, b);
+          }
+        }
+      }
+      auto fsum = [](float a, float b) { return a + b; };
+      quad_reduce(l0, fsum);
+      quad_reduce(l1, fsum);
+      for (int lane = 0; lane < 32; ++lane) {
+        const tile::RowFinish f0 = tile::finish_row(m0[lane], l0[lane]), f1 = tile::finish_row(m1[lane], l1[lane]);
+        for (int n = 0; n < D / 8; ++n)
+          for (int i = 0; i < 4; ++i) {
+            const tile::FragCoord f = tile::mma_c_coord(lane, i);
+            const int row = w * 16 + f.row;
+            if (row < nq) out[(i0 + row) * D + n * 8 + f.col] = oacc[n][lane][i] * (i < 2 ? f0.inv_sum : f1.inv_sum);
+          }
+        const int row0 = w * 16 + tile::mma_c_coord(lane, 0).row, row1 = w * 16 + tile::mma_c_coord(lane, 2).row;
+        if (row0 < nq) lse[i0 + row0] = f0.lse;
+        if (row1 < nq) lse[i0 + row1] = f1.lse;
+      }
+    }
+  }
+}
+
+/// Position maps of the shapes the layouts produce: contiguous, zigzag (two runs), stripe.
+std::vector<std::pair<PositionMap, PositionMap>> position_cases(int sq, int sk) {
+  PositionMap zq = PositionMap::run((sq + 1) / 2, 3);
+  zq.seg[zq.segments++] = {sq / 2, 3 + 5 * sq, 1};
+  return {
+      {PositionMap::run(sq, 0), PositionMap::run(sk, 0)},
+      {PositionMap::run(sq, sk - sq), PositionMap::run(sk, 0)},  // queries at the end (decode-like)
+      {zq, PositionMap::run(sk, 2 * sq)},                         // two runs, partly hidden
+      {PositionMap::run(sq, 1, 3), PositionMap::run(sk, 0, 2)},   // strides
+  };
+}
+
+}  // namespace
+
+TEST_CASE("tile math: Positions and HeadMap match PositionMap and KernelParams") {
+  PositionMap two = PositionMap::run(5, 10, 2);
+  two.seg[two.segments++] = {4, 100, 3};
+  for (const PositionMap& m : {PositionMap::run(7, 3), PositionMap::run(6, 1, 4), two}) {
+    const tile::Positions p = tile::Positions::from(m);
+    for (std::int64_t i = 0; i < m.size(); ++i) CHECK(p(i) == m(i));
+  }
+  KernelParams kp;
+  kp.group_size = 4;
+  kp.q_head_begin = 6;
+  kp.kv_head_begin = 1;
+  const tile::HeadMap hm = tile::HeadMap::from(kp);
+  for (std::int64_t h = 0; h < 6; ++h) CHECK(hm.kv_head(h) == kp.kv_head(h));
+}
+
+TEST_CASE("tile math: classify_tile agrees with the per-element causal rule") {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> pos(0, 40), len(1, 8);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int q0 = pos(rng), qn = len(rng), k0 = pos(rng), kn = len(rng);
+    bool any = false, all = true;
+    for (int i = q0; i < q0 + qn; ++i)
+      for (int j = k0; j < k0 + kn; ++j) {
+        any |= j <= i;
+        all &= j <= i;
+      }
+    const tile::TileMask m = tile::classify_tile(true, q0, q0 + qn - 1, k0, k0 + kn - 1);
+    CHECK((m == tile::TileMask::hidden) == !any);
+    CHECK((m == tile::TileMask::visible) == all);
+    CHECK(tile::classify_tile(false, q0, q0 + qn - 1, k0, k0 + kn - 1) == tile::TileMask::visible);
+  }
+}
+
+TEST_CASE("tile math: a row that sees nothing stays finite and ends at O = 0, LSE = -inf") {
+  const float ninf = -INFINITY;
+  CHECK(tile::softmax_offset(ninf) == 0.0f);
+  CHECK(tile::rescale_factor(ninf, ninf) == 0.0f);
+  CHECK(tile::softmax_weight(ninf, ninf) == 0.0f);
+  CHECK(tile::rescale_factor(ninf, 3.0f) == 0.0f);
+  CHECK(tile::rescale_factor(1.0f, 3.0f) == doctest::Approx(0.25f));
+  const tile::RowFinish none = tile::finish_row(ninf, 0.0f);
+  CHECK(none.inv_sum == 0.0f);
+  CHECK(none.lse == ninf);
+  // LSE in natural log from the base-2 state: m = 1 (log2 units), l = 2 -> (1 + 1) ln 2.
+  CHECK(tile::finish_row(1.0f, 2.0f).lse == doctest::Approx(2.0f * tile::ln2));
+  CHECK(tile::finish_row(1.0f, 2.0f).inv_sum == 0.5f);
+}
+
+TEST_CASE("tile math: the mma fragment layouts are bijections and P's accumulators form operand A") {
+  std::set<std::pair<int, int>> a, b, c;
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int i = 0; i < 8; ++i) a.insert({tile::mma_a_coord(lane, i).row, tile::mma_a_coord(lane, i).col});
+    for (int i = 0; i < 4; ++i) b.insert({tile::mma_b_coord(lane, i).row, tile::mma_b_coord(lane, i).col});
+    for (int i = 0; i < 4; ++i) c.insert({tile::mma_c_coord(lane, i).row, tile::mma_c_coord(lane, i).col});
+    // Register pairs are adjacent columns (A) or adjacent k (B): one 32-bit access each.
+    for (int r = 0; r < 4; ++r)
+      CHECK(tile::mma_a_coord(lane, 2 * r + 1).col == tile::mma_a_coord(lane, 2 * r).col + 1);
+    for (int r = 0; r < 2; ++r)
+      CHECK(tile::mma_b_coord(lane, 2 * r + 1).row == tile::mma_b_coord(lane, 2 * r).row + 1);
+    // A-element i of a 16-column block is the accumulator of n-tile a_from_c_tile(i).
+    for (int i = 0; i < 8; ++i) {
+      const tile::FragCoord fa = tile::mma_a_coord(lane, i);
+      const tile::FragCoord fc = tile::mma_c_coord(lane, tile::a_from_c_elem(i));
+      CHECK(fa.row == fc.row);
+      CHECK(fa.col == 8 * tile::a_from_c_tile(i) + fc.col);
+    }
+    // The four lanes of a quad own the same two accumulator rows (the shuffle reductions rely on it).
+    for (int i = 0; i < 4; ++i)
+      for (int x : {1, 2, 3}) CHECK(tile::mma_c_coord(lane ^ x, i).row == tile::mma_c_coord(lane, i).row);
+  }
+  CHECK(a.size() == 256);
+  CHECK(b.size() == 128);
+  CHECK(c.size() == 128);
+}
+
+TEST_CASE("tile math: the SIMT kernel's row loop matches the exact reference") {
+  int seed = 1;
+  for (bool causal : {false, true})
+    for (auto [sq, sk, dim] : {std::array{1, 1, 8}, std::array{37, 70, 16}, std::array{64, 33, 40}, std::array{90, 129, 64}})
+      for (const auto& [qpos, kpos] : position_cases(sq, sk)) {
+        CAPTURE(causal);
+        CAPTURE(sq);
+        CAPTURE(sk);
+        CAPTURE(dim);
+        const TileCase c = make_case(sq, sk, dim, causal, qpos, kpos, static_cast<std::uint64_t>(seed++));
+        std::vector<float> out, lse;
+        simt_emulation(c, out, lse);
+        CHECK(error_of(c, out, lse) <= 1e-5);
+      }
+}
+
+TEST_CASE("tile math: the tensor-core kernel's fragment flow matches the exact reference") {
+  int seed = 100;
+  for (bool causal : {false, true})
+    for (auto [sq, sk, dim] : {std::array{64, 64, 64}, std::array{70, 150, 64}, std::array{33, 65, 128}})
+      for (const auto& [qpos, kpos] : position_cases(sq, sk)) {
+        CAPTURE(causal);
+        CAPTURE(sq);
+        CAPTURE(sk);
+        CAPTURE(dim);
+        const TileCase c = make_case(sq, sk, dim, causal, qpos, kpos, static_cast<std::uint64_t>(seed++));
+        std::vector<float> out, lse;
+        mma_emulation(c, out, lse);
+        CHECK(error_of(c, out, lse) <= 1e-5);
+      }
+}
+
+TEST_CASE("tile math: merge_row of two disjoint key blocks equals attention over both") {
+  // Keys split into two blocks; block results merged row by row as the ring (and the device
+  // merge kernel, one column at a time) does. Causal queries early in the sequence see nothing
+  // of the second block: their L2 is -inf and the merge must keep the first block's result.
+  const int sq = 24, sk = 40, dim = 12, split = 17;
+  for (bool causal : {false, true})
+    for (int per_column : {0, 1}) {
+      CAPTURE(causal);
+      CAPTURE(per_column);
+      const TileCase c = make_case(sq, sk, dim, causal, PositionMap::run(sq, 2 * split - sq), PositionMap::run(sk, 0), 5);
+      auto part = [&](int j0, int n, std::vector<double>& o, std::vector<double>& l) {
+        TileCase p = c;
+        p.sk = n;
+        p.kpos = PositionMap::run(n, j0);
+        p.k.assign(c.k.begin() + j0 * dim, c.k.begin() + (j0 + n) * dim);
+        p.v.assign(c.v.begin() + j0 * dim, c.v.begin() + (j0 + n) * dim);
+        reference(p, o, l);
+      };
+      std::vector<double> o1, l1, o2, l2;
+      part(0, split, o1, l1);
+      part(split, sk - split, o2, l2);
+      std::vector<float> o(o1.begin(), o1.end()), l(l1.begin(), l1.end());
+      for (int i = 0; i < sq; ++i) {
+        std::vector<float> b(o2.begin() + i * dim, o2.begin() + (i + 1) * dim);
+        const float lb = static_cast<float>(l2[i]);
+        if (per_column) {
+          for (int d = 0; d < dim; ++d) {
+            float li = l[i];
+            merge_row(&o[i * dim + d], li, &b[d], lb, 1);
+          }
+          merge_row<float>(nullptr, l[i], nullptr, lb, 0);
+        } else {
+          merge_row(&o[i * dim], l[i], b.data(), lb, dim);
+        }
+      }
+      CHECK(error_of(c, o, l) <= 1e-5);
+    }
+  // Both sides empty: nothing changes, nothing becomes NaN.
+  float o[2] = {0, 0}, l = -INFINITY;
+  const float o2[2] = {0, 0};
+  merge_row(o, l, o2, -INFINITY, 2);
+  CHECK(l == -INFINITY);
+  CHECK(o[0] == 0.0f);
+  CHECK(o[1] == 0.0f);
+}
