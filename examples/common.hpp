@@ -1,0 +1,210 @@
+#pragma once
+/// \file
+/// Helpers shared by the examples, the demo and the MPI tests: the same random global inputs
+/// on every rank, a rank's slice of them by the plan's positions, the exact reference for a
+/// rank's query rows, and the normwise error reduced over the ranks. Only the checking lives
+/// here; each example shows the library calls themselves.
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "seqpar/seqpar.hpp"
+
+namespace seqpar::examples {
+
+/// The global attention problem of an example, with the seed of its inputs.
+struct GlobalShape {
+  std::int64_t batch = 1;     ///< B
+  std::int64_t seq_q = 256;   ///< global query length
+  std::int64_t seq_kv = -1;   ///< global K/V length; -1 means seq_q
+  std::int64_t heads = 4;     ///< H
+  std::int64_t kv_heads = 0;  ///< K; 0 means H
+  std::int64_t head_dim = 64; ///< D
+  bool causal = false;        ///< causal mask over global positions
+  std::uint64_t seed = 2024;  ///< seed of the random inputs
+
+  /// Global K/V length.
+  std::int64_t kv_len() const { return seq_kv < 0 ? seq_q : seq_kv; }
+  /// K with 0 resolved.
+  std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
+  /// The library's problem for element type T.
+  template <class T>
+  AttentionProblem problem() const {
+    AttentionProblem p;
+    p.batch = batch;
+    p.heads = heads;
+    p.kv_heads = kv_head_count();
+    p.head_dim = head_dim;
+    p.causal = causal;
+    p.dtype = dtype_v<T>;
+    return p;
+  }
+};
+
+/// Global Q, K, V ([B, S, H, D] contiguous, double), identical on every rank: they come from
+/// the seed alone, so no rank needs to send inputs to another.
+struct GlobalInputs {
+  GlobalShape shape;           ///< the shape they were made for
+  std::vector<double> q, k, v; ///< uniform in [-1, 1]
+};
+
+/// Makes the global inputs of `shape`.
+inline GlobalInputs make_inputs(const GlobalShape& shape) {
+  std::mt19937_64 rng(shape.seed);
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  auto fill = [&](std::int64_t n) {
+    std::vector<double> x(static_cast<std::size_t>(n));
+    for (double& e : x) e = dist(rng);
+    return x;
+  };
+  GlobalInputs g;
+  g.shape = shape;
+  g.q = fill(shape.batch * shape.seq_q * shape.heads * shape.head_dim);
+  g.k = fill(shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim);
+  g.v = fill(shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim);
+  return g;
+}
+
+/// The rows of a global [B, seq, width] tensor at positions `pos`, as T ([B, pos.size(), width]).
+template <class T>
+std::vector<T> take_rows(const std::vector<double>& global, std::int64_t batch, std::int64_t seq,
+                         std::int64_t width, const PositionMap& pos) {
+  const std::int64_t n = pos.size();
+  std::vector<T> local(static_cast<std::size_t>(batch * n * width));
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t i = 0; i < n; ++i)
+      std::transform(global.begin() + (b * seq + pos(i)) * width, global.begin() + (b * seq + pos(i) + 1) * width,
+                     local.begin() + (b * n + i) * width, [](double x) { return static_cast<T>(x); });
+  return local;
+}
+
+/// One rank's input slices and output buffer, [B, L, H, D] contiguous.
+template <class T>
+struct LocalSlices {
+  std::vector<T> q, k, v, out;  ///< this rank's rows
+  std::int64_t lq = 0, lkv = 0; ///< local lengths
+};
+
+/// Takes a rank's query rows at `qpos` and K/V rows at `kvpos` out of the global inputs.
+template <class T>
+LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, const PositionMap& kvpos) {
+  const GlobalShape& s = g.shape;
+  LocalSlices<T> l;
+  l.lq = qpos.size();
+  l.lkv = kvpos.size();
+  l.q = take_rows<T>(g.q, s.batch, s.seq_q, s.heads * s.head_dim, qpos);
+  l.k = take_rows<T>(g.k, s.batch, s.kv_len(), s.kv_head_count() * s.head_dim, kvpos);
+  l.v = take_rows<T>(g.v, s.batch, s.kv_len(), s.kv_head_count() * s.head_dim, kvpos);
+  l.out.assign(l.q.size(), T(0));
+  return l;
+}
+
+/// The exact output (ReferenceKernel, double) of the query rows at `qpos` against the whole
+/// global K/V: [B, qpos.size(), H, D]. Each rank checks its own rows, so the reference work is
+/// spread like the real work.
+inline std::vector<double> reference_rows(const GlobalInputs& g, const PositionMap& qpos) {
+  const GlobalShape& s = g.shape;
+  const std::int64_t n = qpos.size();
+  const std::vector<double> q = take_rows<double>(g.q, s.batch, s.seq_q, s.heads * s.head_dim, qpos);
+  std::vector<double> out(q.size());
+  KernelParams p;
+  p.scale = s.template problem<double>().softmax_scale();
+  p.causal = s.causal;
+  p.q_positions = qpos;
+  p.k_positions = PositionMap::run(s.kv_len(), 0);
+  p.group_size = s.heads / s.kv_head_count();
+  using CV = TensorView<const double>;
+  ReferenceKernel{}.forward(CV::bshd(q.data(), s.batch, n, s.heads, s.head_dim),
+                            CV::bshd(g.k.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
+                            CV::bshd(g.v.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
+                            TensorView<double>::bshd(out.data(), s.batch, n, s.heads, s.head_dim),
+                            TensorView<double>{}, p);
+  return out;
+}
+
+/// Normwise error: max |got - want| and max |want|, so that rel() = max|err| / max|ref|.
+struct ErrorStats {
+  double max_abs = 0;  ///< max |got - want|
+  double max_ref = 0;  ///< max |want|
+  bool nan = false;    ///< a NaN was produced
+
+  /// max|err| / max|ref| (the project's forward tolerance metric); infinite after a NaN.
+  double rel() const {
+    if (nan) return std::numeric_limits<double>::infinity();
+    return max_ref > 0 ? max_abs / max_ref : max_abs;
+  }
+  /// Combines the errors of two disjoint sets of rows.
+  void merge(const ErrorStats& o) {
+    max_abs = std::max(max_abs, o.max_abs);
+    max_ref = std::max(max_ref, o.max_ref);
+    nan = nan || o.nan;
+  }
+};
+
+/// Error of `got` against `want`, element by element.
+template <class T>
+ErrorStats compare(const std::vector<T>& got, const std::vector<double>& want) {
+  ErrorStats e;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double x = static_cast<double>(got[i]);
+    if (std::isnan(x)) e.nan = true;
+    e.max_abs = std::max(e.max_abs, std::abs(x - want[i]));
+    e.max_ref = std::max(e.max_ref, std::abs(want[i]));
+  }
+  return e;
+}
+
+/// Every rank's row of `mine`, gathered over the communicator's host channel: row w of the
+/// result is rank w's. Doubles travel bit-cast in int64.
+template <class Comm>
+std::vector<std::vector<std::int64_t>> gather_rows(Comm& comm, const std::vector<std::int64_t>& mine) {
+  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(comm.size()));
+  comm.all_gather_host(mine, all);
+  std::vector<std::vector<std::int64_t>> rows(static_cast<std::size_t>(comm.size()));
+  for (std::size_t w = 0; w < rows.size(); ++w)
+    rows[w].assign(all.begin() + static_cast<std::ptrdiff_t>(w * mine.size()),
+                   all.begin() + static_cast<std::ptrdiff_t>((w + 1) * mine.size()));
+  return rows;
+}
+
+/// The errors of all ranks merged (collective; every rank gets the same answer).
+template <class Comm>
+ErrorStats reduce_errors(Comm& comm, const ErrorStats& mine) {
+  ErrorStats all;
+  for (const auto& row : gather_rows(comm, {std::bit_cast<std::int64_t>(mine.max_abs),
+                                            std::bit_cast<std::int64_t>(mine.max_ref), mine.nan}))
+    all.merge({std::bit_cast<double>(row[0]), std::bit_cast<double>(row[1]), row[2] != 0});
+  return all;
+}
+
+/// World rank w's local length when a global length `total` is split as evenly as the mesh
+/// allows (split_mesh, indexed by w's mesh coordinates).
+inline std::int64_t even_share(const MeshConfig& mesh, std::int64_t total, int w) {
+  const auto lengths = split_mesh(total, mesh.ring, mesh.ulysses);
+  return lengths[static_cast<std::size_t>(mesh.ring_rank(w) * mesh.ulysses + mesh.ulysses_rank(w))];
+}
+
+/// Runs one forward of `attn` on this rank's slice of `g` with `plan` and returns the error of
+/// its rows against the exact reference (this rank's only: merge with reduce_errors). For
+/// tests and short examples; ulysses_mpi.cpp spells the same calls out.
+template <class T, class Attention>
+ErrorStats forward_error(Attention& attn, const Plan& plan, const GlobalInputs& g) {
+  const GlobalShape& s = g.shape;
+  const int me = plan.world_rank;
+  const PositionMap qpos = plan.q_positions(me);
+  LocalSlices<T> l = local_slices<T>(g, qpos, plan.kv_positions(me));
+  std::vector<std::byte> workspace(plan.workspace_bytes());
+  using CV = TensorView<const T>;
+  attn.template forward<T>(plan, CV::bshd(l.q.data(), s.batch, l.lq, s.heads, s.head_dim),
+                           CV::bshd(l.k.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
+                           CV::bshd(l.v.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
+                           TensorView<T>::bshd(l.out.data(), s.batch, l.lq, s.heads, s.head_dim), workspace);
+  return compare(l.out, reference_rows(g, qpos));
+}
+
+}  // namespace seqpar::examples

@@ -1,0 +1,331 @@
+#pragma once
+/// \file
+/// MpiCommunicator: the Communicator concept over an `MPI_Comm` (multi-process and multi-node
+/// through mpirun). Needs MPI: link `seqpar::mpi`. Not part of the umbrella header.
+
+#include <mpi.h>
+
+#include <array>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "seqpar/comm/communicator.hpp"
+#include "seqpar/core/error.hpp"
+#include "seqpar/core/types.hpp"
+
+/// Calls an MPI function and throws seqpar::MpiError naming the call and MPI's error string
+/// when it does not return MPI_SUCCESS. Only meaningful on communicators whose error handler
+/// is MPI_ERRORS_RETURN (MpiCommunicator sets it on its own).
+#define SEQPAR_MPI_CHECK(call) ::seqpar::detail::mpi_check((call), #call, __FILE__, __LINE__)
+
+namespace seqpar {
+
+namespace detail {
+
+/// Throws MpiError for an MPI error code; the message names the call and MPI_Error_string.
+inline void mpi_check(int rc, const char* call, const char* file, int line) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  const std::string text_call(call);
+  const std::string name = text_call.substr(0, text_call.find('('));
+  throw_error<MpiError>(file, line, name, " failed with error ", rc, ": ",
+                        len > 0 ? std::string(text, static_cast<std::size_t>(len)) : std::string("(no MPI error string)"));
+}
+
+/// The largest power of two <= 256 that divides every value: MPI counts are `int`, so
+/// byte counts above 2 GiB are sent in units of a contiguous datatype of this many bytes.
+template <class... Spans>
+std::size_t mpi_unit_bytes(const Spans&... spans) {
+  std::size_t unit = 256;
+  auto shrink = [&](std::size_t v) {
+    while (unit > 1 && v % unit != 0) unit /= 2;
+  };
+  (..., [&] {
+    for (std::size_t v : spans) shrink(v);
+  }());
+  return unit;
+}
+
+/// `bytes / unit` as an MPI int count; throws MpiError naming `what` when it does not fit.
+inline int mpi_count(std::size_t bytes, std::size_t unit, const char* what) {
+  const std::size_t n = bytes / unit;
+  SEQPAR_CHECK(n <= static_cast<std::size_t>(INT_MAX), MpiError, "MpiCommunicator: ", what, ": ", bytes,
+               " bytes in units of ", unit, " bytes is ", n, " elements, more than an MPI int count (", INT_MAX,
+               ") can express; send smaller pieces or sizes divisible by a larger power of two");
+  return static_cast<int>(n);
+}
+
+/// True once MPI_Finalize has run: handles freed after it would be an error, so destructors
+/// check this first.
+inline bool mpi_finalized() {
+  int done = 0;
+  MPI_Finalized(&done);
+  return done != 0;
+}
+
+/// The communicator handle and the datatypes made for it, shared by every copy of one
+/// MpiCommunicator (not by its splits, which own their own handle).
+class MpiCommState {
+ public:
+  MpiCommState(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {}
+  MpiCommState(const MpiCommState&) = delete;
+  MpiCommState& operator=(const MpiCommState&) = delete;
+  ~MpiCommState() {
+    if (mpi_finalized()) return;  // too late to free anything; MPI has released it all
+    for (MPI_Datatype& t : types_)
+      if (t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
+    if (owned_ && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+
+  MPI_Comm comm() const { return comm_; }
+
+  /// A committed contiguous datatype of `unit` bytes (a power of two <= 256), made on first use.
+  MPI_Datatype unit_type(std::size_t unit) {
+    if (unit == 1) return MPI_BYTE;
+    int slot = 0;
+    while ((std::size_t{1} << slot) < unit) ++slot;
+    MPI_Datatype& t = types_[static_cast<std::size_t>(slot)];
+    if (t == MPI_DATATYPE_NULL) {
+      MPI_Datatype made = MPI_DATATYPE_NULL;
+      SEQPAR_MPI_CHECK(MPI_Type_contiguous(static_cast<int>(unit), MPI_BYTE, &made));
+      const int rc = MPI_Type_commit(&made);
+      if (rc != MPI_SUCCESS) MPI_Type_free(&made);
+      mpi_check(rc, "MPI_Type_commit", __FILE__, __LINE__);
+      t = made;
+    }
+    return t;
+  }
+
+ private:
+  MPI_Comm comm_;
+  bool owned_;
+  std::array<MPI_Datatype, 9> types_{MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
+                                     MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
+                                     MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};
+};
+
+}  // namespace detail
+
+/// The Communicator concept over an MPI communicator, moving buffers in memory space `Space`.
+///
+/// A handle: cheap to copy, every copy is the same communicator (and shares the stats). Made
+/// from a user's `MPI_Comm` it does not own it; communicators made by split() own theirs and
+/// free it when the last copy goes (unless MPI is already finalized). It sets the error
+/// handler of its communicator to MPI_ERRORS_RETURN, so that every MPI failure becomes a
+/// seqpar::MpiError instead of an abort; use duplicate() to leave the user's handle untouched.
+///
+/// With `Space = CudaSpace` it passes device pointers straight to MPI, which needs a CUDA-aware
+/// MPI build (Open MPI with UCX or `--with-cuda`); the metadata all-gather stays on the host.
+///
+/// Counts and displacements are bytes (size_t). MPI counts are int, so transfers go in units of
+/// a contiguous datatype: the largest power of two <= 256 dividing every count and
+/// displacement of the call. A transfer that still needs more than INT_MAX units throws MpiError.
+template <class Space = HostSpace>
+class BasicMpiCommunicator {
+ public:
+  static constexpr bool is_seqpar_communicator = true;  ///< opts in to the Communicator concept
+  using memory_space = Space;                           ///< buffers live here
+
+  /// A started exchange: the receive and the send, completed together by wait().
+  struct request_type {
+    std::array<MPI_Request, 2> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};  ///< {receive, send}
+    MPI_Datatype recv_type = MPI_BYTE;  ///< unit the receive was posted in
+    std::size_t recv_bytes = 0;  ///< bytes expected from `source`
+    int source = -1;             ///< rank we receive from
+    int dest = -1;               ///< rank we send to
+  };
+
+  /// Wraps `comm` without owning it and sets its error handler to MPI_ERRORS_RETURN.
+  /// MPI must be initialised; `comm` must outlive every copy.
+  explicit BasicMpiCommunicator(MPI_Comm comm)
+      : BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(comm, false), std::make_shared<CommStats>()) {}
+
+  /// An owning communicator over a duplicate of `comm` (collective): its traffic cannot match
+  /// the caller's messages, and `comm`'s error handler is left as it was.
+  static BasicMpiCommunicator duplicate(MPI_Comm comm) {
+    MPI_Comm dup = MPI_COMM_NULL;
+    // The user's handler decides what a failure here does: we have not touched it.
+    detail::mpi_check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", __FILE__, __LINE__);
+    return BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(dup, true), std::make_shared<CommStats>());
+  }
+
+  /// The wrapped MPI communicator (e.g. for the user's own collectives).
+  MPI_Comm native() const { return state_->comm(); }
+  /// This rank.
+  int rank() const { return rank_; }
+  /// Ranks in the group.
+  int size() const { return size_; }
+  /// Counters (shared with communicators split from this one).
+  const CommStats& stats() const { return *stats_; }
+  /// Counters, mutable (to reset them).
+  CommStats& stats() { return *stats_; }
+
+  /// Variable-count all-to-all over MPI_Alltoallv (see the Communicator concept).
+  void all_to_all_v(const std::byte* send, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, std::byte* recv,
+                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    const auto n = static_cast<std::size_t>(size_);
+    SEQPAR_CHECK(send_counts.size() == n && send_displs.size() == n && recv_counts.size() == n &&
+                     recv_displs.size() == n,
+                 ConfigError, "MpiCommunicator: all_to_all_v: counts and displacements must have size() = ", n,
+                 " entries, got ", send_counts.size(), ", ", send_displs.size(), ", ", recv_counts.size(), ", ",
+                 recv_displs.size());
+    // Each side picks its own unit: MPI matches type signatures, which for contiguous bytes
+    // only means equal byte totals per pair.
+    const std::size_t su = detail::mpi_unit_bytes(send_counts, send_displs);
+    const std::size_t ru = detail::mpi_unit_bytes(recv_counts, recv_displs);
+    std::vector<int>& ints = ints_;
+    ints.resize(4 * n);
+    for (std::size_t j = 0; j < n; ++j) {
+      ints[j] = detail::mpi_count(send_counts[j], su, "all_to_all_v send count");
+      ints[n + j] = detail::mpi_count(send_displs[j], su, "all_to_all_v send displacement");
+      ints[2 * n + j] = detail::mpi_count(recv_counts[j], ru, "all_to_all_v receive count");
+      ints[3 * n + j] = detail::mpi_count(recv_displs[j], ru, "all_to_all_v receive displacement");
+    }
+    SEQPAR_MPI_CHECK(MPI_Alltoallv(send, ints.data(), ints.data() + n, state_->unit_type(su), recv,
+                                   ints.data() + 2 * n, ints.data() + 3 * n, state_->unit_type(ru), native()));
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && send_counts[static_cast<std::size_t>(j)] > 0) {
+        stats_->bytes_sent += send_counts[static_cast<std::size_t>(j)];
+        ++stats_->messages_sent;
+      }
+    ++stats_->all_to_alls;
+  }
+
+  /// Starts receiving `recv_bytes` from `source` and sending `send_bytes` to `dest`
+  /// (MPI_Irecv + MPI_Isend). The buffers must stay untouched until wait() returns.
+  request_type start_exchange(const std::byte* send, std::size_t send_bytes, int dest, std::byte* recv,
+                              std::size_t recv_bytes, int source) {
+    check_rank(dest, "dest");
+    check_rank(source, "source");
+    request_type req;
+    req.recv_bytes = recv_bytes;
+    req.source = source;
+    req.dest = dest;
+    const std::size_t ru = detail::mpi_unit_bytes(std::span<const std::size_t>(&recv_bytes, 1));
+    const std::size_t su = detail::mpi_unit_bytes(std::span<const std::size_t>(&send_bytes, 1));
+    const int rn = detail::mpi_count(recv_bytes, ru, "exchange receive");
+    const int sn = detail::mpi_count(send_bytes, su, "exchange send");
+    req.recv_type = state_->unit_type(ru);
+    SEQPAR_MPI_CHECK(MPI_Irecv(recv, rn, req.recv_type, source, exchange_tag, native(), &req.requests[0]));
+    const int rc = MPI_Isend(send, sn, state_->unit_type(su), dest, exchange_tag, native(), &req.requests[1]);
+    if (rc != MPI_SUCCESS) {
+      // Leave no receive posted into a buffer the caller is about to unwind.
+      MPI_Cancel(&req.requests[0]);
+      MPI_Request_free(&req.requests[0]);
+      detail::mpi_check(rc, "MPI_Isend", __FILE__, __LINE__);
+    }
+    if (dest != rank_) {
+      stats_->bytes_sent += send_bytes;
+      ++stats_->messages_sent;
+    }
+    ++stats_->exchanges;
+    return req;
+  }
+
+  /// Completes both halves of an exchange (MPI_Waitall). Throws MpiError if MPI reports a
+  /// failure (e.g. the peer sent more than expected) and CommError if it sent fewer bytes.
+  void wait(request_type& req) {
+    std::array<MPI_Status, 2> status{};
+    const int rc = MPI_Waitall(2, req.requests.data(), status.data());
+    if (rc == MPI_ERR_IN_STATUS) {
+      for (int i = 0; i < 2; ++i)
+        if (status[static_cast<std::size_t>(i)].MPI_ERROR != MPI_SUCCESS &&
+            status[static_cast<std::size_t>(i)].MPI_ERROR != MPI_ERR_PENDING)
+          detail::mpi_check(status[static_cast<std::size_t>(i)].MPI_ERROR,
+                            i == 0 ? "MPI_Waitall(receive from source)" : "MPI_Waitall(send to dest)", __FILE__,
+                            __LINE__);
+    }
+    detail::mpi_check(rc, "MPI_Waitall", __FILE__, __LINE__);
+    MPI_Count got = 0;
+    SEQPAR_MPI_CHECK(MPI_Get_elements_x(&status[0], req.recv_type, &got));
+    SEQPAR_CHECK(got == static_cast<MPI_Count>(req.recv_bytes), CommError, "MpiCommunicator: exchange: rank ",
+                 req.source, " sent ", got, " bytes to rank ", rank_, ", which expects ", req.recv_bytes);
+  }
+
+  /// Metadata all-gather of host integers (MPI_Allgather of int64; every rank gives the same count).
+  void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+    SEQPAR_CHECK(all.size() == mine.size() * static_cast<std::size_t>(size_), ConfigError,
+                 "MpiCommunicator: all_gather_host: output size: expected ", mine.size() * size_, ", got ",
+                 all.size());
+    const int n = detail::mpi_count(mine.size() * sizeof(std::int64_t), sizeof(std::int64_t), "all_gather_host");
+    SEQPAR_MPI_CHECK(MPI_Allgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, native()));
+    ++stats_->host_gathers;
+  }
+
+  /// Blocks until every rank of the group arrives (MPI_Barrier).
+  void barrier() { SEQPAR_MPI_CHECK(MPI_Barrier(native())); }
+
+  /// Splits into one communicator per color, ranked by key (MPI_Comm_split; collective).
+  /// The result owns its MPI communicator and shares this one's stats.
+  BasicMpiCommunicator split(int color, int key) {
+    SEQPAR_CHECK(color >= 0, ConfigError, "MpiCommunicator: split: color: expected >= 0, got ", color);
+    MPI_Comm out = MPI_COMM_NULL;
+    SEQPAR_MPI_CHECK(MPI_Comm_split(native(), color, key, &out));
+    return BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(out, true), stats_);
+  }
+
+ private:
+  /// Tag of ring exchanges; MPI keeps messages of one tag between one pair in order.
+  static constexpr int exchange_tag = 0x5eb;
+
+  BasicMpiCommunicator(std::shared_ptr<detail::MpiCommState> state, std::shared_ptr<CommStats> stats)
+      : state_(std::move(state)), stats_(std::move(stats)) {
+    SEQPAR_CHECK(state_->comm() != MPI_COMM_NULL, ConfigError, "MpiCommunicator: comm: expected a communicator, got MPI_COMM_NULL");
+    SEQPAR_MPI_CHECK(MPI_Comm_set_errhandler(state_->comm(), MPI_ERRORS_RETURN));
+    SEQPAR_MPI_CHECK(MPI_Comm_rank(state_->comm(), &rank_));
+    SEQPAR_MPI_CHECK(MPI_Comm_size(state_->comm(), &size_));
+  }
+
+  void check_rank(int r, const char* name) const {
+    SEQPAR_CHECK(r >= 0 && r < size_, ConfigError, "MpiCommunicator: ", name, ": expected a rank in [0, ", size_,
+                 "), got ", r);
+  }
+
+  std::shared_ptr<detail::MpiCommState> state_;
+  std::shared_ptr<CommStats> stats_;
+  std::vector<int> ints_;  // MPI int counts, reused so a call allocates only the first time
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+/// MPI over host memory.
+using MpiCommunicator = BasicMpiCommunicator<HostSpace>;
+
+static_assert(Communicator<MpiCommunicator>);
+
+/// RAII for MPI_Init_thread / MPI_Finalize, for programs that own MPI's lifetime. If MPI is
+/// already initialised it does nothing, and it finalises only what it initialised. Destroy
+/// every MpiCommunicator first (declare the session before them).
+class MpiSession {
+ public:
+  /// Initialises MPI with at least MPI_THREAD_FUNNELED (only the main thread calls MPI).
+  MpiSession(int& argc, char**& argv) {
+    int ready = 0;
+    MPI_Initialized(&ready);
+    if (ready) return;
+    int provided = 0;
+    const int rc = MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    SEQPAR_CHECK(rc == MPI_SUCCESS, MpiError, "MPI_Init_thread failed with error ", rc);
+    owner_ = true;
+  }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+  /// Finalises MPI if this session initialised it.
+  ~MpiSession() {
+    if (owner_ && !detail::mpi_finalized()) MPI_Finalize();
+  }
+
+ private:
+  bool owner_ = false;
+};
+
+}  // namespace seqpar

@@ -1,0 +1,219 @@
+// Every policy under MPI against the exact reference, with the traffic held against the
+// analytic count; uneven and empty slices with AnythingPolicy; and plan mismatches that must
+// fail on every rank with the same message instead of hanging.
+// Runs with any world size; the 2 x 2 mesh cases need 4 ranks.
+
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#include "seqpar/comm/mpi_communicator.hpp"
+
+using namespace seqpar;
+namespace ex = seqpar::examples;
+
+namespace {
+
+/// What one distributed forward produced, agreed over all ranks.
+struct Outcome {
+  ex::ErrorStats err;            ///< merged over the ranks
+  bool bytes_match = false;      ///< every rank sent exactly plan.forward_bytes(rank)
+  std::uint64_t bytes_rank0 = 0; ///< what rank 0 sent
+  bool no_metadata = false;      ///< no rank did a host all-gather during forward
+};
+
+/// Plans and runs `policy` on this rank's slice of `shape`, with this rank's lengths from
+/// `lengths(mesh, rank)` (default: as even as the mesh allows).
+template <class T, class Policy>
+Outcome run(MpiCommunicator& world, Policy policy, const ex::GlobalShape& shape,
+            std::function<LocalLengths(const MeshConfig&, int)> lengths = {}) {
+  SequenceParallelAttention<Policy, MpiCommunicator, CpuFlashKernel> attn(world, policy);
+  const int me = world.rank();
+  const LocalLengths mine = lengths ? lengths(attn.mesh(), me)
+                                    : LocalLengths{ex::even_share(attn.mesh(), shape.seq_q, me),
+                                                   ex::even_share(attn.mesh(), shape.kv_len(), me)};
+  const Plan plan = attn.plan(shape.problem<T>(), mine);
+  world.stats().reset();
+  const ex::ErrorStats local = ex::forward_error<T>(attn, plan, ex::make_inputs(shape));
+  const CommStats s = world.stats();
+  Outcome o;
+  o.err = ex::reduce_errors(world, local);
+  const auto rows = ex::gather_rows(world, {static_cast<std::int64_t>(s.bytes_sent),
+                                            static_cast<std::int64_t>(plan.forward_bytes(me)),
+                                            static_cast<std::int64_t>(s.host_gathers)});
+  o.bytes_match = o.no_metadata = true;
+  for (const auto& r : rows) {
+    o.bytes_match = o.bytes_match && r[0] == r[1];
+    o.no_metadata = o.no_metadata && r[2] == 0;
+  }
+  o.bytes_rank0 = static_cast<std::uint64_t>(rows[0][0]);
+  return o;
+}
+
+ex::GlobalShape shape_of(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal) {
+  ex::GlobalShape s;
+  s.seq_q = seq;
+  s.heads = heads;
+  s.kv_heads = kv_heads;
+  s.head_dim = dim;
+  s.causal = causal;
+  return s;
+}
+
+/// The ConfigError message each rank got from `body` ("" if none), and whether all ranks got
+/// the same one: a collective check must fail everywhere alike.
+std::pair<std::string, bool> collective_error(MpiCommunicator& world, const std::function<void()>& body) {
+  std::string what;
+  try {
+    body();
+  } catch (const ConfigError& e) {
+    what = e.what();
+  }
+  const auto rows = ex::gather_rows(world, {static_cast<std::int64_t>(std::hash<std::string>{}(what))});
+  bool same = true;
+  for (const auto& r : rows) same = same && r[0] == rows[0][0];
+  world.barrier();  // nobody is left waiting in a collective the others abandoned
+  return {what, same};
+}
+
+}  // namespace
+
+TEST_CASE("MPI: Ulysses matches the reference and sends (P-1)/P of its Q, K, V and O slices") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size();
+  const ex::GlobalShape s = shape_of(64 * P, 2 * P, P, 32, false);
+  const Outcome f = run<float>(world, UlyssesPolicy{}, s);
+  CHECK(f.err.rel() <= 1e-5);
+  CHECK(f.bytes_match);
+  CHECK(f.no_metadata);
+  // B * (L/P) * D * (2H + 2K) * (P-1)/P elements of 4 bytes, with L/P = 64.
+  CHECK(f.bytes_rank0 == static_cast<std::uint64_t>(4 * 64 * 32 * (2 * s.heads + 2 * s.kv_heads) * (P - 1) / P));
+  CHECK(run<double>(world, UlyssesPolicy{}, s).err.rel() <= 1e-12);
+}
+
+TEST_CASE("MPI: causal zigzag Ring matches the reference and sends P-1 K/V blocks") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size();
+  const ex::GlobalShape s = shape_of(2 * P * 40, 4, 2, 16, true);
+  const Outcome f = run<float>(world, RingPolicy<Zigzag>{}, s);
+  CHECK(f.err.rel() <= 1e-5);
+  CHECK(f.bytes_match);
+  CHECK(f.no_metadata);
+  CHECK(f.bytes_rank0 == static_cast<std::uint64_t>(2 * 4 * 80 * 2 * 16 * (P - 1)));
+  CHECK(run<double>(world, RingPolicy<Zigzag>{}, s).err.rel() <= 1e-12);
+  CHECK(run<float>(world, RingPolicy<Stripe>{}, s).err.rel() <= 1e-5);
+}
+
+TEST_CASE("MPI: Unified 2 x 2 (zigzag, causal, GQA) matches the reference and the USP traffic") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  if (world.size() != 4) return;
+  const ex::GlobalShape s = shape_of(4 * 96, 8, 4, 16, true);
+  const UnifiedPolicy<Zigzag> policy{.ulysses_degree = 2, .ring_degree = 2};
+  const Outcome f = run<float>(world, policy, s);
+  CHECK(f.err.rel() <= 1e-5);
+  CHECK(f.bytes_match);
+  // s * B * (L/P) * D * [(2H + 2K)(U-1)/U + 2K(R-1)] with L/P = 96, H = 8, K = 4, U = R = 2.
+  CHECK(f.bytes_rank0 == static_cast<std::uint64_t>(4 * 96 * 16 * ((2 * 8 + 2 * 4) / 2 + 2 * 4 * 1)));
+  CHECK(run<double>(world, policy, s).err.rel() <= 1e-12);
+  const UnifiedPolicy<Contiguous> ring_adjacent{.ulysses_degree = 2, .ring_degree = 2, .placement = MeshPlacement::ring_adjacent};
+  CHECK(run<float>(world, ring_adjacent, s).err.rel() <= 1e-5);
+}
+
+TEST_CASE("MPI: AnythingPolicy at seq 4099 and 3969, heads that do not divide, exact traffic") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size();
+  for (std::int64_t seq : {4099, 3969}) {
+    CAPTURE(seq);
+    const ex::GlobalShape s = shape_of(seq, 5, 5, 8, true);
+    const Outcome u = run<float>(world, AnythingPolicy<UlyssesPolicy>{}, s);
+    CHECK(u.err.rel() <= 1e-5);
+    CHECK(u.bytes_match);
+    CHECK(u.no_metadata);
+    const Outcome r = run<float>(world, AnythingPolicy<RingPolicy<Zigzag>>{}, s);
+    CHECK(r.err.rel() <= 1e-5);
+    CHECK(r.bytes_match);
+    if (P == 4) {
+      const ex::GlobalShape g = shape_of(seq, 6, 3, 8, true);
+      const Outcome m = run<float>(world, AnythingPolicy<UnifiedPolicy<Zigzag>>{{.ulysses_degree = 2, .ring_degree = 2}}, g);
+      CHECK(m.err.rel() <= 1e-5);
+      CHECK(m.bytes_match);
+      CHECK(m.no_metadata);
+    }
+  }
+}
+
+TEST_CASE("MPI: AnythingPolicy with a rank that holds no tokens, and joint Q/KV lengths") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size();
+  // Rank 0 holds nothing; each next rank two thirds of what is left, the last the rest.
+  auto lengths = [](std::int64_t total) {
+    return [total](const MeshConfig& m, int w) -> LocalLengths {
+      std::int64_t rest = total, mine = m.world() == 1 ? total : 0;
+      for (int v = 1; v < m.world(); ++v) {
+        const std::int64_t take = v + 1 == m.world() ? rest : rest * 2 / 3;
+        if (v == w) mine = take;
+        rest -= take;
+      }
+      return {mine, mine};
+    };
+  };
+  const ex::GlobalShape s = shape_of(301, 6, 2, 16, true);
+  for (int zigzag = 0; zigzag < 2; ++zigzag) {
+    const Outcome r = zigzag ? run<float>(world, AnythingPolicy<RingPolicy<Zigzag>>{}, s, lengths(s.seq_q))
+                             : run<float>(world, AnythingPolicy<RingPolicy<>>{}, s, lengths(s.seq_q));
+    CHECK(r.err.rel() <= 1e-5);
+    CHECK(r.bytes_match);
+  }
+  const Outcome u = run<double>(world, AnythingPolicy<UlyssesPolicy>{}, s, lengths(s.seq_q));
+  CHECK(u.err.rel() <= 1e-12);
+  CHECK(u.bytes_match);
+  // Joint attention: 37 queries against 250 keys, split differently (the last rank holds no queries).
+  ex::GlobalShape j = shape_of(37, 4, 4, 16, false);
+  j.seq_kv = 250;
+  const Outcome joint = run<float>(world, AnythingPolicy<UlyssesPolicy>{}, j, [&](const MeshConfig& m, int w) {
+    const std::vector<std::int64_t> q = P == 1 ? std::vector<std::int64_t>{37} : split_evenly(37, P - 1);
+    return LocalLengths{w < static_cast<int>(q.size()) ? q[static_cast<std::size_t>(w)] : 0, ex::even_share(m, 250, w)};
+  });
+  CHECK(joint.err.rel() <= 1e-5);
+  CHECK(joint.bytes_match);
+}
+
+TEST_CASE("MPI: ranks that disagree on a plan all throw the same ConfigError, none hangs") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size(), me = world.rank();
+  if (P < 2) return;
+  SequenceParallelAttention<UlyssesPolicy, MpiCommunicator, CpuFlashKernel> attn(world);
+  AttentionProblem p = shape_of(64 * P, 2 * P, 0, 16, false).problem<float>();
+  const auto [heads_msg, heads_same] = collective_error(world, [&] {
+    AttentionProblem mine = p;
+    if (me == 1) mine.heads = 4 * P;  // one rank disagrees
+    attn.plan(mine, {64});
+  });
+  INFO(heads_msg);
+  CHECK(heads_same);
+  CHECK(heads_msg.find("ranks disagree on heads") != std::string::npos);
+  CHECK(heads_msg.find("rank 1 has") != std::string::npos);
+
+  const auto [len_msg, len_same] = collective_error(world, [&] { attn.plan(p, {me == P - 1 ? 63 : 64}); });
+  INFO(len_msg);
+  CHECK(len_same);
+  CHECK(len_msg.find("AnythingPolicy") != std::string::npos);
+
+  // The mesh itself: one rank asks for another factorisation.
+  if (P == 4) {
+    const auto [mesh_msg, mesh_same] = collective_error(world, [&] {
+      UnifiedPolicy<> mine{.ulysses_degree = me == 2 ? 4 : 2, .ring_degree = me == 2 ? 1 : 2};
+      SequenceParallelAttention<UnifiedPolicy<>, MpiCommunicator, CpuFlashKernel> bad(world, mine);
+    });
+    INFO(mesh_msg);
+    CHECK(mesh_same);
+    CHECK(mesh_msg.find("ranks disagree on ulysses_degree") != std::string::npos);
+  }
+  // After all that the plan still works.
+  CHECK(world.size() == P);
+  const Plan ok = attn.plan(p, {64});
+  CHECK(ok.global_q() == 64 * P);
+}
