@@ -65,6 +65,19 @@ struct ThreadFamily {
     cv.notify_all();
   }
 
+  /// Fails the whole family from a rank that found an error under `lock`: marks it aborted,
+  /// then lets every in-flight copy out of this rank's buffers finish before throwing
+  /// CommError, so that no peer reads memory the unwinding stack is about to free.
+  [[noreturn]] void fail(std::unique_lock<std::mutex>& lock, const std::string& why) {
+    if (!aborted) {
+      aborted = true;
+      reason = why;
+    }
+    cv.notify_all();
+    cv.wait(lock, [&] { return active_reads == 0; });
+    throw CommError("ThreadCommunicator: " + why);
+  }
+
   /// Waits for `ready` under `lock`; throws CommAborted when a peer failed or on time-out.
   /// Before throwing it lets every in-flight copy finish, so no peer reads a buffer that the
   /// unwinding stack is about to free. With `completed_wins`, a wait whose condition did come
@@ -178,9 +191,7 @@ class BasicThreadCommunicator {
                    " bytes to rank " + std::to_string(rank_) + ", which expects " + std::to_string(recv_counts[j]);
     }
     if (!mismatch.empty()) {
-      lock.unlock();
-      fam.abort(mismatch);
-      throw CommError("ThreadCommunicator: " + mismatch);
+      fam.fail(lock, mismatch);
     }
     ++fam.active_reads;
     lock.unlock();
@@ -235,9 +246,7 @@ class BasicThreadCommunicator {
       const std::string why = "exchange: rank " + std::to_string(req.source) + " sent " +
                               std::to_string(msg->bytes) + " bytes to rank " + std::to_string(rank_) +
                               ", which expects " + std::to_string(req.recv_bytes);
-      lock.unlock();
-      fam.abort(why);
-      throw CommError("ThreadCommunicator: " + why);
+      fam.fail(lock, why);
     }
     ++fam.active_reads;
     lock.unlock();
@@ -262,9 +271,7 @@ class BasicThreadCommunicator {
       if (s.n != mine.size()) {
         const std::string why = "all_gather_host: rank " + std::to_string(j) + " gives " + std::to_string(s.n) +
                                 " integers, rank " + std::to_string(rank_) + " gives " + std::to_string(mine.size());
-        lock.unlock();
-        fam.abort(why);
-        throw CommError("ThreadCommunicator: " + why);
+        fam.fail(lock, why);
       }
       std::copy(s.ints, s.ints + s.n, all.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
     }
