@@ -274,6 +274,69 @@ RunResult run_distributed(int ranks, Policy policy, const GlobalCase& c, const G
   return run_policy<T, Policy, Kernel>(ranks, policy, c, g, opt);
 }
 
+/// How a world of ulysses * ring ranks is arranged, written out for the traffic formula
+/// (independent of MeshConfig, so that the test does not trust the code it checks).
+struct MeshShape {
+  int ulysses = 1, ring = 1;
+  bool ring_adjacent = false;  ///< MeshPlacement::ring_adjacent
+  int ring_rank(int w) const { return ring_adjacent ? w % ring : w / ulysses; }
+  int ulysses_rank(int w) const { return ring_adjacent ? w / ring : w % ulysses; }
+};
+
+/// Bytes every world rank sends in one forward, from first principles: the real tokens and
+/// heads, nothing padded. Query heads are split over the Ulysses group with the first
+/// H mod U members taking one more; a member needs the K/V heads its query heads read
+/// (h / (H / K)). Ulysses (U > 1): my tokens of the other members' query heads and of the
+/// K/V heads they need go out; the other members' tokens of my heads come back as O (and
+/// the LSE). Ring (R > 1): R - 1 steps forward every K/V block but the one of ring rank
+/// r + 1, with the K/V heads this member needs.
+inline std::vector<std::uint64_t> analytic_forward_bytes(const GlobalCase& c, const MeshShape& m,
+                                                         const std::vector<std::int64_t>& lengths_q,
+                                                         const std::vector<std::int64_t>& lengths_kv,
+                                                         std::uint64_t elem, std::uint64_t acc, bool with_lse) {
+  const int U = m.ulysses, R = m.ring, P = U * R;
+  const std::int64_t H = c.heads, G = c.heads / c.kv_heads;
+  std::vector<std::int64_t> hq(U), kv_need(U);
+  for (int v = 0, begin = 0; v < U; ++v) {
+    hq[v] = H / U + (v < H % U ? 1 : 0);
+    std::vector<bool> used(static_cast<std::size_t>(c.kv_heads), false);
+    for (std::int64_t h = begin; h < begin + hq[v]; ++h) used[static_cast<std::size_t>(h / G)] = true;
+    kv_need[v] = std::count(used.begin(), used.end(), true);
+    begin += static_cast<int>(hq[v]);
+  }
+  std::vector<std::int64_t> block_q(R, 0), block_kv(R, 0);
+  std::int64_t total_kv = 0;
+  for (int w = 0; w < P; ++w) {
+    block_q[m.ring_rank(w)] += lengths_q[w];
+    block_kv[m.ring_rank(w)] += lengths_kv[w];
+    total_kv += lengths_kv[w];
+  }
+  const auto B = static_cast<std::uint64_t>(c.batch), D = static_cast<std::uint64_t>(c.head_dim);
+  std::vector<std::uint64_t> out(static_cast<std::size_t>(P), 0);
+  for (int w = 0; w < P; ++w) {
+    const int r = m.ring_rank(w), u = m.ulysses_rank(w);
+    std::uint64_t bytes = 0;
+    if (U > 1) {
+      std::int64_t kv_others = 0;
+      for (int v = 0; v < U; ++v) kv_others += v == u ? 0 : kv_need[v];
+      const auto others_q = static_cast<std::uint64_t>(block_q[r] - lengths_q[w]);  // O and LSE back
+      bytes += static_cast<std::uint64_t>(lengths_q[w] * (H - hq[u])) * B * D * elem;
+      bytes += 2 * static_cast<std::uint64_t>(lengths_kv[w] * kv_others) * B * D * elem;
+      bytes += others_q * static_cast<std::uint64_t>(hq[u]) * B * D * elem;
+      if (with_lse) bytes += others_q * static_cast<std::uint64_t>(hq[u]) * B * acc;
+    }
+    if (R > 1)
+      bytes += 2 * static_cast<std::uint64_t>((total_kv - block_kv[(r + 1) % R]) * kv_need[u]) * B * D * elem;
+    out[w] = bytes;
+  }
+  return out;
+}
+
+/// The MeshShape of a policy's resolved mesh.
+inline MeshShape mesh_shape(const MeshConfig& m) {
+  return {m.ulysses, m.ring, m.placement == MeshPlacement::ring_adjacent};
+}
+
 /// Runs `fn` on its own thread and waits at most `limit`. If it has not returned by then the
 /// process exits with a message (the blocked threads cannot be unwound safely): a hang
 /// becomes a failure. Otherwise rethrows what `fn` threw.
