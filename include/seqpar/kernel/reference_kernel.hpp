@@ -40,7 +40,8 @@ struct ReferenceKernel {
             const T* kr = k.row(b, j, kh);
             for (std::int64_t d = 0; d < dim; ++d) s += double(qr[d]) * double(kr[d]);
             score[j] = s * p.scale;
-            mx = std::max(mx, score[j]);
+            // A NaN score must make the row NaN, not vanish in max (the row is not masked).
+            mx = std::isnan(mx) || score[j] <= mx ? mx : score[j];
           }
           std::fill(acc.begin(), acc.end(), 0.0);
           double sum = 0;
