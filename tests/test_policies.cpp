@@ -12,21 +12,9 @@
 using namespace seqpar;
 using test::GlobalCase;
 using test::GlobalData;
+using test::make_case;
 
 namespace {
-
-GlobalCase make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal,
-                     std::uint64_t seed, std::int64_t batch = 1) {
-  GlobalCase c;
-  c.batch = batch;
-  c.seq_q = seq;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.head_dim = dim;
-  c.causal = causal;
-  c.seed = seed;
-  return c;
-}
 
 /// Runs and checks against the reference; also that forward exchanged no metadata and sent
 /// what the plan says it sends.

@@ -33,6 +33,20 @@ struct GlobalCase {
   double softmax_scale() const { return scale != 0.0 ? scale : 1.0 / std::sqrt(double(head_dim)); }
 };
 
+/// A self-attention case in one line.
+inline GlobalCase make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal,
+                            std::uint64_t seed, std::int64_t batch = 1) {
+  GlobalCase c;
+  c.batch = batch;
+  c.seq_q = seq;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = dim;
+  c.causal = causal;
+  c.seed = seed;
+  return c;
+}
+
 /// Random values in [-1, 1] (never zeros), BSHD contiguous.
 inline std::vector<double> random_tensor(std::int64_t n, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> dist(-1.0, 1.0);
