@@ -64,25 +64,26 @@ inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, con
   using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width;
   static_assert(FlashTile<A>::nr == 2, "flash_tile is written for two vectors of queries");
-  V acc0[M], acc1[M];
-  for (int r = 0; r < M; ++r) acc0[r] = acc1[r] = V{};
-  auto step = [&]<int... R>(std::integer_sequence<int, R...>, const A* ak, const A* bk) {
-    const V b0 = simd_load(bk), b1 = simd_load(bk + W);
-    ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
-      acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
-     ...);
-  };
-  for (std::int64_t k = 0; k < kdim; ++k) step(std::make_integer_sequence<int, M>{}, a + k * a_k, b + k * ldb);
-  for (int r = 0; r < M; ++r) {
-    A* cr = c + r * ldc;
-    if constexpr (Accumulate) {
-      simd_store(cr, simd_fma(simd_load(cr), simd_load(alpha), acc0[r]));
-      simd_store(cr + W, simd_fma(simd_load(cr + W), simd_load(alpha + W), acc1[r]));
-    } else {
-      simd_store(cr, acc0[r]);
-      simd_store(cr + W, acc1[r]);
+  // Fold expressions over the row index keep every accumulator a named register value (a
+  // loop over an array of them may go through the stack).
+  [&]<int... R>(std::integer_sequence<int, R...>) {
+    V acc0[M] = {((void)R, V{})...}, acc1[M] = {((void)R, V{})...};
+    for (std::int64_t k = 0; k < kdim; ++k) {
+      const A* ak = a + k * a_k;
+      const V b0 = simd_load(b + k * ldb), b1 = simd_load(b + k * ldb + W);
+      ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
+        acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
+       ...);
     }
-  }
+    if constexpr (Accumulate) {
+      const V al0 = simd_load(alpha), al1 = simd_load(alpha + W);
+      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R])),
+        simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))),
+       ...);
+    } else {
+      ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
+    }
+  }(std::make_integer_sequence<int, M>{});
 }
 
 /// flash_tile over `rows` rows: full MR tiles, then one tail tile of rows % MR.
@@ -122,6 +123,8 @@ class CpuFlashKernel {
   CpuFlashKernel() = default;
   /// With options (e.g. `CpuFlashKernel(CpuFlashOptions{.threads = 2})`); starts the pool.
   explicit CpuFlashKernel(CpuFlashOptions options) { set_threads(options.threads); }
+  /// Shorthand for `CpuFlashKernel(CpuFlashOptions{.threads = threads})`.
+  explicit CpuFlashKernel(int threads) : CpuFlashKernel(CpuFlashOptions{.threads = threads}) {}
   /// Same options, own pool and scratch (the engine stores its kernel by value).
   CpuFlashKernel(const CpuFlashKernel& other) : CpuFlashKernel(other.options_) { prepare(other.prepared_dim_); }
   /// Same options, own pool and scratch.

@@ -77,10 +77,12 @@ inline void simd_store(A* p, simd_t<A> v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-/// Every lane set to `a`.
+/// Every lane set to `a`. `a - 0` folds to `a` (it is exact for every a, -0 included), so
+/// this is one broadcast, from memory when `a` is loaded; `0 + a` would cost an add, since
+/// 0 + -0 is +0.
 template <class A>
 inline simd_t<A> simd_splat(A a) {
-  return simd_t<A>{} + a;
+  return a - simd_t<A>{};
 }
 
 /// a * b + c, fused where the target has FMA.
