@@ -70,16 +70,14 @@ inline GlobalInputs make_inputs(const GlobalShape& shape) {
   return g;
 }
 
-/// The rows of a global [B, seq, width] tensor at positions `pos`, as T ([B, pos.size(), width]).
+/// The rows of a global [B, seq, heads, D] tensor at positions `pos`, as T
+/// ([B, pos.size(), heads, D]): what a rank holds under a plan (scatter_sequence).
 template <class T>
-std::vector<T> take_rows(const std::vector<double>& global, std::int64_t batch, std::int64_t seq,
-                         std::int64_t width, const PositionMap& pos) {
-  const std::int64_t n = pos.size();
-  std::vector<T> local(static_cast<std::size_t>(batch * n * width));
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t i = 0; i < n; ++i)
-      std::transform(global.begin() + (b * seq + pos(i)) * width, global.begin() + (b * seq + pos(i) + 1) * width,
-                     local.begin() + (b * n + i) * width, [](double x) { return static_cast<T>(x); });
+std::vector<T> take_rows(const std::vector<double>& global, std::int64_t batch, std::int64_t seq, std::int64_t heads,
+                         std::int64_t dim, const PositionMap& pos) {
+  std::vector<T> local(static_cast<std::size_t>(batch * pos.size() * heads * dim));
+  scatter_sequence(TensorView<const double>::bshd(global.data(), batch, seq, heads, dim), pos,
+                   TensorView<T>::bshd(local.data(), batch, pos.size(), heads, dim));
   return local;
 }
 
@@ -97,9 +95,9 @@ LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, cons
   LocalSlices<T> l;
   l.lq = qpos.size();
   l.lkv = kvpos.size();
-  l.q = take_rows<T>(g.q, s.batch, s.seq_q, s.heads * s.head_dim, qpos);
-  l.k = take_rows<T>(g.k, s.batch, s.kv_len(), s.kv_head_count() * s.head_dim, kvpos);
-  l.v = take_rows<T>(g.v, s.batch, s.kv_len(), s.kv_head_count() * s.head_dim, kvpos);
+  l.q = take_rows<T>(g.q, s.batch, s.seq_q, s.heads, s.head_dim, qpos);
+  l.k = take_rows<T>(g.k, s.batch, s.kv_len(), s.kv_head_count(), s.head_dim, kvpos);
+  l.v = take_rows<T>(g.v, s.batch, s.kv_len(), s.kv_head_count(), s.head_dim, kvpos);
   l.out.assign(l.q.size(), T(0));
   return l;
 }
@@ -110,7 +108,7 @@ LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, cons
 inline std::vector<double> reference_rows(const GlobalInputs& g, const PositionMap& qpos) {
   const GlobalShape& s = g.shape;
   const std::int64_t n = qpos.size();
-  const std::vector<double> q = take_rows<double>(g.q, s.batch, s.seq_q, s.heads * s.head_dim, qpos);
+  const std::vector<double> q = take_rows<double>(g.q, s.batch, s.seq_q, s.heads, s.head_dim, qpos);
   std::vector<double> out(q.size());
   KernelParams p;
   p.scale = s.template problem<double>().softmax_scale();
@@ -180,13 +178,6 @@ ErrorStats reduce_errors(Comm& comm, const ErrorStats& mine) {
                                             std::bit_cast<std::int64_t>(mine.max_ref), mine.nan}))
     all.merge({std::bit_cast<double>(row[0]), std::bit_cast<double>(row[1]), row[2] != 0});
   return all;
-}
-
-/// World rank w's local length when a global length `total` is split as evenly as the mesh
-/// allows (split_mesh, indexed by w's mesh coordinates).
-inline std::int64_t even_share(const MeshConfig& mesh, std::int64_t total, int w) {
-  const auto lengths = split_mesh(total, mesh.ring, mesh.ulysses);
-  return lengths[static_cast<std::size_t>(mesh.ring_rank(w) * mesh.ulysses + mesh.ulysses_rank(w))];
 }
 
 /// Runs one forward of `attn` on this rank's slice of `g` with `plan` and returns the error of

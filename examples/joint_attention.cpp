@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   shape.heads = 3;
   shape.head_dim = 32;
   // Rank 0: the prompt and its share of the image; the others: their share of the image.
-  const std::int64_t mine = examples::even_share(attn.mesh(), image, me) + (me == 0 ? text : 0);
+  const std::int64_t mine = split_sequence(image, attn.mesh())[static_cast<std::size_t>(me)] + (me == 0 ? text : 0);
   const Plan plan = attn.plan(shape.problem<float>(), {mine});  // lengths exchanged here, once
 
   const examples::GlobalInputs g = examples::make_inputs(shape);
@@ -56,8 +56,8 @@ int main(int argc, char** argv) {
   std::vector<float> out(gathered.size());
   for (int w = 0; w < P; ++w) {
     const PositionMap pos = plan.q_positions(w);
-    for (std::int64_t i = 0; i < pos.size(); ++i)
-      std::copy_n(gathered.begin() + displs[w] + i * H * D, H * D, out.begin() + pos(i) * H * D);
+    gather_sequence(TensorView<const float>::bshd(gathered.data() + displs[w], 1, pos.size(), H, D), pos,
+                    TensorView<float>::bshd(out.data(), 1, shape.seq_q, H, D));
   }
   const double err = examples::compare(out, examples::reference_rows(g, PositionMap::run(shape.seq_q, 0))).rel();
   std::printf("joint_attention: %lld text + %lld image tokens on %d ranks (rank 0 holds %lld, rank %d holds %lld), "

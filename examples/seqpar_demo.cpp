@@ -211,7 +211,7 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   const bool print = me == 0;
   SequenceParallelAttention<Policy, Comm, CpuFlashKernel> attn(comm, policy, make_kernel<CpuFlashKernel>(o, print));
   const MeshConfig& mesh = attn.mesh();
-  const Plan plan = attn.plan(g.shape.problem<T>(), {ex::even_share(mesh, o.seq, me)});
+  const Plan plan = attn.plan(g.shape.problem<T>(), {split_sequence(o.seq, mesh)[static_cast<std::size_t>(me)]});
 
   const ex::GlobalShape& s = g.shape;
   const PositionMap qpos = plan.q_positions(me);

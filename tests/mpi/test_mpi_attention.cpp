@@ -33,8 +33,8 @@ Outcome run(MpiCommunicator& world, Policy policy, const ex::GlobalShape& shape,
   SequenceParallelAttention<Policy, MpiCommunicator, CpuFlashKernel> attn(world, policy);
   const int me = world.rank();
   const LocalLengths mine = lengths ? lengths(attn.mesh(), me)
-                                    : LocalLengths{ex::even_share(attn.mesh(), shape.seq_q, me),
-                                                   ex::even_share(attn.mesh(), shape.kv_len(), me)};
+                                    : LocalLengths{split_sequence(shape.seq_q, attn.mesh())[static_cast<std::size_t>(me)],
+                                                   split_sequence(shape.kv_len(), attn.mesh())[static_cast<std::size_t>(me)]};
   const Plan plan = attn.plan(shape.problem<T>(), mine);
   world.stats().reset();
   const ex::ErrorStats local = ex::forward_error<T>(attn, plan, ex::make_inputs(shape));
@@ -175,7 +175,7 @@ TEST_CASE("MPI: AnythingPolicy with a rank that holds no tokens, and joint Q/KV 
   j.seq_kv = 250;
   const Outcome joint = run<float>(world, AnythingPolicy<UlyssesPolicy>{}, j, [&](const MeshConfig& m, int w) {
     const std::vector<std::int64_t> q = P == 1 ? std::vector<std::int64_t>{37} : split_evenly(37, P - 1);
-    return LocalLengths{w < static_cast<int>(q.size()) ? q[static_cast<std::size_t>(w)] : 0, ex::even_share(m, 250, w)};
+    return LocalLengths{w < static_cast<int>(q.size()) ? q[static_cast<std::size_t>(w)] : 0, split_sequence(250, m)[static_cast<std::size_t>(w)]};
   });
   CHECK(joint.err.rel() <= 1e-5);
   CHECK(joint.bytes_match);

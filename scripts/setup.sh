@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets up and builds seqpar on a Debian/Ubuntu machine, from any directory:
+#   1. when run as root, installs the packages that are missing (apt-get);
+#   2. configures (Release) and builds everything into build/ (tests, examples, benchmarks).
+# Idempotent: a second run installs nothing and rebuilds only what changed.
+# Extra CMake options: SEQPAR_CMAKE_ARGS="-DSEQPAR_ENABLE_CUDA=OFF" bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+packages=(g++ make cmake git libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup.sh: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  else
+    echo "setup.sh: not installing (needs root and apt-get): ${missing[*]}; trying to build anyway" >&2
+  fi
+fi
+
+jobs=$(nproc 2>/dev/null || echo 2)
+# shellcheck disable=SC2086  # SEQPAR_CMAKE_ARGS is a list of options
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${SEQPAR_CMAKE_ARGS:-}
+cmake --build build -j "$jobs"
