@@ -278,14 +278,21 @@ class CpuFlashKernel {
 
     const std::int64_t q_lo = p.causal ? s.qpos[0] : 0, q_hi = p.causal ? s.qpos[nq - 1] : 0;
     for (std::int64_t j0 = 0; j0 < k.seq(); j0 += block_k) {
-      const std::int64_t nk = std::min(block_k, k.seq() - j0);
+      std::int64_t nk = std::min(block_k, k.seq() - j0);
       bool masked = false;
       if (p.causal) {
         const std::int64_t k_lo = p.k_positions(j0), k_hi = p.k_positions(j0 + nk - 1);
         if (p.fully_masked(q_hi, k_lo)) break;  // positions increase: every later block is hidden too
         masked = !p.fully_visible(q_lo, k_hi);
-        if (masked)
-          for (std::int64_t j = 0; j < nk; ++j) s.kpos[j] = p.k_positions(j0 + j);
+        if (masked) {
+          // Keys after the block's last query are hidden from all of it: leave them out.
+          std::int64_t seen = 0;
+          for (; seen < nk; ++seen) {
+            s.kpos[seen] = p.k_positions(j0 + seen);
+            if (s.kpos[seen] > q_hi) break;
+          }
+          nk = seen;
+        }
       }
       // K and V rows: the caller's memory when already in A, else converted once here.
       const A *kr, *vr;
