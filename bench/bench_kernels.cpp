@@ -1,0 +1,129 @@
+/// \file
+/// Local kernels: CpuFlashKernel against ReferenceKernel, float, one (batch, heads) shape over
+/// head dims 64 and 128, sequence 512..16K, causal and not; and CpuFlashKernel's thread
+/// scaling. GFLOPs counts 4 B H Sq Sk D (halved for causal) per forward.
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace seqpar;
+using namespace seqpar::bench;
+
+constexpr std::int64_t batch = 1, heads = 2;
+
+/// Inputs of one self-attention forward with contiguous positions.
+struct KernelCase {
+  std::int64_t seq, dim;
+  bool causal;
+  std::vector<float> q, k, v, out, lse;
+  KernelParams params;
+
+  KernelCase(std::int64_t s, std::int64_t d, bool c)
+      : seq(s), dim(d), causal(c), q(random_values<float>(std::size_t(batch * s * heads * d), 1)),
+        k(random_values<float>(q.size(), 2)), v(random_values<float>(q.size(), 3)), out(q.size()),
+        lse(std::size_t(batch * s * heads)) {
+    params.scale = 1.0 / std::sqrt(double(d));
+    params.causal = c;
+    params.q_positions = PositionMap::run(s, 0);
+    params.k_positions = PositionMap::run(s, 0);
+  }
+
+  template <class Kernel>
+  void run(Kernel& kernel) {
+    using CV = TensorView<const float>;
+    kernel.forward(CV::bshd(q.data(), batch, seq, heads, dim), CV::bshd(k.data(), batch, seq, heads, dim),
+                   CV::bshd(v.data(), batch, seq, heads, dim), TensorView<float>::bshd(out.data(), batch, seq, heads, dim),
+                   TensorView<float>::bshd(lse.data(), batch, seq, heads, 1), params);
+  }
+
+  double flops() const { return attention_flops(batch, heads, seq, seq, dim, causal); }
+};
+
+/// Runs the benchmark loop; GFLOPs is per thread-CPU second (robust to other processes on
+/// the machine) unless the benchmark uses real time; GFLOPs_wall is per wall second.
+template <class Kernel>
+void time_kernel(benchmark::State& state, Kernel& kernel, KernelCase& c) {
+  c.run(kernel);  // warm-up: first touch of the pages and the scratch
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    c.run(kernel);
+    benchmark::ClobberMemory();
+  }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  state.counters["GFLOPs"] = benchmark::Counter(c.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPs_wall"] = c.flops() * double(state.iterations()) * 1e-9 / wall;
+  state.counters["seq"] = double(c.seq);
+  state.counters["dim"] = double(c.dim);
+  state.counters["causal"] = c.causal;
+}
+
+/// Args: head_dim, seq, causal.
+void BM_cpu_flash(benchmark::State& state) {
+  KernelCase c(state.range(1), state.range(0), state.range(2) != 0);
+  CpuFlashKernel kernel;
+  kernel.prepare(c.dim);
+  time_kernel(state, kernel, c);
+  state.counters["threads"] = 1;
+}
+
+/// Args: head_dim, seq, causal. The exact kernel is quadratic in memory traffic per row and
+/// accumulates in double: only run up to 2K.
+void BM_reference(benchmark::State& state) {
+  KernelCase c(state.range(1), state.range(0), state.range(2) != 0);
+  ReferenceKernel kernel;
+  time_kernel(state, kernel, c);
+}
+
+/// Args: head_dim, seq, causal, threads N. Each iteration times one forward on 1 thread and
+/// one on N threads, back to back, so that a change of load on the shared machine hits both;
+/// speedup is the ratio of the medians. The benchmark's own time is the pair's.
+void BM_cpu_flash_scaling(benchmark::State& state) {
+  KernelCase c(state.range(1), state.range(0), state.range(2) != 0);
+  const int n = static_cast<int>(state.range(3));
+  CpuFlashKernel one, many(CpuFlashOptions{.threads = n});
+  one.prepare(c.dim);
+  many.prepare(c.dim);
+  c.run(one);
+  c.run(many);
+  std::vector<double> t1, tn;
+  auto timed = [&](CpuFlashKernel& k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    c.run(k);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (auto _ : state) {
+    t1.push_back(timed(one));
+    tn.push_back(timed(many));
+  }
+  const double m1 = median(t1), mn = median(tn);
+  state.counters["GFLOPs_1"] = c.flops() * 1e-9 / m1;
+  state.counters["GFLOPs_N"] = c.flops() * 1e-9 / mn;
+  state.counters["speedup"] = m1 / mn;
+  state.counters["threads"] = n;
+  state.counters["seq"] = double(c.seq);
+  state.counters["dim"] = double(c.dim);
+  state.counters["causal"] = c.causal;
+}
+
+void kernel_args(benchmark::internal::Benchmark* b, std::int64_t max_seq) {
+  b->ArgNames({"D", "seq", "causal"});
+  for (std::int64_t d : {64, 128})
+    for (std::int64_t causal : {0, 1})
+      for (std::int64_t s = 512; s <= max_seq; s *= 2) b->Args({d, s, causal});
+}
+
+BENCHMARK(BM_cpu_flash)->Apply([](auto* b) { kernel_args(b, 16384); })->MinTime(0.2)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_reference)->Apply([](auto* b) { kernel_args(b, 2048); })->MinTime(0.1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_scaling)
+    ->ArgNames({"D", "seq", "causal", "threads"})
+    ->ArgsProduct({{128}, {4096, 8192}, {0, 1}, {2}})
+    ->UseRealTime()
+    ->MinTime(2.0)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace

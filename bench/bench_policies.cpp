@@ -1,0 +1,196 @@
+/// \file
+/// Every policy at P = 1, 2, 4 ranks on ThreadCommunicator (ranks are threads of this process,
+/// so P = 4 shares the machine's cores), and AnythingPolicy against the plain policy on shapes
+/// that divide evenly. Counters: time per forward, bytes sent per rank, their ratio to the
+/// analytic minimum (REFERENCES.md), and the causal load imbalance max/mean of plan.work(w).
+
+#include <benchmark/benchmark.h>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <tuple>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace seqpar;
+using seqpar::bench::RankTeam;
+
+/// The global problem of the policy benchmarks.
+AttentionProblem bench_problem(bool causal) {
+  AttentionProblem pr;
+  pr.batch = 1;
+  pr.heads = 8;
+  pr.kv_heads = 8;
+  pr.head_dim = 64;
+  pr.causal = causal;
+  pr.dtype = DType::f32;
+  pr.with_lse = false;
+  return pr;
+}
+constexpr std::int64_t global_seq = 4096;
+
+/// The policy of each family for P ranks. Unified runs a 2 x 2 mesh at P = 4 (1 x P below).
+template <class Pol>
+Pol make_policy(int ranks) {
+  if constexpr (requires { Pol{}.ring_degree; })
+    return Pol{.ulysses_degree = ranks >= 4 ? 2 : 1, .ring_degree = 0};
+  else if constexpr (requires { Pol{}.inner; })
+    return Pol{make_policy<std::remove_cvref_t<decltype(Pol{}.inner)>>(ranks)};
+  else
+    return Pol{};
+}
+
+/// One rank's engine, plan, tensors and workspace for `Pol`.
+template <class Pol>
+struct RankEngine {
+  SequenceParallelAttention<Pol, ThreadCommunicator, CpuFlashKernel> attn;
+  Plan plan;
+  std::vector<float> q, k, v, out;
+  std::vector<std::byte> workspace;
+
+  RankEngine(ThreadCommunicator& comm, int ranks, const AttentionProblem& pr)
+      : attn(comm, make_policy<Pol>(ranks)) {
+    const std::int64_t len = split_sequence(global_seq, attn.mesh())[std::size_t(comm.rank())];
+    plan = attn.plan(pr, {len});
+    const std::size_t nq = std::size_t(pr.batch * len * pr.heads * pr.head_dim);
+    const std::size_t nk = std::size_t(pr.batch * len * pr.kv_head_count() * pr.head_dim);
+    q = bench::random_values<float>(nq, 11 + comm.rank());
+    k = bench::random_values<float>(nk, 23 + comm.rank());
+    v = bench::random_values<float>(nk, 37 + comm.rank());
+    out.resize(nq);
+    workspace.resize(plan.workspace_bytes());
+  }
+
+  void forward() {
+    const auto& pr = plan.problem;
+    const std::int64_t len = plan.local_q();
+    using CV = TensorView<const float>;
+    attn.template forward<float>(plan, CV::bshd(q.data(), pr.batch, len, pr.heads, pr.head_dim),
+                                 CV::bshd(k.data(), pr.batch, len, pr.kv_heads, pr.head_dim),
+                                 CV::bshd(v.data(), pr.batch, len, pr.kv_heads, pr.head_dim),
+                                 TensorView<float>::bshd(out.data(), pr.batch, len, pr.heads, pr.head_dim),
+                                 std::span<std::byte>(workspace));
+  }
+};
+
+/// What the ranks report back: bytes of their last forward, and rank 0's plan.
+struct TeamReport {
+  std::vector<std::uint64_t> bytes;
+  Plan plan;
+  explicit TeamReport(int ranks) : bytes(std::size_t(ranks)) {}
+
+  double max_bytes() const { return double(*std::max_element(bytes.begin(), bytes.end())); }
+  double imbalance() const {
+    double mx = 0, sum = 0;
+    const int world = plan.mesh.world();
+    for (int w = 0; w < world; ++w) {
+      const double x = double(plan.work(w));
+      mx = std::max(mx, x);
+      sum += x;
+    }
+    return sum > 0 ? mx / (sum / world) : 1.0;
+  }
+};
+
+/// A rank setup running engines of the listed policies; step(i) runs a forward of the i-th.
+template <class... Pols>
+RankTeam::Setup engines_setup(int ranks, bool causal, TeamReport& report) {
+  return [ranks, causal, &report](ThreadCommunicator& comm) -> RankTeam::Step {
+    const AttentionProblem pr = bench_problem(causal);
+    // Braces: the engines (collective constructions) are built in the same order on every rank.
+    using Engines = std::tuple<RankEngine<Pols>...>;
+    std::shared_ptr<Engines> engines(new Engines{RankEngine<Pols>(comm, ranks, pr)...});
+    if (comm.rank() == 0) report.plan = std::get<0>(*engines).plan;
+    return [engines, &report, &comm](int which) {
+      const std::uint64_t before = comm.stats().bytes_sent;
+      int i = 0;
+      std::apply([&](auto&... e) { ((i++ == which ? e.forward() : void()), ...); }, *engines);
+      report.bytes[std::size_t(comm.rank())] = comm.stats().bytes_sent - before;
+    };
+  };
+}
+
+void common_counters(benchmark::State& state, const TeamReport& r, double seconds) {
+  const auto& pr = r.plan.problem;
+  const double min_bytes = bench::min_forward_bytes(pr, global_seq, r.plan.mesh.ulysses, r.plan.mesh.ring);
+  state.counters["ms_per_fwd"] = seconds * 1e3;
+  state.counters["bytes_per_rank"] = r.max_bytes();
+  state.counters["bytes_min"] = min_bytes;
+  state.counters["bytes_ratio"] = min_bytes > 0 ? r.max_bytes() / min_bytes : (r.max_bytes() == 0 ? 1.0 : 0.0);
+  state.counters["imbalance"] = r.imbalance();
+  state.counters["U"] = r.plan.mesh.ulysses;
+  state.counters["R"] = r.plan.mesh.ring;
+  state.counters["GFLOPs"] =
+      bench::attention_flops(pr.batch, pr.heads, global_seq, global_seq, pr.head_dim, pr.causal) * 1e-9 / seconds;
+}
+
+/// Args: P, causal. Time per forward is the median over iterations (manual time per forward).
+template <class Pol>
+void BM_policy(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  TeamReport report(ranks);
+  RankTeam team(ranks, engines_setup<Pol>(ranks, state.range(1) != 0, report));
+  team.time_step(0);  // warm-up
+  std::vector<double> times;
+  for (auto _ : state) {
+    times.push_back(team.time_step(0));
+    state.SetIterationTime(times.back());
+  }
+  common_counters(state, report, bench::median(times));
+}
+
+/// Args: P. Plain `Pol` and AnythingPolicy<Pol> on the same shape (causal, dividing evenly),
+/// alternated ABBA within each iteration so drifting load hits both alike; ratio is
+/// median(Anything) / median(plain), bytes_equal 1 when both sent exactly the same bytes.
+template <class Pol>
+void BM_anything_vs_plain(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  TeamReport report(ranks);
+  RankTeam team(ranks, engines_setup<Pol, AnythingPolicy<Pol>>(ranks, true, report));
+  team.time_step(0);
+  team.time_step(1);
+  std::vector<double> plain, any;
+  std::uint64_t plain_bytes = 0, any_bytes = 0;
+  for (auto _ : state) {
+    const double a = team.time_step(0);
+    plain_bytes = std::uint64_t(report.max_bytes());
+    const double b = team.time_step(1);
+    any_bytes = std::uint64_t(report.max_bytes());
+    const double c = team.time_step(1), d = team.time_step(0);
+    plain.push_back(a);
+    plain.push_back(d);
+    any.push_back(b);
+    any.push_back(c);
+    state.SetIterationTime(a + b + c + d);
+  }
+  common_counters(state, report, bench::median(plain));
+  state.counters["ms_plain"] = bench::median(plain) * 1e3;
+  state.counters["ms_anything"] = bench::median(any) * 1e3;
+  state.counters["ratio"] = bench::median(any) / bench::median(plain);
+  state.counters["bytes_equal"] = plain_bytes == any_bytes;
+}
+
+void policy_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"P", "causal"})->ArgsProduct({{1, 2, 4}, {0, 1}});
+  b->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_policy<UlyssesPolicy>)->Apply(policy_args);
+BENCHMARK(BM_policy<RingPolicy<Contiguous>>)->Apply(policy_args);
+BENCHMARK(BM_policy<RingPolicy<Zigzag>>)->Apply(policy_args);
+BENCHMARK(BM_policy<RingPolicy<Stripe>>)->Apply(policy_args);
+BENCHMARK(BM_policy<UnifiedPolicy<Zigzag>>)->Apply(policy_args);
+BENCHMARK(BM_policy<AnythingPolicy<UnifiedPolicy<Zigzag>>>)->Apply(policy_args);
+
+void pair_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"P"})->Arg(2)->Arg(4)->UseManualTime()->MinTime(2.0)->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_anything_vs_plain<UlyssesPolicy>)->Apply(pair_args);
+BENCHMARK(BM_anything_vs_plain<RingPolicy<Zigzag>>)->Apply(pair_args);
+BENCHMARK(BM_anything_vs_plain<UnifiedPolicy<Zigzag>>)->Apply(pair_args);
+
+}  // namespace

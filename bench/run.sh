@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Builds and runs seqpar's benchmarks and writes bench/RESULTS.md and bench/kernel_gflops.png.
+# Usage: bench/run.sh [build-dir]   (default: build-bench, configured Release)
+# Environment: SEQPAR_BENCH_JOBS (build parallelism, default 2), SEQPAR_BENCH_QUICK=1 (short
+# smoke run: fewer sizes, results written to bench/out only, RESULTS.md left alone).
+# Needs: cmake, a C++20 compiler, Google Benchmark, python3, gnuplot; Open MPI for the MPI part.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+build="${1:-$root/build-bench}"
+out="$build/bench-out"
+jobs="${SEQPAR_BENCH_JOBS:-2}"
+quick="${SEQPAR_BENCH_QUICK:-0}"
+start=$(date +%s)
+mkdir -p "$out"
+rm -f "$out"/*.json "$out"/*.txt
+: > "$out/commands.txt"
+
+# Runs a command and records it for RESULTS.md.
+run() {
+  echo "$*" >> "$out/commands.txt"
+  echo "+ $*" >&2
+  "$@"
+}
+
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+load_start="$(load)"
+
+run cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_EXAMPLES=OFF \
+  -DSEQPAR_BUILD_BENCHMARKS=ON > "$out/cmake.log"
+targets=(seqpar_bench)
+cmake --build "$build" --target help | grep -q seqpar_bench_mpi && targets+=(seqpar_bench_mpi)
+run cmake --build "$build" -j "$jobs" --target "${targets[@]}" > "$out/build.log"
+
+bench="$build/bench/seqpar_bench"
+gb() {  # gb <json name> <filter> [more args]
+  local name="$1" filter="$2"
+  shift 2
+  run "$bench" --benchmark_filter="$filter" --benchmark_out="$out/$name.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true "$@"
+}
+
+kernel_filter='BM_cpu_flash|BM_reference'
+policy_filter='BM_policy|BM_anything_vs_plain'
+if [[ "$quick" == 1 ]]; then
+  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_reference/D:64/seq:512/|BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
+  policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1|BM_anything_vs_plain<UlyssesPolicy>/P:2'
+fi
+
+gb machine_before 'BM_peak|BM_memory'
+gb kernels "$kernel_filter"
+gb machine_after 'BM_peak|BM_memory'
+gb policies "$policy_filter"
+
+# MPI strong scaling: the same global shape on 1 and 2 ranks, alternated so that a change of
+# load on the shared machine hits both.
+mpi_note=""
+mpi_bin="$build/bench/seqpar_bench_mpi"
+: > "$out/mpi_results.txt"
+if [[ -x "$mpi_bin" ]] && command -v mpirun > /dev/null; then
+  mpi_seq=16384
+  [[ "$quick" == 1 ]] && mpi_seq=4096
+  mpi_flags=(--oversubscribe --bind-to none)
+  [[ "$(id -u)" == 0 ]] && mpi_flags+=(--allow-run-as-root)
+  for round in 1 2; do
+    for policy in ring ulysses; do
+      for ranks in 1 2; do
+        run mpirun "${mpi_flags[@]}" -n "$ranks" "$mpi_bin" --policy "$policy" --seq "$mpi_seq" --heads 4 \
+          --head-dim 64 --iters 3 | grep '^RESULT' | tee -a "$out/mpi_results.txt"
+      done
+    done
+  done
+else
+  mpi_note="MPI strong scaling not measured: seqpar::mpi or mpirun not available in this build."
+fi
+
+{
+  lscpu | grep -E '^(Architecture|CPU\(s\)|Model name|Thread|Core|Socket|L1d|L2|L3|NUMA node\(s\)|CPU max MHz)'
+  echo "SIMD flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(fma|avx2|avx512f|avx512bw|avx512vl)$' | tr '\n' ' ')"
+  echo "Memory: $(grep MemTotal /proc/meminfo | tr -s ' ' | cut -d' ' -f2-)"
+} > "$out/lscpu.txt"
+flags="$(grep -h CXX_FLAGS "$build/bench/CMakeFiles/seqpar_bench.dir/flags.make" | sed 's/^CXX_FLAGS = //')"
+{
+  echo "date=$(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "commit=$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- include bench || echo '+local changes')"
+  echo "elapsed=$(( $(date +%s) - start )) s"
+  echo "load_start=$load_start"
+  echo "load_end=$(load)"
+  echo "compiler=$(${CXX:-c++} --version | head -1)"
+  echo "flags=$flags"
+  echo "mpi_note=$mpi_note"
+} > "$out/info.txt"
+
+results="$here/RESULTS.md"
+png="$here/kernel_gflops.png"
+if [[ "$quick" == 1 ]]; then
+  results="$out/RESULTS.md"
+  png="$out/kernel_gflops.png"
+fi
+run python3 "$here/report.py" "$out" "$results"
+peak="$(cat "$out/peak.txt")"
+gnuplot <<EOF
+set terminal pngcairo size 900,560 font ",10"
+set output "$png"
+set title "CpuFlashKernel (float, 1 thread) vs ReferenceKernel: GFLOP/s per CPU second"
+set xlabel "sequence length (Sq = Sk)"
+set ylabel "GFLOP/s"
+set logscale x 2
+set logscale y 10
+set key outside right
+set grid
+plot "$out/kernel_gflops.dat" index 0 with linespoints title "flash D=64", \
+     "" index 1 with linespoints title "flash D=64 causal", \
+     "" index 2 with linespoints title "flash D=128", \
+     "" index 3 with linespoints title "flash D=128 causal", \
+     "" index 4 with linespoints dashtype 2 title "reference D=64", \
+     "" index 5 with linespoints dashtype 2 title "reference D=64 causal", \
+     "" index 6 with linespoints dashtype 2 title "reference D=128", \
+     "" index 7 with linespoints dashtype 2 title "reference D=128 causal", \
+     $peak with lines lw 2 title "fp32 FMA peak, 1 core", \
+     0.6*$peak with lines dashtype 3 title "60% of peak"
+EOF
+echo "wrote $results and $png in $(( $(date +%s) - start )) s" >&2
