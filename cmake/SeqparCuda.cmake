@@ -57,7 +57,12 @@ if(SEQPAR_HAS_CUDA)
   add_library(seqpar::cuda ALIAS seqpar_cuda)
   set_target_properties(seqpar_cuda PROPERTIES EXPORT_NAME cuda)
   target_link_libraries(seqpar_cuda INTERFACE seqpar CUDA::cudart)
-  target_compile_features(seqpar_cuda INTERFACE cuda_std_20)
+  # C++20 in CUDA sources; CMake < 3.26 does not know that nvcc 12+ supports it, so say it directly.
+  if("cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)
+    target_compile_features(seqpar_cuda INTERFACE cuda_std_20)
+  else()
+    target_compile_options(seqpar_cuda INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
+  endif()
   target_compile_definitions(seqpar_cuda INTERFACE SEQPAR_HAS_CUDA=1)
   # merge_row is a constexpr function the device code shares. Warning 554 is nvcc noting that
   # TensorView<const T>'s conversion to itself is never used (it is constrained away).

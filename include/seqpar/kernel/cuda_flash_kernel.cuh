@@ -651,8 +651,10 @@ class CudaFlashKernel {
   using memory_space = CudaSpace;                 ///< device tensors
   static constexpr std::int64_t max_head_dim = 256;  ///< largest head_dim supported
 
-  /// A kernel that launches on `stream` (default: the legacy default stream).
-  explicit CudaFlashKernel(cudaStream_t stream = nullptr) : stream_(stream) {}
+  /// A kernel that launches on the legacy default stream (set_stream changes it).
+  CudaFlashKernel() = default;
+  /// A kernel that launches on `stream`.
+  explicit CudaFlashKernel(cudaStream_t stream) : stream_(stream) {}
 
   /// The stream every launch goes on.
   cudaStream_t stream() const { return stream_; }

@@ -1,0 +1,271 @@
+// GPU benchmark (run by tests/gpu/run.sh): CudaFlashKernel forward TFLOP/s at 4K-32K tokens,
+// head dim 64/128, causal and not; and each policy's forward time on one GPU with 2-8 virtual
+// ranks (threads over CudaThreadCommunicator). Prints the results as markdown tables.
+//
+// Usage: seqpar_gpu_bench [--quick]   (--quick: fewer and shorter points, for a smoke run)
+// FLOPs counted as 4 B H Sq Sk D (halved for causal), the usual convention.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "seqpar/comm/cuda_thread_communicator.hpp"
+#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/core/cuda_types.hpp"
+#include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "seqpar/seqpar.hpp"
+
+using namespace seqpar;
+
+namespace {
+
+/// Device memory filled with uniform values in [-1, 1] (a hash of the index: no host copy).
+template <class T>
+__global__ void fill_random(T* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    p[i] = cuda_detail::convert<T>(static_cast<float>(x & 0xffffff) / 8388608.0f - 1.0f);
+  }
+}
+
+template <class T>
+struct Buffer {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit Buffer(std::size_t count, std::uint32_t seed = 0) : n(count) {
+    SEQPAR_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 1));
+    if constexpr (!std::is_same_v<T, std::byte>) {
+      if (seed) {
+        fill_random<<<1024, 256>>>(p, n, seed);
+        SEQPAR_CUDA_CHECK(cudaGetLastError());
+      }
+    }
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { cudaFree(p); }
+};
+
+/// True when the first elements of a device tensor are finite (guards against timing garbage).
+template <class T>
+bool finite_prefix(const T* p, std::size_t n) {
+  std::vector<T> h(std::min<std::size_t>(n, 4096));
+  SEQPAR_CUDA_CHECK(cudaMemcpy(h.data(), p, h.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  for (const T& x : h)
+    if (!std::isfinite(static_cast<float>(x))) return false;
+  return true;
+}
+
+template <class T>
+const char* type_name() {
+  return std::is_same_v<T, __half> ? "fp16" : std::is_same_v<T, __nv_bfloat16> ? "bf16" : "fp32";
+}
+
+struct KernelRow {
+  std::string type, path;
+  std::int64_t seq, dim, heads;
+  bool causal;
+  double ms, tflops;
+  bool ok;
+};
+
+/// Times CudaFlashKernel forward on [1, seq, heads, dim] (median of `reps` after a warm-up).
+template <class T>
+KernelRow time_kernel(std::int64_t seq, std::int64_t dim, bool causal, bool tensor_cores, int reps) {
+  const std::int64_t heads = dim == 64 ? 32 : 16, B = 1;
+  const std::size_t n = static_cast<std::size_t>(B * seq * heads * dim);
+  Buffer<T> q(n, 1), k(n, 2), v(n, 3), out(n);
+  Buffer<float> lse(static_cast<std::size_t>(B * seq * heads));
+  cudaStream_t s;
+  SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CudaFlashKernel kernel(s);
+  kernel.set_tensor_cores(tensor_cores);
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(dim));
+  p.causal = causal;
+  p.q_positions = PositionMap::run(seq, 0);
+  p.k_positions = PositionMap::run(seq, 0);
+  using CV = TensorView<const T, CudaSpace>;
+  const CV qv = CV::bshd(q.p, B, seq, heads, dim), kv = CV::bshd(k.p, B, seq, heads, dim),
+           vv = CV::bshd(v.p, B, seq, heads, dim);
+  const auto ov = TensorView<T, CudaSpace>::bshd(out.p, B, seq, heads, dim);
+  const auto lv = TensorView<float, CudaSpace>::lse_bhs(lse.p, B, seq, heads);
+  SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
+  kernel.forward(qv, kv, vv, ov, lv, p);  // warm-up
+  cudaEvent_t e0, e1;
+  SEQPAR_CUDA_CHECK(cudaEventCreate(&e0));
+  SEQPAR_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> times;
+  for (int r = 0; r < reps; ++r) {
+    SEQPAR_CUDA_CHECK(cudaEventRecord(e0, s));
+    kernel.forward(qv, kv, vv, ov, lv, p);
+    SEQPAR_CUDA_CHECK(cudaEventRecord(e1, s));
+    SEQPAR_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    SEQPAR_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  const double ms = times[times.size() / 2];
+  const double flops = 4.0 * B * heads * double(seq) * double(seq) * dim * (causal ? 0.5 : 1.0);
+  KernelRow row{type_name<T>(), kernel.forward_path<T>(qv, kv, vv), seq, dim, heads, causal, ms,
+                flops / (ms * 1e-3) / 1e12, finite_prefix(out.p, n)};
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(s);
+  return row;
+}
+
+struct PolicyRow {
+  std::string policy;
+  int ranks;
+  std::int64_t seq;
+  double ms;
+  bool ok;
+};
+
+/// Times one forward of `policy` over `ranks` virtual ranks on this GPU (median of reps). The
+/// device-memory thread communicator synchronises the device around every copy, so this
+/// measures the policy's whole work and traffic serialised on one GPU.
+template <class T, class Policy>
+PolicyRow time_policy(const char* name, Policy policy, int ranks, std::int64_t seq, std::int64_t heads,
+                      std::int64_t dim, bool causal, int reps) {
+  std::vector<double> times;
+  std::mutex mu;
+  bool ok = true;
+  run_ranks<CudaSpace>(ranks, [&](CudaThreadCommunicator& comm) {
+    cudaStream_t s;
+    SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    SequenceParallelAttention<Policy, CudaThreadCommunicator, CudaFlashKernel> attn(comm, policy);
+    use_stream(attn, s);
+    AttentionProblem prob;
+    prob.batch = 1;
+    prob.heads = heads;
+    prob.head_dim = dim;
+    prob.causal = causal;
+    prob.dtype = dtype_v<T>;
+    const MeshConfig mesh = attn.mesh();
+    const auto lengths = split_mesh(seq, mesh.ring, mesh.ulysses);
+    const std::int64_t mine = lengths[static_cast<std::size_t>(mesh.ring_rank(comm.rank()) * mesh.ulysses +
+                                                               mesh.ulysses_rank(comm.rank()))];
+    const Plan plan = attn.plan(prob, {mine, mine});
+    const std::size_t n = static_cast<std::size_t>(mine * heads * dim);
+    Buffer<T> q(n, 11 + comm.rank()), k(n, 23 + comm.rank()), v(n, 37 + comm.rank()), out(n);
+    Buffer<std::byte> ws(plan.workspace_bytes());
+    using CV = TensorView<const T, CudaSpace>;
+    auto run = [&] {
+      attn.template forward<T>(plan, CV::bshd(q.p, 1, mine, heads, dim), CV::bshd(k.p, 1, mine, heads, dim),
+                               CV::bshd(v.p, 1, mine, heads, dim),
+                               TensorView<T, CudaSpace>::bshd(out.p, 1, mine, heads, dim),
+                               std::span<std::byte>(ws.p, ws.n));
+      SEQPAR_CUDA_CHECK(cudaStreamSynchronize(s));
+    };
+    SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
+    run();  // warm-up
+    for (int r = 0; r < reps; ++r) {
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      run();
+      comm.barrier();
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (comm.rank() == 0) times.push_back(ms);
+    }
+    const bool finite = finite_prefix(out.p, n);
+    {
+      std::lock_guard lock(mu);
+      ok = ok && finite;
+    }
+    cudaStreamDestroy(s);
+  });
+  std::sort(times.begin(), times.end());
+  return {name, ranks, seq, times[times.size() / 2], ok};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const int count = detail::cuda_device_count();
+  if (count == 0) {
+    std::printf("SKIPPED: no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  SEQPAR_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  std::fflush(stdout);
+
+  std::vector<KernelRow> krows;
+  auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc) {
+    using T = decltype(tag);
+    try {
+      krows.push_back(time_kernel<T>(seq, dim, causal, tc, quick ? 2 : 3));
+      const KernelRow& r = krows.back();
+      std::printf("kernel %s %s seq %lld dim %lld %s: %.3f ms, %.1f TFLOP/s%s\n", r.type.c_str(), r.path.c_str(),
+                  static_cast<long long>(seq), static_cast<long long>(dim), causal ? "causal" : "full", r.ms, r.tflops,
+                  r.ok ? "" : " (NON-FINITE OUTPUT)");
+    } catch (const std::exception& e) {
+      std::printf("kernel %s seq %lld dim %lld: ERROR %s\n", type_name<T>(), static_cast<long long>(seq),
+                  static_cast<long long>(dim), e.what());
+    }
+    std::fflush(stdout);
+  };
+  const std::vector<std::int64_t> seqs = quick ? std::vector<std::int64_t>{4096} : std::vector<std::int64_t>{4096, 8192, 16384, 32768};
+  for (std::int64_t dim : {128, 64})
+    for (bool causal : {false, true})
+      for (std::int64_t seq : seqs) kernel_point(__nv_bfloat16{}, seq, dim, causal, true);
+  kernel_point(__half{}, quick ? 4096 : 16384, 128, false, true);
+  kernel_point(__half{}, quick ? 4096 : 16384, 128, true, true);
+  kernel_point(__nv_bfloat16{}, 4096, 128, false, false);  // the SIMT path, for comparison
+  kernel_point(float{}, 4096, 128, false, true);
+  kernel_point(float{}, 4096, 64, true, true);
+
+  std::vector<PolicyRow> prows;
+  const std::int64_t pseq = quick ? 4096 : 16384, pheads = 16, pdim = 128;
+  auto policy_point = [&](const char* name, auto policy, int ranks) {
+    try {
+      prows.push_back(time_policy<__nv_bfloat16>(name, policy, ranks, pseq, pheads, pdim, true, quick ? 2 : 3));
+      const PolicyRow& r = prows.back();
+      std::printf("policy %s P=%d seq %lld: %.3f ms%s\n", name, ranks, static_cast<long long>(pseq), r.ms,
+                  r.ok ? "" : " (NON-FINITE OUTPUT)");
+    } catch (const std::exception& e) {
+      std::printf("policy %s P=%d: ERROR %s\n", name, ranks, e.what());
+    }
+    std::fflush(stdout);
+  };
+  policy_point("single GPU (Ulysses P=1)", UlyssesPolicy{}, 1);
+  for (int P : {2, 4, 8}) {
+    policy_point("Ulysses", UlyssesPolicy{}, P);
+    policy_point("Ring<Contiguous>", RingPolicy<Contiguous>{}, P);
+    policy_point("Ring<Zigzag>", RingPolicy<Zigzag>{}, P);
+    policy_point("Ring<Stripe>", RingPolicy<Stripe>{}, P);
+    if (P >= 4) policy_point("Unified<Zigzag> 2xR", UnifiedPolicy<Zigzag>{2, 0}, P);
+  }
+
+  std::printf("\n## CudaFlashKernel forward on %s (B=1, H=32 for D=64, H=16 for D=128)\n\n", prop.name);
+  std::printf("| type | path | seq | head dim | mask | ms | TFLOP/s |\n|---|---|---|---|---|---|---|\n");
+  for (const KernelRow& r : krows)
+    std::printf("| %s | %s | %lld | %lld | %s | %.3f | %.1f%s |\n", r.type.c_str(), r.path.c_str(),
+                static_cast<long long>(r.seq), static_cast<long long>(r.dim), r.causal ? "causal" : "none", r.ms,
+                r.tflops, r.ok ? "" : " (non-finite!)");
+  std::printf("\n## Policy forward on one GPU, P virtual ranks (bf16, causal, seq %lld, H=%lld, D=%lld)\n\n",
+              static_cast<long long>(pseq), static_cast<long long>(pheads), static_cast<long long>(pdim));
+  std::printf("| policy | P | ms / forward |\n|---|---|---|\n");
+  for (const PolicyRow& r : prows)
+    std::printf("| %s | %d | %.3f%s |\n", r.policy.c_str(), r.ranks, r.ms, r.ok ? "" : " (non-finite!)");
+  return 0;
+}

@@ -1,0 +1,249 @@
+#pragma once
+// GPU test support: device buffers and streams (RAII), element conversions for __half and
+// __nv_bfloat16, the tolerances of each element type, and a policy run on one GPU — P ranks as
+// threads over CudaThreadCommunicator, each on its own stream — checked row by row against the
+// exact double reference of tests/support (make_global_as / make_global_grads).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "seqpar/comm/cuda_thread_communicator.hpp"
+#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/core/cuda_types.hpp"
+#include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "seqpar/seqpar.hpp"
+#include "support/attention_check.hpp"
+#include "support/backward_check.hpp"
+
+namespace seqpar::gpu_test {
+
+/// Normwise relative tolerance (max |got - want| / max |want|) of a forward against the exact
+/// reference on the same (rounded) inputs. float: the project's 1e-5 (SIMT float math). Half and
+/// bf16 round P before P V on tensor cores and round the output: half (11-bit significand, unit
+/// roundoff 4.9e-4) and bf16 (8-bit, 3.9e-3) get TransformerEngine's CP-test tolerances, 5e-3
+/// and 2.5e-2, about ten times the unit roundoff.
+template <class T>
+inline constexpr double tolerance = std::is_same_v<T, __half> ? 5e-3 : std::is_same_v<T, __nv_bfloat16> ? 2.5e-2 : 1e-5;
+
+/// Gradients: float as the project's backward (1e-4); half and bf16 as their forward (the
+/// gradients are rounded to T at the end).
+template <class T>
+inline constexpr double grad_tolerance = std::is_same_v<T, float> ? 1e-4 : tolerance<T>;
+
+/// Readable name of an element type.
+template <class T>
+constexpr const char* type_name() {
+  return std::is_same_v<T, __half> ? "half" : std::is_same_v<T, __nv_bfloat16> ? "bf16" : "float";
+}
+
+/// x converted to T (exact when x came from a T, as make_global_as<T> inputs do).
+template <class T>
+T from_double(double x) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __float2half_rn(static_cast<float>(x));
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(static_cast<float>(x));
+  else
+    return static_cast<T>(x);
+}
+
+/// x as double.
+template <class T>
+double to_double(T x) {
+  if constexpr (std::is_same_v<T, __half>)
+    return static_cast<double>(__half2float(x));
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return static_cast<double>(__bfloat162float(x));
+  else
+    return static_cast<double>(x);
+}
+
+/// Device memory of n elements of T, freed on destruction.
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t n) : n_(n) {
+    if (n_ > 0) SEQPAR_CUDA_CHECK(cudaMalloc(&p_, n_ * sizeof(T)));
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) {
+    o.p_ = nullptr;
+    o.n_ = 0;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  T* data() const { return p_; }
+  std::size_t size() const { return n_; }
+
+  /// Copies host doubles in, converted to T.
+  void upload(const std::vector<double>& x) {
+    std::vector<T> h(x.size());
+    std::transform(x.begin(), x.end(), h.begin(), from_double<T>);
+    upload_raw(h);
+  }
+  /// Copies host elements in.
+  void upload_raw(const std::vector<T>& h) {
+    SEQPAR_CHECK(h.size() == n_, ConfigError, "DeviceBuffer::upload: expected ", n_, " elements, got ", h.size());
+    if (n_) SEQPAR_CUDA_CHECK(cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  /// Fills every byte with `byte` (0xff makes float and half NaN: a sentinel for unwritten output).
+  void poison(int byte = 0xff) {
+    if (n_) SEQPAR_CUDA_CHECK(cudaMemset(p_, byte, n_ * sizeof(T)));
+  }
+  /// Copies out as doubles (synchronous).
+  std::vector<double> download() const {
+    std::vector<T> h(n_);
+    if (n_) SEQPAR_CUDA_CHECK(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    std::vector<double> out(n_);
+    std::transform(h.begin(), h.end(), out.begin(), to_double<T>);
+    return out;
+  }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+/// A non-blocking CUDA stream, destroyed at the end of its scope.
+class Stream {
+ public:
+  Stream() { SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() { cudaStreamDestroy(s_); }
+  operator cudaStream_t() const { return s_; }  // NOLINT: a stream handle
+  void sync() const { SEQPAR_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+/// Device copy of a global BSHD tensor's rows at `pos` (as T).
+template <class T>
+DeviceBuffer<T> rows_on_device(const std::vector<double>& global, std::int64_t batch, std::int64_t seq,
+                               std::int64_t heads, std::int64_t dim, const PositionMap& pos) {
+  DeviceBuffer<T> d(static_cast<std::size_t>(batch * pos.size() * heads * dim));
+  d.upload(test::scatter_rows<double>(global, batch, seq, heads, dim, pos));
+  return d;
+}
+
+/// How a GPU policy run is set up.
+struct GpuRunOptions {
+  std::vector<std::int64_t> lengths_q, lengths_kv;  ///< per world rank; empty: even split
+  bool with_lse = true;       ///< ask for the LSE
+  bool tensor_cores = true;   ///< allow CudaFlashKernel's tensor-core path
+  bool backward = false;      ///< also run backward and compare gradients
+};
+
+/// Errors of one GPU run.
+struct GpuRunResult {
+  test::Errors out;       ///< forward output and LSE
+  test::GradErrors grads; ///< when backward ran
+};
+
+/// The problem of case `c` for element type T.
+template <class T>
+AttentionProblem problem_of(const test::GlobalCase& c, bool with_lse) {
+  AttentionProblem prob;
+  prob.batch = c.batch;
+  prob.heads = c.heads;
+  prob.kv_heads = c.kv_heads;
+  prob.head_dim = c.head_dim;
+  prob.causal = c.causal;
+  prob.scale = c.scale;
+  prob.dtype = dtype_v<T>;
+  prob.with_lse = with_lse;
+  return prob;
+}
+
+/// Runs `policy` with `ranks` threads on the current GPU (each rank its own stream) on inputs
+/// `g` (rounded to T); compares every rank's rows with the reference, and, with
+/// opt.backward, the gradients with `gr`.
+template <class T, class Policy>
+GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
+                        const test::GlobalGrads* gr, GpuRunOptions opt = {}) {
+  const MeshConfig mesh = mesh_config(policy, ranks);
+  if (opt.lengths_q.empty()) opt.lengths_q = test::even_lengths(mesh, c.seq_q);
+  if (opt.lengths_kv.empty()) opt.lengths_kv = test::even_lengths(mesh, c.kv_len());
+  if (opt.backward) opt.with_lse = true;
+  int device = 0;
+  SEQPAR_CUDA_CHECK(cudaGetDevice(&device));
+  GpuRunResult res;
+  std::mutex mu;
+  const std::int64_t B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim;
+  using A = acc_t<T>;
+  run_ranks<CudaSpace>(
+      ranks,
+      [&](CudaThreadCommunicator& comm) {
+        SEQPAR_CUDA_CHECK(cudaSetDevice(device));
+        const int w = comm.rank();
+        Stream stream;
+        SequenceParallelAttention<Policy, CudaThreadCommunicator, CudaFlashKernel> attn(comm, policy);
+        use_stream(attn, stream);
+        attn.kernel().set_tensor_cores(opt.tensor_cores);
+        const Plan plan = attn.plan(problem_of<T>(c, opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
+        const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
+        const std::int64_t lq = qp.size(), lk = kp.size();
+        auto q = rows_on_device<T>(g.q, B, c.seq_q, H, D, qp);
+        auto k = rows_on_device<T>(g.k, B, c.kv_len(), K, D, kp);
+        auto v = rows_on_device<T>(g.v, B, c.kv_len(), K, D, kp);
+        DeviceBuffer<T> out(static_cast<std::size_t>(B * lq * H * D));
+        DeviceBuffer<A> lse(static_cast<std::size_t>(B * lq * H));
+        out.poison();
+        lse.poison();
+        DeviceBuffer<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+        using CV = TensorView<const T, CudaSpace>;
+        using V = TensorView<T, CudaSpace>;
+        using AV = TensorView<A, CudaSpace>;
+        const CV qv = CV::bshd(q.data(), B, lq, H, D), kv = CV::bshd(k.data(), B, lk, K, D),
+                 vv = CV::bshd(v.data(), B, lk, K, D);
+        const AV lv = opt.with_lse ? AV::lse_bhs(lse.data(), B, lq, H) : AV{};
+        attn.template forward<T>(plan, qv, kv, vv, V::bshd(out.data(), B, lq, H, D), lv,
+                                 std::span<std::byte>(ws.data(), ws.size()));
+        stream.sync();
+        const std::vector<double> o = out.download(), l = lse.download();
+        test::Errors e;
+        for (std::int64_t b = 0; b < B; ++b)
+          for (std::int64_t i = 0; i < lq; ++i)
+            for (std::int64_t h = 0; h < H; ++h) {
+              const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
+              for (std::int64_t d = 0; d < D; ++d) e.add_out(o[((b * lq + i) * H + h) * D + d], g.out[row * D + d]);
+              if (opt.with_lse) e.add_lse(l[(b * H + h) * lq + i], g.lse[row]);
+            }
+        test::GradErrors ge;
+        if (opt.backward) {
+          auto dout = rows_on_device<T>(gr->dout, B, c.seq_q, H, D, qp);
+          DeviceBuffer<T> dq(q.size()), dk(k.size()), dv(v.size());
+          dq.poison();
+          dk.poison();
+          dv.poison();
+          attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, D), qv, kv, vv,
+                                    CV::bshd(out.data(), B, lq, H, D), TensorView<const A, CudaSpace>(lv),
+                                    V::bshd(dq.data(), B, lq, H, D), V::bshd(dk.data(), B, lk, K, D),
+                                    V::bshd(dv.data(), B, lk, K, D), std::span<std::byte>(ws.data(), ws.size()));
+          stream.sync();
+          ge.dq = test::compare_rows(dq.download(), gr->dq, B, c.seq_q, H, D, qp);
+          ge.dk = test::compare_rows(dk.download(), gr->dk, B, c.kv_len(), K, D, kp);
+          ge.dv = test::compare_rows(dv.download(), gr->dv, B, c.kv_len(), K, D, kp);
+        }
+        std::lock_guard lock(mu);
+        res.out.merge(e);
+        res.grads.dq.merge(ge.dq);
+        res.grads.dk.merge(ge.dk);
+        res.grads.dv.merge(ge.dv);
+      },
+      ThreadRunOptions{std::chrono::milliseconds(120000)});
+  return res;
+}
+
+}  // namespace seqpar::gpu_test

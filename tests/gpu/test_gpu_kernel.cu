@@ -1,0 +1,355 @@
+// GPU tests of the CUDA pieces on their own: CudaFlashKernel forward (both paths) and backward
+// against ReferenceKernel in double, TensorOps<CudaSpace> against TensorOps<HostSpace>, and
+// the device-memory ThreadCommunicator's copies.
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/gpu_check.hpp"
+
+using namespace seqpar;
+using namespace seqpar::gpu_test;
+
+namespace {
+
+/// A logical [B, S, H, D] tensor: host values (rounded to T) and a device copy whose head
+/// stride is padded by `pad` elements (pad % 8 == 0 keeps rows 16-byte aligned; other pads
+/// force the SIMT path).
+template <class T>
+struct Tensor {
+  std::int64_t b, s, h, d, pad;
+  std::vector<double> host;  // contiguous BSHD
+  DeviceBuffer<T> dev;
+
+  Tensor(std::int64_t b_, std::int64_t s_, std::int64_t h_, std::int64_t d_, std::int64_t pad_, std::mt19937_64& rng,
+         double lo = -1.0, double hi = 1.0)
+      : b(b_), s(s_), h(h_), d(d_), pad(pad_), host(static_cast<std::size_t>(b_ * s_ * h_ * d_)),
+        dev(static_cast<std::size_t>(b_ * s_ * h_ * (d_ + pad_))) {
+    std::uniform_real_distribution<double> u(lo, hi);
+    for (auto& x : host) x = to_double(from_double<T>(u(rng)));
+    std::vector<double> padded(dev.size(), 0.0);
+    for (std::int64_t r = 0; r < b * s * h; ++r)
+      for (std::int64_t i = 0; i < d; ++i) padded[r * (d + pad) + i] = host[r * d + i];
+    dev.upload(padded);
+  }
+  TensorView<const T, CudaSpace> view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
+  TensorView<T, CudaSpace> mut_view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
+  TensorView<const double> host_view() const { return TensorView<const double>::bshd(host.data(), b, s, h, d); }
+  /// The device values, contiguous BSHD.
+  std::vector<double> values() const {
+    const std::vector<double> padded = dev.download();
+    std::vector<double> out(host.size());
+    for (std::int64_t r = 0; r < b * s * h; ++r)
+      for (std::int64_t i = 0; i < d; ++i) out[r * d + i] = padded[r * (d + pad) + i];
+    return out;
+  }
+};
+
+/// max |a - b| / max |b|; infinite on NaN; -inf entries must match exactly.
+double rel_error(const std::vector<double>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  double err = 0, ref = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) return std::numeric_limits<double>::infinity();
+    if (std::isinf(want[i])) {
+      if (got[i] != want[i]) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    err = std::max(err, std::abs(got[i] - want[i]));
+    ref = std::max(ref, std::abs(want[i]));
+  }
+  return ref > 0 ? err / ref : err;
+}
+
+/// Shapes of a kernel check.
+struct KernelCase {
+  std::int64_t batch, sq, sk, heads, kv_heads, dim;
+  bool causal;
+  int positions;  // 0: contiguous from 0; 1: queries at the end; 2: queries in two runs
+};
+
+KernelParams params_of(const KernelCase& c) {
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(c.dim));
+  p.causal = c.causal;
+  p.group_size = c.heads / c.kv_heads;
+  p.k_positions = PositionMap::run(c.sk, 0);
+  if (c.positions == 0) {
+    p.q_positions = PositionMap::run(c.sq, 0);
+  } else if (c.positions == 1) {
+    p.q_positions = PositionMap::run(c.sq, c.sk - c.sq);
+  } else {
+    // Zigzag-like: the first half early, the second half late (some rows see no key at all
+    // when the first run starts before key 0 can be seen: positions are >= 0, so use 2 runs).
+    PositionMap m = PositionMap::run((c.sq + 1) / 2, 5);
+    m.seg[m.segments++] = {c.sq / 2, c.sk / 2 + 40, 1};
+    p.q_positions = m;
+  }
+  return p;
+}
+
+/// Runs the forward of one case with output type O and compares with the reference.
+template <class T, class O>
+void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, bool with_lse, const char* want_path) {
+  CAPTURE(type_name<T>());
+  CAPTURE(c.sq);
+  CAPTURE(c.sk);
+  CAPTURE(c.dim);
+  CAPTURE(c.causal);
+  CAPTURE(c.positions);
+  CAPTURE(pad);
+  CAPTURE(tensor_cores);
+  CAPTURE(with_lse);
+  std::mt19937_64 rng(static_cast<std::uint64_t>(c.sq * 131 + c.sk * 7 + c.dim + pad));
+  Tensor<T> q(c.batch, c.sq, c.heads, c.dim, pad, rng), k(c.batch, c.sk, c.kv_heads, c.dim, pad, rng),
+      v(c.batch, c.sk, c.kv_heads, c.dim, pad, rng);
+  DeviceBuffer<O> out(static_cast<std::size_t>(c.batch * c.sq * c.heads * c.dim));
+  DeviceBuffer<float> lse(static_cast<std::size_t>(c.batch * c.sq * c.heads));
+  out.poison();
+  lse.poison();
+  const KernelParams p = params_of(c);
+  Stream stream;
+  CudaFlashKernel kernel(stream);
+  kernel.set_tensor_cores(tensor_cores);
+  CHECK(std::string(kernel.forward_path<T>(q.view(), k.view(), v.view())) == want_path);
+  const auto lv = with_lse ? TensorView<float, CudaSpace>::lse_bhs(lse.data(), c.batch, c.sq, c.heads)
+                           : TensorView<float, CudaSpace>{};
+  kernel.forward(q.view(), k.view(), v.view(), TensorView<O, CudaSpace>::bshd(out.data(), c.batch, c.sq, c.heads, c.dim),
+                 lv, p);
+  stream.sync();
+
+  std::vector<double> want(q.host.size()), want_lse(static_cast<std::size_t>(c.batch * c.sq * c.heads));
+  ReferenceKernel{}.forward(q.host_view(), k.host_view(), v.host_view(),
+                            TensorView<double>::bshd(want.data(), c.batch, c.sq, c.heads, c.dim),
+                            TensorView<double>::lse_bhs(want_lse.data(), c.batch, c.sq, c.heads), p);
+  // Output in T is rounded once more than the float accumulator.
+  const double tol = std::is_same_v<O, float> && !std::is_same_v<T, float> ? tolerance<T> / 2 : tolerance<T>;
+  CHECK(rel_error(out.download(), want) <= tol);
+  if (with_lse) {
+    CHECK(rel_error(lse.download(), want_lse) <= 1e-5);
+  } else {
+    for (double x : lse.download()) REQUIRE(std::isnan(x));  // untouched
+  }
+}
+
+template <class T>
+void forward_suite() {
+  const bool tc_capable = [] {
+    int dev = 0, major = 0;
+    SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
+    SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 8;
+  }();
+  const bool low = !std::is_same_v<T, float>;
+  for (std::int64_t dim : {64, 128, 40, 96, 256, 8})
+    for (bool causal : {false, true})
+      for (int positions : {0, 1, 2}) {
+        if (!causal && positions != 0) continue;
+        const KernelCase c{2, 100, 150, 4, 2, dim, causal, positions};
+        const bool mma = low && tc_capable && (dim == 64 || dim == 128);
+        check_forward<T, T>(c, true, 8, true, mma ? "mma" : "simt");
+        check_forward<T, float>(c, true, 0, causal, mma ? "mma" : "simt");
+        if (mma) {
+          check_forward<T, T>(c, false, 8, true, "simt");  // the SIMT path for the same shape
+          check_forward<T, T>(c, true, 3, true, "simt");   // rows not 16-byte aligned
+        }
+      }
+  // Long enough for many tiles and for the cp.async pipeline to run several rounds.
+  for (std::int64_t dim : {64, 128}) {
+    check_forward<T, T>({1, 700, 1000, 2, 1, dim, true, 1}, true, 0, true, low && tc_capable ? "mma" : "simt");
+    check_forward<T, T>({1, 513, 257, 2, 2, dim, false, 0}, true, 0, true, low && tc_capable ? "mma" : "simt");
+  }
+  // Single rows and keys, and tiles cut to one element.
+  check_forward<T, T>({1, 1, 1, 1, 1, 64, false, 0}, true, 0, true, low && tc_capable ? "mma" : "simt");
+  check_forward<T, T>({3, 65, 1, 3, 1, 128, true, 1}, true, 0, true, low && tc_capable ? "mma" : "simt");
+  check_forward<T, T>({1, 33, 31, 2, 1, 17, true, 2}, true, 0, true, "simt");
+}
+
+/// Backward: dq, dk, dv start at random values, the kernel must add its gradients to them.
+template <class T>
+void check_backward(const KernelCase& c) {
+  CAPTURE(type_name<T>());
+  CAPTURE(c.dim);
+  CAPTURE(c.causal);
+  CAPTURE(c.positions);
+  std::mt19937_64 rng(static_cast<std::uint64_t>(c.dim * 31 + c.causal));
+  Tensor<T> q(c.batch, c.sq, c.heads, c.dim, 0, rng), k(c.batch, c.sk, c.kv_heads, c.dim, 0, rng),
+      v(c.batch, c.sk, c.kv_heads, c.dim, 0, rng), dout(c.batch, c.sq, c.heads, c.dim, 0, rng);
+  const KernelParams p = params_of(c);
+  // The forward's output and LSE from the reference, output rounded to T as a forward would give it.
+  std::vector<double> out(q.host.size()), lse(static_cast<std::size_t>(c.batch * c.sq * c.heads));
+  ReferenceKernel{}.forward(q.host_view(), k.host_view(), v.host_view(),
+                            TensorView<double>::bshd(out.data(), c.batch, c.sq, c.heads, c.dim),
+                            TensorView<double>::bshd(lse.data(), c.batch, c.sq, c.heads, 1), p);
+  for (auto& x : out) x = to_double(from_double<T>(x));
+  DeviceBuffer<T> out_d(out.size());
+  out_d.upload(out);
+  DeviceBuffer<float> lse_d(lse.size());
+  lse_d.upload(lse);
+  Tensor<float> dq(c.batch, c.sq, c.heads, c.dim, 0, rng), dk(c.batch, c.sk, c.kv_heads, c.dim, 0, rng),
+      dv(c.batch, c.sk, c.kv_heads, c.dim, 0, rng);
+  Stream stream;
+  CudaFlashKernel kernel(stream);
+  kernel.backward(dout.view(), q.view(), k.view(), v.view(),
+                  TensorView<const T, CudaSpace>::bshd(out_d.data(), c.batch, c.sq, c.heads, c.dim),
+                  TensorView<const float, CudaSpace>::bshd(lse_d.data(), c.batch, c.sq, c.heads, 1), dq.mut_view(),
+                  dk.mut_view(), dv.mut_view(), p);
+  stream.sync();
+  std::vector<double> want_dq = dq.host, want_dk = dk.host, want_dv = dv.host;
+  using G = TensorView<double>;
+  ReferenceKernel{}.backward(dout.host_view(), q.host_view(), k.host_view(), v.host_view(),
+                             TensorView<const double>::bshd(out.data(), c.batch, c.sq, c.heads, c.dim),
+                             TensorView<const double>::bshd(lse.data(), c.batch, c.sq, c.heads, 1),
+                             G::bshd(want_dq.data(), c.batch, c.sq, c.heads, c.dim),
+                             G::bshd(want_dk.data(), c.batch, c.sk, c.kv_heads, c.dim),
+                             G::bshd(want_dv.data(), c.batch, c.sk, c.kv_heads, c.dim), p);
+  // Every term is formed in float from T inputs: float-level errors whatever T is.
+  CHECK(rel_error(dq.values(), want_dq) <= 1e-4);
+  CHECK(rel_error(dk.values(), want_dk) <= 1e-4);
+  CHECK(rel_error(dv.values(), want_dv) <= 1e-4);
+}
+
+template <class T>
+void backward_suite() {
+  for (std::int64_t dim : {64, 40, 128, 256})
+    for (bool causal : {false, true}) check_backward<T>({2, 70, 90, 4, 2, dim, causal, causal ? 2 : 0});
+}
+
+}  // namespace
+
+TEST_CASE("CudaFlashKernel forward matches the exact reference: float") { forward_suite<float>(); }
+TEST_CASE("CudaFlashKernel forward matches the exact reference: half") { forward_suite<__half>(); }
+TEST_CASE("CudaFlashKernel forward matches the exact reference: bf16") { forward_suite<__nv_bfloat16>(); }
+
+TEST_CASE("CudaFlashKernel: empty inputs and rows that see no key give O = 0, LSE = -inf") {
+  for (bool tc : {true, false}) {
+    CAPTURE(tc);
+    std::mt19937_64 rng(3);
+    Tensor<__half> q(1, 70, 2, 64, 0, rng), k(1, 70, 2, 64, 0, rng);
+    DeviceBuffer<__half> out(q.host.size());
+    DeviceBuffer<float> lse(70 * 2);
+    Stream stream;
+    CudaFlashKernel kernel(stream);
+    kernel.set_tensor_cores(tc);
+    KernelParams p;
+    p.scale = 0.125;
+    p.causal = true;
+    p.q_positions = PositionMap::run(70, 0);
+    p.k_positions = PositionMap::run(70, 1000);  // every key after every query
+    for (std::int64_t sk : {std::int64_t{70}, std::int64_t{0}}) {
+      out.poison();
+      lse.poison();
+      const auto kv = k.view().slice_seq(0, sk);
+      kernel.forward(q.view(), kv, kv, TensorView<__half, CudaSpace>::bshd(out.data(), 1, 70, 2, 64),
+                     TensorView<float, CudaSpace>::lse_bhs(lse.data(), 1, 70, 2), p);
+      stream.sync();
+      for (double x : out.download()) REQUIRE(x == 0.0);
+      for (double x : lse.download()) REQUIRE(x == -std::numeric_limits<double>::infinity());
+    }
+  }
+}
+
+TEST_CASE("CudaFlashKernel backward adds the exact gradients: float") { backward_suite<float>(); }
+TEST_CASE("CudaFlashKernel backward adds the exact gradients: half") { backward_suite<__half>(); }
+TEST_CASE("CudaFlashKernel backward adds the exact gradients: bf16") { backward_suite<__nv_bfloat16>(); }
+
+TEST_CASE("CudaFlashKernel rejects head dims above 256 and mismatched shapes") {
+  CudaFlashKernel kernel;
+  CHECK_THROWS_AS(kernel.prepare(257), ConfigError);
+  CHECK_NOTHROW(kernel.prepare(256));
+  std::mt19937_64 rng(1);
+  Tensor<float> q(1, 4, 2, 16, 0, rng), k(1, 5, 2, 16, 0, rng), v(1, 6, 2, 16, 0, rng);
+  DeviceBuffer<float> out(q.host.size());
+  CHECK_THROWS_AS(kernel.forward(q.view(), k.view(), v.view(), TensorView<float, CudaSpace>::bshd(out.data(), 1, 4, 2, 16),
+                                 TensorView<float, CudaSpace>{}, KernelParams{}),
+                  ConfigError);
+}
+
+TEST_CASE("TensorOps<CudaSpace> matches TensorOps<HostSpace>: copy, accumulate, fill, merge") {
+  std::mt19937_64 rng(11);
+  Stream stream;
+  TensorOps<CudaSpace> ops;
+  ops.set_stream(stream);
+  // Strided half source (padded heads) into an SBHD float destination and back to bf16.
+  Tensor<__half> src(2, 9, 3, 20, 4, rng);
+  DeviceBuffer<float> f(src.host.size());
+  const auto fv = TensorView<float, CudaSpace>::sbhd(f.data(), 2, 9, 3, 20);
+  ops.copy(src.view(), fv);
+  Tensor<__nv_bfloat16> acc(2, 9, 3, 20, 0, rng);
+  const std::vector<double> acc_before = acc.host;
+  ops.accumulate(TensorView<const float, CudaSpace>(fv), acc.mut_view());
+  stream.sync();
+  // Host: the same operations in double on the same values.
+  std::vector<double> fh(src.host.size());
+  TensorOps<HostSpace>::copy(src.host_view(), TensorView<double>::sbhd(fh.data(), 2, 9, 3, 20));
+  CHECK(rel_error(f.download(), fh) == 0.0);
+  std::vector<double> sum = acc_before;
+  TensorOps<HostSpace>::accumulate(TensorView<const double>::sbhd(fh.data(), 2, 9, 3, 20),
+                                   TensorView<double>::bshd(sum.data(), 2, 9, 3, 20));
+  CHECK(rel_error(acc.values(), sum) <= 4e-3);  // one bf16 rounding
+
+  ops.fill(fv, 2.5f);
+  stream.sync();
+  for (double x : f.download()) REQUIRE(x == 2.5);
+
+  // Merge of partial results, with -inf rows on either side and on both.
+  const std::int64_t B = 2, S = 7, H = 3, D = 33;
+  Tensor<float> o1(B, S, H, D, 0, rng), o2(B, S, H, D, 0, rng), l1(B, S, H, 1, 0, rng, -3, 3), l2(B, S, H, 1, 0, rng, -3, 3);
+  std::vector<double> l1h = l1.host, l2h = l2.host;
+  l1h[1] = -INFINITY;
+  l2h[2] = -INFINITY;
+  l1h[3] = l2h[3] = -INFINITY;
+  std::vector<double> o1h = o1.host;
+  for (std::int64_t d = 0; d < D; ++d) o1h[1 * D + d] = o1h[3 * D + d] = 0.0;  // a -inf row holds O = 0
+  o1.dev.upload(o1h);
+  l1.dev.upload(l1h);
+  l2.dev.upload(l2h);
+  ops.merge(o1.mut_view(), l1.mut_view(), o2.view(), l2.view());
+  stream.sync();
+  std::vector<float> o1f(o1h.begin(), o1h.end()), l1f(l1h.begin(), l1h.end()), o2f(o2.host.begin(), o2.host.end()),
+      l2f(l2h.begin(), l2h.end());
+  TensorOps<HostSpace>::merge(TensorView<float>::bshd(o1f.data(), B, S, H, D), TensorView<float>::bshd(l1f.data(), B, S, H, 1),
+                              TensorView<const float>::bshd(o2f.data(), B, S, H, D),
+                              TensorView<const float>::bshd(l2f.data(), B, S, H, 1));
+  CHECK(rel_error(o1.values(), std::vector<double>(o1f.begin(), o1f.end())) <= 1e-6);
+  CHECK(rel_error(l1.values(), std::vector<double>(l1f.begin(), l1f.end())) <= 1e-6);
+}
+
+TEST_CASE("CudaThreadCommunicator moves device bytes: all_to_all_v and ring exchange") {
+  const int P = 3;
+  std::vector<std::vector<double>> got(P);
+  run_ranks<CudaSpace>(P, [&](CudaThreadCommunicator& comm) {
+    const int r = comm.rank();
+    // Rank r sends (j + 1) values r * 10 + j to rank j; then passes its block to r + 1.
+    std::vector<double> send;
+    std::vector<std::size_t> sc, sd, rc, rd;
+    for (int j = 0; j < P; ++j) {
+      sd.push_back(send.size() * sizeof(float));
+      for (int i = 0; i <= j; ++i) send.push_back(r * 10 + j);
+      sc.push_back(static_cast<std::size_t>(j + 1) * sizeof(float));
+      rd.push_back(static_cast<std::size_t>(j * (r + 1)) * sizeof(float));
+      rc.push_back(static_cast<std::size_t>(r + 1) * sizeof(float));
+    }
+    DeviceBuffer<float> s(send.size()), d(static_cast<std::size_t>(P * (r + 1))), e(static_cast<std::size_t>(P * P));
+    s.upload(send);
+    comm.all_to_all_v(reinterpret_cast<const std::byte*>(s.data()), sc, sd, reinterpret_cast<std::byte*>(d.data()), rc, rd);
+    const int from = (r + P - 1) % P;
+    auto req = comm.start_exchange(reinterpret_cast<const std::byte*>(d.data()), d.size() * sizeof(float), (r + 1) % P,
+                                   reinterpret_cast<std::byte*>(e.data()),
+                                   static_cast<std::size_t>(P * (from + 1)) * sizeof(float), from);
+    comm.wait(req);
+    const std::vector<double> mine = d.download(), passed = e.download();
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i <= r; ++i) CHECK(mine[j * (r + 1) + i] == j * 10 + r);
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i <= from; ++i) CHECK(passed[j * (from + 1) + i] == j * 10 + from);
+    got[r] = mine;
+  });
+  for (const auto& g : got) CHECK(!g.empty());
+}
