@@ -34,7 +34,7 @@ PositionMap random_positions(std::int64_t n, std::mt19937_64& rng) {
 
 /// Runs both kernels on random inputs of type T; returns the errors of the flash kernel.
 template <class T>
-test::Errors compare(const KernelCase& c) {
+test::Errors compare(const KernelCase& c, int threads = 1) {
   std::mt19937_64 rng(c.seed);
   // The local tensors hold the heads of the slice; group_size refers to the global problem.
   const auto q = test::rounded<T>(test::random_tensor(c.batch * c.sq * c.heads * c.dim, rng));
@@ -59,7 +59,7 @@ test::Errors compare(const KernelCase& c) {
                             TensorView<double>::lse_bhs(want_lse.data(), c.batch, c.sq, c.heads), p);
   std::vector<T> got(q.size(), T(12345));
   std::vector<acc_t<T>> got_lse(want_lse.size(), acc_t<T>(12345));
-  CpuFlashKernel{}.forward(qv, kv, vv, TensorView<T>::bshd(got.data(), c.batch, c.sq, c.heads, c.dim),
+  CpuFlashKernel(threads).forward(qv, kv, vv, TensorView<T>::bshd(got.data(), c.batch, c.sq, c.heads, c.dim),
                            TensorView<acc_t<T>>::lse_bhs(got_lse.data(), c.batch, c.sq, c.heads), p);
   test::Errors e;
   for (std::size_t i = 0; i < got.size(); ++i) e.add_out(got[i], want[i]);
@@ -94,7 +94,9 @@ void sweep_lengths_and_dims() {
         CAPTURE(c.sk);
         CAPTURE(c.dim);
         CAPTURE(c.causal);
-        const auto e = compare<T>(c);
+        const int threads = n % 5 == 0 ? 2 : 1;  // some on the kernel's thread pool
+        CAPTURE(threads);
+        const auto e = compare<T>(c, threads);
         CHECK(!e.nan);
         CHECK(e.rel() <= test::tolerance<T>);
         CHECK(e.lse_rel() <= test::tolerance<T>);
@@ -114,6 +116,8 @@ TEST_CASE("flash kernel (double): odd lengths x head_dim 1..256, causal and not,
 TEST_CASE_TEMPLATE("flash kernel: random shapes, GQA slices, zigzag- and stripe-like positions", T, float, double) {
   std::mt19937_64 rng(7);
   for (int n = 0; n < 60; ++n) {
+    // Every fourth case runs on the kernel's thread pool (work split across 3 threads).
+    const int threads = n % 4 == 1 ? 3 : 1;
     KernelCase c;
     const std::int64_t kvh = 1 + rng() % 3, group = 1 + rng() % 3;
     c.batch = 1 + rng() % 2;
@@ -160,7 +164,8 @@ TEST_CASE_TEMPLATE("flash kernel: random shapes, GQA slices, zigzag- and stripe-
     CAPTURE(c.heads);
     CAPTURE(c.kv_heads);
     CAPTURE(c.causal);
-    const auto e = compare<T>(c);
+    CAPTURE(threads);
+    const auto e = compare<T>(c, threads);
     CHECK(!e.nan);
     CHECK(e.rel() <= test::tolerance<T>);
     CHECK(e.lse_rel() <= test::tolerance<T>);
