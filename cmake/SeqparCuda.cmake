@@ -98,7 +98,5 @@ elseif(SEQPAR_ENABLE_NCCL STREQUAL "ON")
   message(FATAL_ERROR "SEQPAR_ENABLE_NCCL=ON needs CUDA, which was not found")
 endif()
 
-# The CUDA examples (a demo per GPU rank under mpirun needs seqpar::mpi too).
-if(SEQPAR_BUILD_EXAMPLES AND SEQPAR_HAS_CUDA AND EXISTS ${CMAKE_CURRENT_LIST_DIR}/../examples/cuda/CMakeLists.txt)
-  add_subdirectory(${CMAKE_CURRENT_LIST_DIR}/../examples/cuda ${CMAKE_CURRENT_BINARY_DIR}/examples/cuda)
-endif()
+# The CUDA examples (examples/cuda) are added by examples/CMakeLists.txt and build only when
+# seqpar::cuda (nccl_demo: seqpar::nccl and seqpar::mpi) exists.

@@ -166,81 +166,101 @@ AttentionProblem problem_of(const test::GlobalCase& c, bool with_lse) {
   return prob;
 }
 
-/// Runs `policy` with `ranks` threads on the current GPU (each rank its own stream) on inputs
-/// `g` (rounded to T); compares every rank's rows with the reference, and, with
-/// opt.backward, the gradients with `gr`.
-template <class T, class Policy>
-GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
-                        const test::GlobalGrads* gr, GpuRunOptions opt = {}) {
+/// Lengths filled in (even split when empty) for `ranks` ranks of `policy`.
+template <class Policy>
+GpuRunOptions resolved(GpuRunOptions opt, const Policy& policy, int ranks, const test::GlobalCase& c) {
   const MeshConfig mesh = mesh_config(policy, ranks);
   if (opt.lengths_q.empty()) opt.lengths_q = test::even_lengths(mesh, c.seq_q);
   if (opt.lengths_kv.empty()) opt.lengths_kv = test::even_lengths(mesh, c.kv_len());
   if (opt.backward) opt.with_lse = true;
+  return opt;
+}
+
+/// One rank's part of a GPU run over any CudaSpace communicator: plan, forward (and backward)
+/// on `stream`, and this rank's rows compared with the reference.
+template <class T, class Policy, class Comm>
+GpuRunResult run_rank(Comm& comm, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
+                      const test::GlobalGrads* gr, const GpuRunOptions& opt, cudaStream_t stream) {
+  const std::int64_t B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim;
+  using A = acc_t<T>;
+  const int w = comm.rank();
+  SequenceParallelAttention<Policy, Comm, CudaFlashKernel> attn(comm, policy);
+  use_stream(attn, stream);
+  attn.kernel().set_tensor_cores(opt.tensor_cores);
+  const Plan plan = attn.plan(problem_of<T>(c, opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
+  const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
+  const std::int64_t lq = qp.size(), lk = kp.size();
+  auto q = rows_on_device<T>(g.q, B, c.seq_q, H, D, qp);
+  auto k = rows_on_device<T>(g.k, B, c.kv_len(), K, D, kp);
+  auto v = rows_on_device<T>(g.v, B, c.kv_len(), K, D, kp);
+  DeviceBuffer<T> out(static_cast<std::size_t>(B * lq * H * D));
+  DeviceBuffer<A> lse(static_cast<std::size_t>(B * lq * H));
+  out.poison();
+  lse.poison();
+  DeviceBuffer<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+  using CV = TensorView<const T, CudaSpace>;
+  using V = TensorView<T, CudaSpace>;
+  using AV = TensorView<A, CudaSpace>;
+  const CV qv = CV::bshd(q.data(), B, lq, H, D), kv = CV::bshd(k.data(), B, lk, K, D),
+           vv = CV::bshd(v.data(), B, lk, K, D);
+  const AV lv = opt.with_lse ? AV::lse_bhs(lse.data(), B, lq, H) : AV{};
+  attn.template forward<T>(plan, qv, kv, vv, V::bshd(out.data(), B, lq, H, D), lv,
+                           std::span<std::byte>(ws.data(), ws.size()));
+  SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<double> o = out.download(), l = lse.download();
+  GpuRunResult res;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < lq; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
+        for (std::int64_t d = 0; d < D; ++d) res.out.add_out(o[((b * lq + i) * H + h) * D + d], g.out[row * D + d]);
+        if (opt.with_lse) res.out.add_lse(l[(b * H + h) * lq + i], g.lse[row]);
+      }
+  if (opt.backward) {
+    auto dout = rows_on_device<T>(gr->dout, B, c.seq_q, H, D, qp);
+    DeviceBuffer<T> dq(q.size()), dk(k.size()), dv(v.size());
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, D), qv, kv, vv, CV::bshd(out.data(), B, lq, H, D),
+                              TensorView<const A, CudaSpace>(lv), V::bshd(dq.data(), B, lq, H, D),
+                              V::bshd(dk.data(), B, lk, K, D), V::bshd(dv.data(), B, lk, K, D),
+                              std::span<std::byte>(ws.data(), ws.size()));
+    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
+    res.grads.dq = test::compare_rows(dq.download(), gr->dq, B, c.seq_q, H, D, qp);
+    res.grads.dk = test::compare_rows(dk.download(), gr->dk, B, c.kv_len(), K, D, kp);
+    res.grads.dv = test::compare_rows(dv.download(), gr->dv, B, c.kv_len(), K, D, kp);
+  }
+  return res;
+}
+
+/// Folds one rank's errors into the run's.
+inline void merge_into(GpuRunResult& all, const GpuRunResult& mine) {
+  all.out.merge(mine.out);
+  all.grads.dq.merge(mine.grads.dq);
+  all.grads.dk.merge(mine.grads.dk);
+  all.grads.dv.merge(mine.grads.dv);
+}
+
+/// Runs `policy` with `ranks` threads on the current GPU (CudaThreadCommunicator, each rank its
+/// own stream) on inputs `g` (rounded to T); compares every rank's rows with the reference,
+/// and, with opt.backward, the gradients with `gr`.
+template <class T, class Policy>
+GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
+                        const test::GlobalGrads* gr, GpuRunOptions opt = {}) {
+  opt = resolved(std::move(opt), policy, ranks, c);
   int device = 0;
   SEQPAR_CUDA_CHECK(cudaGetDevice(&device));
   GpuRunResult res;
   std::mutex mu;
-  const std::int64_t B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim;
-  using A = acc_t<T>;
   run_ranks<CudaSpace>(
       ranks,
       [&](CudaThreadCommunicator& comm) {
         SEQPAR_CUDA_CHECK(cudaSetDevice(device));
-        const int w = comm.rank();
         Stream stream;
-        SequenceParallelAttention<Policy, CudaThreadCommunicator, CudaFlashKernel> attn(comm, policy);
-        use_stream(attn, stream);
-        attn.kernel().set_tensor_cores(opt.tensor_cores);
-        const Plan plan = attn.plan(problem_of<T>(c, opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
-        const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
-        const std::int64_t lq = qp.size(), lk = kp.size();
-        auto q = rows_on_device<T>(g.q, B, c.seq_q, H, D, qp);
-        auto k = rows_on_device<T>(g.k, B, c.kv_len(), K, D, kp);
-        auto v = rows_on_device<T>(g.v, B, c.kv_len(), K, D, kp);
-        DeviceBuffer<T> out(static_cast<std::size_t>(B * lq * H * D));
-        DeviceBuffer<A> lse(static_cast<std::size_t>(B * lq * H));
-        out.poison();
-        lse.poison();
-        DeviceBuffer<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
-        using CV = TensorView<const T, CudaSpace>;
-        using V = TensorView<T, CudaSpace>;
-        using AV = TensorView<A, CudaSpace>;
-        const CV qv = CV::bshd(q.data(), B, lq, H, D), kv = CV::bshd(k.data(), B, lk, K, D),
-                 vv = CV::bshd(v.data(), B, lk, K, D);
-        const AV lv = opt.with_lse ? AV::lse_bhs(lse.data(), B, lq, H) : AV{};
-        attn.template forward<T>(plan, qv, kv, vv, V::bshd(out.data(), B, lq, H, D), lv,
-                                 std::span<std::byte>(ws.data(), ws.size()));
-        stream.sync();
-        const std::vector<double> o = out.download(), l = lse.download();
-        test::Errors e;
-        for (std::int64_t b = 0; b < B; ++b)
-          for (std::int64_t i = 0; i < lq; ++i)
-            for (std::int64_t h = 0; h < H; ++h) {
-              const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
-              for (std::int64_t d = 0; d < D; ++d) e.add_out(o[((b * lq + i) * H + h) * D + d], g.out[row * D + d]);
-              if (opt.with_lse) e.add_lse(l[(b * H + h) * lq + i], g.lse[row]);
-            }
-        test::GradErrors ge;
-        if (opt.backward) {
-          auto dout = rows_on_device<T>(gr->dout, B, c.seq_q, H, D, qp);
-          DeviceBuffer<T> dq(q.size()), dk(k.size()), dv(v.size());
-          dq.poison();
-          dk.poison();
-          dv.poison();
-          attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, D), qv, kv, vv,
-                                    CV::bshd(out.data(), B, lq, H, D), TensorView<const A, CudaSpace>(lv),
-                                    V::bshd(dq.data(), B, lq, H, D), V::bshd(dk.data(), B, lk, K, D),
-                                    V::bshd(dv.data(), B, lk, K, D), std::span<std::byte>(ws.data(), ws.size()));
-          stream.sync();
-          ge.dq = test::compare_rows(dq.download(), gr->dq, B, c.seq_q, H, D, qp);
-          ge.dk = test::compare_rows(dk.download(), gr->dk, B, c.kv_len(), K, D, kp);
-          ge.dv = test::compare_rows(dv.download(), gr->dv, B, c.kv_len(), K, D, kp);
-        }
+        const GpuRunResult mine = run_rank<T>(comm, policy, c, g, gr, opt, stream);
         std::lock_guard lock(mu);
-        res.out.merge(e);
-        res.grads.dq.merge(ge.dq);
-        res.grads.dk.merge(ge.dk);
-        res.grads.dv.merge(ge.dv);
+        merge_into(res, mine);
       },
       ThreadRunOptions{std::chrono::milliseconds(120000)});
   return res;

@@ -1,0 +1,342 @@
+#pragma once
+/// \file
+/// NcclCommunicator: the Communicator over NCCL (one GPU per rank, any number of nodes).
+///
+/// Data moves on GPU streams, never through the host:
+/// - all_to_all_v is one NCCL group of ncclSend/ncclRecv pairs on the compute stream (the
+///   stream the kernel and TensorOps use), so it is ordered after the packing that fills the
+///   send buffer and before the kernel that reads the result, without any host wait;
+/// - start_exchange records an event on the compute stream, makes the communication stream
+///   wait for it (the send buffer is complete, and earlier kernels are done with the receive
+///   buffer), posts the paired send/recv there and records a "done" event; wait() makes the
+///   compute stream wait for "done". Between the two, the compute stream runs the current ring
+///   step's kernel while the next K/V block is in flight: compute and transfer overlap.
+/// Metadata (all_gather_host, used only when a plan is made) goes over a host communicator
+/// (MpiCommunicator, or ThreadCommunicator for ranks as threads), so a forward never copies
+/// device memory to the host. split() is ncclCommSplit (NCCL >= 2.18) plus the host split.
+///
+/// Every NCCL and CUDA return code is checked: failures throw NcclError / CudaError.
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "seqpar/comm/communicator.hpp"
+#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/core/error.hpp"
+#include "seqpar/core/types.hpp"
+
+namespace seqpar {
+namespace detail {
+
+/// Throws NcclError for a failed NCCL call `what`, with NCCL's own explanation.
+[[noreturn]] inline void throw_nccl_error(ncclResult_t rc, const char* what, const char* file, int line) {
+  const char* last = nullptr;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+  last = ncclGetLastError(nullptr);
+#endif
+  throw_error<NcclError>(file, line, what, " failed: ", ncclGetErrorString(rc), " (ncclResult_t ", static_cast<int>(rc),
+                         ")", last && *last ? std::string(": ") + last : std::string());
+}
+
+}  // namespace detail
+}  // namespace seqpar
+
+/// Evaluates an NCCL call and throws seqpar::NcclError unless it returns ncclSuccess.
+#define SEQPAR_NCCL_CHECK(call)                                                         \
+  do {                                                                                  \
+    const ncclResult_t seqpar_nccl_rc_ = (call);                                        \
+    if (seqpar_nccl_rc_ != ncclSuccess)                                                 \
+      ::seqpar::detail::throw_nccl_error(seqpar_nccl_rc_, #call, __FILE__, __LINE__);   \
+  } while (0)
+
+namespace seqpar {
+namespace detail {
+
+/// What every copy of one NcclCommunicator shares: the NCCL communicator, the communication
+/// stream and the events of the exchanges. Destroyed with the last copy.
+struct NcclState {
+  /// Exchanges that may be in flight at once (ring steps start one and wait for it; backward
+  /// moves K/V and their gradients together).
+  static constexpr std::size_t max_in_flight = 8;
+
+  ncclComm_t comm = nullptr;
+  bool owned = false;
+  cudaStream_t comm_stream = nullptr;
+  cudaEvent_t ready = nullptr;
+  std::array<cudaEvent_t, max_in_flight> done{};
+  std::size_t next_done = 0;
+
+  NcclState(ncclComm_t c, bool own) : comm(c), owned(own) {
+    try {
+      SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+      SEQPAR_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      for (auto& e : done) SEQPAR_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  NcclState(const NcclState&) = delete;
+  NcclState& operator=(const NcclState&) = delete;
+  ~NcclState() { release(); }
+
+ private:
+  // A destructor cannot report failures; the handles are released on a best-effort basis.
+  void release() noexcept {
+    for (auto& e : done)
+      if (e) cudaEventDestroy(e);
+    if (ready) cudaEventDestroy(ready);
+    if (comm_stream) cudaStreamDestroy(comm_stream);
+    if (owned && comm) ncclCommDestroy(comm);
+  }
+};
+
+/// Ends an NCCL group even when a call inside it failed (an open group would capture later
+/// calls), then reports the first failure.
+class NcclGroup {
+ public:
+  NcclGroup() { SEQPAR_NCCL_CHECK(ncclGroupStart()); }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  /// Records the result of a call made inside the group.
+  void add(ncclResult_t rc, const char* what) {
+    if (rc != ncclSuccess && first_ == ncclSuccess) {
+      first_ = rc;
+      what_ = what;
+    }
+  }
+  /// Ends the group; throws for the first failure inside it or for the group end itself.
+  void end() {
+    open_ = false;
+    const ncclResult_t rc = ncclGroupEnd();
+    if (first_ != ncclSuccess) throw_nccl_error(first_, what_, __FILE__, __LINE__);
+    SEQPAR_NCCL_CHECK(rc);
+  }
+  ~NcclGroup() {
+    if (open_) ncclGroupEnd();
+  }
+
+ private:
+  ncclResult_t first_ = ncclSuccess;
+  const char* what_ = "";
+  bool open_ = true;
+};
+
+}  // namespace detail
+
+/// A Communicator over NCCL with its metadata on `HostComm` (see the file comment). A handle:
+/// copies are the same rank and share the NCCL communicator, which the last copy destroys
+/// when this object created it. Buffers are device memory of the communicator's device.
+template <class HostComm>
+class NcclCommunicator {
+  static_assert(Communicator<HostComm>, "NcclCommunicator<HostComm>: HostComm must model seqpar::Communicator");
+  static_assert(std::is_same_v<typename HostComm::memory_space, HostSpace>,
+                "NcclCommunicator<HostComm>: the metadata communicator must work in HostSpace");
+
+ public:
+  static constexpr bool is_seqpar_communicator = true;  ///< opts in to the Communicator concept
+  using memory_space = CudaSpace;                       ///< buffers are device memory
+  using host_communicator = HostComm;                   ///< the metadata channel
+
+  /// A started exchange: the event the compute stream waits for.
+  struct request_type {
+    cudaEvent_t done = nullptr;  ///< recorded on the communication stream after the send/recv
+  };
+
+  /// Creates an NCCL communicator over the ranks of `host` on the current CUDA device
+  /// (collective over `host`): rank 0 makes the unique id, the host channel hands it out. Work
+  /// is enqueued on `stream` (the compute stream; set_stream changes it).
+  static NcclCommunicator create(HostComm host, cudaStream_t stream = nullptr) {
+    ncclComm_t comm = init_over(host);
+    return NcclCommunicator(std::make_shared<detail::NcclState>(comm, true), std::move(host), stream,
+                            std::make_shared<CommStats>());
+  }
+
+  /// Wraps an existing NCCL communicator whose ranks match `host`'s. It is not destroyed here
+  /// unless `take_ownership`.
+  NcclCommunicator(ncclComm_t comm, HostComm host, cudaStream_t stream = nullptr, bool take_ownership = false)
+      : NcclCommunicator(std::make_shared<detail::NcclState>(comm, take_ownership), std::move(host), stream,
+                         std::make_shared<CommStats>()) {}
+
+  /// This rank.
+  int rank() const { return rank_; }
+  /// Ranks in the group.
+  int size() const { return size_; }
+  /// The NCCL communicator.
+  ncclComm_t native() const { return state_->comm; }
+  /// The host (metadata) communicator.
+  HostComm& host() { return host_; }
+  /// The compute stream: collectives run on it, exchanges synchronise with it.
+  cudaStream_t stream() const { return stream_; }
+  /// Sets the compute stream (use the one the kernel and TensorOps use; see use_stream()).
+  void set_stream(cudaStream_t s) { stream_ = s; }
+  /// The stream ring exchanges run on.
+  cudaStream_t comm_stream() const { return state_->comm_stream; }
+  /// Counters (shared with communicators split from this one).
+  const CommStats& stats() const { return *stats_; }
+  /// Counters, mutable (to reset them).
+  CommStats& stats() { return *stats_; }
+
+  /// Variable-count all-to-all (see the Communicator concept) as one group of ncclSend/ncclRecv
+  /// on the compute stream; the piece to itself is a device copy. Returns once enqueued.
+  void all_to_all_v(const std::byte* send, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, std::byte* recv,
+                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    const auto n = static_cast<std::size_t>(size_);
+    SEQPAR_CHECK(send_counts.size() == n && send_displs.size() == n && recv_counts.size() == n &&
+                     recv_displs.size() == n,
+                 ConfigError, "NcclCommunicator: all_to_all_v: counts and displacements must have size() = ", n,
+                 " entries, got ", send_counts.size(), ", ", send_displs.size(), ", ", recv_counts.size(), ", ",
+                 recv_displs.size());
+    const auto me = static_cast<std::size_t>(rank_);
+    SEQPAR_CHECK(send_counts[me] == recv_counts[me], ConfigError, "NcclCommunicator: all_to_all_v: rank ", rank_,
+                 " sends itself ", send_counts[me], " bytes but expects ", recv_counts[me]);
+    {
+      detail::NcclGroup group;
+      for (int j = 0; j < size_; ++j) {
+        const auto k = static_cast<std::size_t>(j);
+        if (j == rank_) continue;
+        if (send_counts[k] > 0)
+          group.add(ncclSend(send + send_displs[k], send_counts[k], ncclUint8, j, state_->comm, stream_), "ncclSend");
+        if (recv_counts[k] > 0)
+          group.add(ncclRecv(recv + recv_displs[k], recv_counts[k], ncclUint8, j, state_->comm, stream_), "ncclRecv");
+      }
+      group.end();
+    }
+    if (send_counts[me] > 0)
+      SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv + recv_displs[me], send + send_displs[me], send_counts[me],
+                                        cudaMemcpyDeviceToDevice, stream_));
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && send_counts[static_cast<std::size_t>(j)] > 0) {
+        stats_->bytes_sent += send_counts[static_cast<std::size_t>(j)];
+        ++stats_->messages_sent;
+      }
+    ++stats_->all_to_alls;
+  }
+
+  /// Starts sending `send_bytes` to `dest` and receiving `recv_bytes` from `source` on the
+  /// communication stream, after everything enqueued on the compute stream so far. The send
+  /// buffer must stay untouched, and the receive buffer unread, until wait().
+  request_type start_exchange(const std::byte* send, std::size_t send_bytes, int dest, std::byte* recv,
+                              std::size_t recv_bytes, int source) {
+    check_rank(dest, "dest");
+    check_rank(source, "source");
+    detail::NcclState& st = *state_;
+    SEQPAR_CUDA_CHECK(cudaEventRecord(st.ready, stream_));
+    SEQPAR_CUDA_CHECK(cudaStreamWaitEvent(st.comm_stream, st.ready, 0));
+    if (dest == rank_ && source == rank_) {
+      SEQPAR_CHECK(send_bytes == recv_bytes, ConfigError, "NcclCommunicator: exchange with itself: sends ", send_bytes,
+                   " bytes, expects ", recv_bytes);
+      if (send_bytes > 0)
+        SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv, send, send_bytes, cudaMemcpyDeviceToDevice, st.comm_stream));
+    } else {
+      detail::NcclGroup group;
+      if (send_bytes > 0) group.add(ncclSend(send, send_bytes, ncclUint8, dest, st.comm, st.comm_stream), "ncclSend");
+      if (recv_bytes > 0) group.add(ncclRecv(recv, recv_bytes, ncclUint8, source, st.comm, st.comm_stream), "ncclRecv");
+      group.end();
+    }
+    request_type req{st.done[st.next_done]};
+    st.next_done = (st.next_done + 1) % detail::NcclState::max_in_flight;
+    SEQPAR_CUDA_CHECK(cudaEventRecord(req.done, st.comm_stream));
+    if (dest != rank_) {
+      stats_->bytes_sent += send_bytes;
+      ++stats_->messages_sent;
+    }
+    ++stats_->exchanges;
+    return req;
+  }
+
+  /// Completes an exchange for the compute stream: work enqueued on it from now on runs after
+  /// the transfer. The host does not wait.
+  void wait(request_type& req) {
+    SEQPAR_CHECK(req.done != nullptr, ConfigError, "NcclCommunicator: wait: the request was not started");
+    SEQPAR_CUDA_CHECK(cudaStreamWaitEvent(stream_, req.done, 0));
+    req.done = nullptr;
+  }
+
+  /// Metadata all-gather of host integers over the host communicator.
+  void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+    host_.all_gather_host(mine, all);
+    ++stats_->host_gathers;
+  }
+
+  /// Waits for this rank's compute stream, then for every rank (host barrier).
+  void barrier() {
+    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    host_.barrier();
+  }
+
+  /// Splits into one communicator per color, ranked by key (collective): the host communicator
+  /// splits, and so does the NCCL one. The result shares this one's stats and compute stream.
+  NcclCommunicator split(int color, int key) {
+    SEQPAR_CHECK(color >= 0, ConfigError, "NcclCommunicator: split: color: expected >= 0, got ", color);
+    HostComm child_host = host_.split(color, key);
+    ncclComm_t child = nullptr;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    SEQPAR_NCCL_CHECK(ncclCommSplit(state_->comm, color, key, &child, nullptr));
+#else
+    child = init_over(child_host);
+#endif
+    return NcclCommunicator(std::make_shared<detail::NcclState>(child, true), std::move(child_host), stream_, stats_);
+  }
+
+ private:
+  NcclCommunicator(std::shared_ptr<detail::NcclState> state, HostComm host, cudaStream_t stream,
+                   std::shared_ptr<CommStats> stats)
+      : state_(std::move(state)), host_(std::move(host)), stream_(stream), stats_(std::move(stats)) {
+    SEQPAR_CHECK(state_->comm != nullptr, ConfigError, "NcclCommunicator: comm: expected an NCCL communicator, got null");
+    SEQPAR_NCCL_CHECK(ncclCommUserRank(state_->comm, &rank_));
+    SEQPAR_NCCL_CHECK(ncclCommCount(state_->comm, &size_));
+    SEQPAR_CHECK(rank_ == host_.rank() && size_ == host_.size(), ConfigError,
+                 "NcclCommunicator: the NCCL communicator (rank ", rank_, " of ", size_,
+                 ") does not match the host communicator (rank ", host_.rank(), " of ", host_.size(), ")");
+  }
+
+  /// ncclCommInitRank over the ranks of `host`. The unique id travels in the host all-gather
+  /// with a status word first, so that if rank 0 cannot make it every rank throws (none waits).
+  static ncclComm_t init_over(HostComm& host) {
+    constexpr std::size_t words = (sizeof(ncclUniqueId) + sizeof(std::int64_t) - 1) / sizeof(std::int64_t);
+    std::array<std::int64_t, words + 1> mine{};
+    ncclResult_t made = ncclSuccess;
+    if (host.rank() == 0) {
+      ncclUniqueId id{};
+      made = ncclGetUniqueId(&id);
+      mine[0] = static_cast<std::int64_t>(made);
+      std::memcpy(mine.data() + 1, &id, sizeof(id));
+    }
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(host.size()));
+    host.all_gather_host(mine, all);
+    --host.stats().host_gathers;  // set-up, not per-call metadata
+    if (all[0] != ncclSuccess)
+      detail::throw_nccl_error(static_cast<ncclResult_t>(all[0]), "ncclGetUniqueId (on rank 0)", __FILE__, __LINE__);
+    ncclUniqueId id{};
+    std::memcpy(&id, all.data() + 1, sizeof(id));
+    ncclComm_t comm = nullptr;
+    SEQPAR_NCCL_CHECK(ncclCommInitRank(&comm, host.size(), id, host.rank()));
+    return comm;
+  }
+
+  void check_rank(int r, const char* name) const {
+    SEQPAR_CHECK(r >= 0 && r < size_, ConfigError, "NcclCommunicator: ", name, ": expected a rank in [0, ", size_,
+                 "), got ", r);
+  }
+
+  std::shared_ptr<detail::NcclState> state_;
+  HostComm host_;
+  cudaStream_t stream_ = nullptr;
+  std::shared_ptr<CommStats> stats_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace seqpar
