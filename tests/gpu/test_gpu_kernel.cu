@@ -227,6 +227,20 @@ TEST_CASE("CudaFlashKernel forward matches the exact reference: float") { forwar
 TEST_CASE("CudaFlashKernel forward matches the exact reference: half") { forward_suite<__half>(); }
 TEST_CASE("CudaFlashKernel forward matches the exact reference: bf16") { forward_suite<__nv_bfloat16>(); }
 
+// Small: run under compute-sanitizer (memcheck, racecheck) by run.sh, one case per path.
+TEST_CASE("CudaFlashKernel smoke: one small case per path, forward and backward") {
+  const bool tc = [] {
+    int dev = 0, major = 0;
+    SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
+    SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 8;
+  }();
+  check_forward<__half, __half>({1, 70, 130, 2, 1, 64, true, 2}, true, 0, true, tc ? "mma" : "simt");
+  check_forward<__nv_bfloat16, float>({1, 65, 66, 2, 2, 128, false, 0}, true, 8, true, tc ? "mma" : "simt");
+  check_forward<float, float>({1, 40, 50, 2, 1, 72, true, 1}, true, 0, true, "simt");
+  check_backward<__half>({1, 40, 45, 2, 1, 64, true, 2});
+}
+
 TEST_CASE("CudaFlashKernel: empty inputs and rows that see no key give O = 0, LSE = -inf") {
   for (bool tc : {true, false}) {
     CAPTURE(tc);
