@@ -75,9 +75,11 @@ inline bool mpi_finalized() {
 /// MpiCommunicator (not by its splits, which own their own handle).
 class MpiCommState {
  public:
+  /// Holds `comm`; frees it at the end when `owned`.
   MpiCommState(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {}
   MpiCommState(const MpiCommState&) = delete;
   MpiCommState& operator=(const MpiCommState&) = delete;
+  /// Frees the datatypes and, if owned, the communicator.
   ~MpiCommState() {
     if (mpi_finalized()) return;  // too late to free anything; MPI has released it all
     for (MPI_Datatype& t : types_)
@@ -85,6 +87,7 @@ class MpiCommState {
     if (owned_ && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
+  /// The MPI communicator.
   MPI_Comm comm() const { return comm_; }
 
   /// A committed contiguous datatype of `unit` bytes (a power of two <= 256), made on first use.
