@@ -32,10 +32,11 @@ struct GlobalShape {
   std::int64_t kv_len() const { return seq_kv < 0 ? seq_q : seq_kv; }
   /// K with 0 resolved.
   std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
-  /// The library's problem for element type T.
+  /// The library's problem for element type T (with the LSE when backward will follow).
   template <class T>
-  AttentionProblem problem() const {
+  AttentionProblem problem(bool with_lse = false) const {
     AttentionProblem p;
+    p.with_lse = with_lse;
     p.batch = batch;
     p.heads = heads;
     p.kv_heads = kv_head_count();
@@ -51,6 +52,7 @@ struct GlobalShape {
 struct GlobalInputs {
   GlobalShape shape;           ///< the shape they were made for
   std::vector<double> q, k, v; ///< uniform in [-1, 1]
+  std::vector<double> dout;    ///< upstream gradient of the output, like q
 };
 
 /// Makes the global inputs of `shape`.
@@ -67,6 +69,7 @@ inline GlobalInputs make_inputs(const GlobalShape& shape) {
   g.q = fill(shape.batch * shape.seq_q * shape.heads * shape.head_dim);
   g.k = fill(shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim);
   g.v = fill(shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim);
+  g.dout = fill(shape.batch * shape.seq_q * shape.heads * shape.head_dim);
   return g;
 }
 
@@ -102,27 +105,75 @@ LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, cons
   return l;
 }
 
-/// The exact output (ReferenceKernel, double) of the query rows at `qpos` against the whole
-/// global K/V: [B, qpos.size(), H, D]. Each rank checks its own rows, so the reference work is
-/// spread like the real work.
-inline std::vector<double> reference_rows(const GlobalInputs& g, const PositionMap& qpos) {
-  const GlobalShape& s = g.shape;
-  const std::int64_t n = qpos.size();
-  const std::vector<double> q = take_rows<double>(g.q, s.batch, s.seq_q, s.heads, s.head_dim, qpos);
-  std::vector<double> out(q.size());
+/// Kernel parameters of the global problem for query rows at `qpos` against keys at `kpos`.
+inline KernelParams reference_params(const GlobalShape& s, const PositionMap& qpos, const PositionMap& kpos) {
   KernelParams p;
   p.scale = s.template problem<double>().softmax_scale();
   p.causal = s.causal;
   p.q_positions = qpos;
-  p.k_positions = PositionMap::run(s.kv_len(), 0);
+  p.k_positions = kpos;
   p.group_size = s.heads / s.kv_head_count();
+  return p;
+}
+
+/// The exact output (ReferenceKernel, double) of the query rows at `qpos` against the whole
+/// global K/V: [B, qpos.size(), H, D], and their LSE ([B, qpos.size(), H]) when `lse` is given.
+/// Each rank checks its own rows, so the reference work is spread like the real work.
+inline std::vector<double> reference_rows(const GlobalInputs& g, const PositionMap& qpos,
+                                          std::vector<double>* lse = nullptr) {
+  const GlobalShape& s = g.shape;
+  const std::int64_t n = qpos.size();
+  const std::vector<double> q = take_rows<double>(g.q, s.batch, s.seq_q, s.heads, s.head_dim, qpos);
+  std::vector<double> out(q.size());
+  if (lse) lse->assign(static_cast<std::size_t>(s.batch * n * s.heads), 0.0);
   using CV = TensorView<const double>;
   ReferenceKernel{}.forward(CV::bshd(q.data(), s.batch, n, s.heads, s.head_dim),
                             CV::bshd(g.k.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
                             CV::bshd(g.v.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
                             TensorView<double>::bshd(out.data(), s.batch, n, s.heads, s.head_dim),
-                            TensorView<double>{}, p);
+                            lse ? TensorView<double>::bshd(lse->data(), s.batch, n, s.heads, 1) : TensorView<double>{},
+                            reference_params(s, qpos, PositionMap::run(s.kv_len(), 0)));
   return out;
+}
+
+/// Exact gradients of one rank's slices: dq of its query rows, dk and dv of its K/V rows.
+struct ReferenceGrads {
+  std::vector<double> dq, dk, dv;  ///< [B, L, heads, D] each
+};
+
+/// The exact gradients (ReferenceKernel::backward, double) of the rows at `qpos` and `kvpos`
+/// for upstream gradient g.dout. dK/dV of a key need every query row's output and LSE, so the
+/// whole forward reference runs here; the backward work is this rank's share only.
+inline ReferenceGrads reference_grads(const GlobalInputs& g, const PositionMap& qpos, const PositionMap& kvpos) {
+  const GlobalShape& s = g.shape;
+  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim, Sq = s.seq_q, Sk = s.kv_len();
+  const PositionMap all_q = PositionMap::run(Sq, 0), all_k = PositionMap::run(Sk, 0);
+  std::vector<double> lse;
+  const std::vector<double> out = reference_rows(g, all_q, &lse);
+  using CV = TensorView<const double>;
+  using V = TensorView<double>;
+  ReferenceGrads r;
+  const std::int64_t lq = qpos.size(), lk = kvpos.size();
+  r.dq.assign(static_cast<std::size_t>(B * lq * H * D), 0.0);
+  r.dk.assign(static_cast<std::size_t>(B * lk * K * D), 0.0);
+  r.dv.assign(r.dk.size(), 0.0);
+  std::vector<double> unused_q(g.q.size(), 0.0), unused_k(g.k.size(), 0.0), unused_v(g.v.size(), 0.0);
+  // dq of my rows: my query rows against every key.
+  const auto q_mine = take_rows<double>(g.q, B, Sq, H, D, qpos), do_mine = take_rows<double>(g.dout, B, Sq, H, D, qpos);
+  const auto o_mine = take_rows<double>(out, B, Sq, H, D, qpos), l_mine = take_rows<double>(lse, B, Sq, H, 1, qpos);
+  ReferenceKernel{}.backward(CV::bshd(do_mine.data(), B, lq, H, D), CV::bshd(q_mine.data(), B, lq, H, D),
+                             CV::bshd(g.k.data(), B, Sk, K, D), CV::bshd(g.v.data(), B, Sk, K, D),
+                             CV::bshd(o_mine.data(), B, lq, H, D), CV::bshd(l_mine.data(), B, lq, H, 1),
+                             V::bshd(r.dq.data(), B, lq, H, D), V::bshd(unused_k.data(), B, Sk, K, D),
+                             V::bshd(unused_v.data(), B, Sk, K, D), reference_params(s, qpos, all_k));
+  // dk, dv of my K/V rows: every query row against my keys.
+  const auto k_mine = take_rows<double>(g.k, B, Sk, K, D, kvpos), v_mine = take_rows<double>(g.v, B, Sk, K, D, kvpos);
+  ReferenceKernel{}.backward(CV::bshd(g.dout.data(), B, Sq, H, D), CV::bshd(g.q.data(), B, Sq, H, D),
+                             CV::bshd(k_mine.data(), B, lk, K, D), CV::bshd(v_mine.data(), B, lk, K, D),
+                             CV::bshd(out.data(), B, Sq, H, D), CV::bshd(lse.data(), B, Sq, H, 1),
+                             V::bshd(unused_q.data(), B, Sq, H, D), V::bshd(r.dk.data(), B, lk, K, D),
+                             V::bshd(r.dv.data(), B, lk, K, D), reference_params(s, all_q, kvpos));
+  return r;
 }
 
 /// Normwise error: max |got - want| and max |want|, so that rel() = max|err| / max|ref|.

@@ -36,7 +36,9 @@ constexpr const char* usage_text =
     "  --kv-heads H --head-dim 64 --dtype f32 --iters 2; --comm mpi under an MPI launcher (when built\n"
     "  with MPI), else threads with --ranks 4. The last line printed is\n"
     "  RESULT policy=... ranks=... seq=... heads=... max_abs_err=... max_rel_err=... bytes_sent_per_rank=... "
-    "time_ms_per_iter=...\n";
+    "time_ms_per_iter=...\n"
+    "  --backward also runs backward after each forward (time and bytes cover both) and, with --check,\n"
+    "  appends grad_max_rel_err=... (dq, dk, dv against the exact double reference).\n";
 
 /// A wrong option or a combination the demo does not run. Every rank sees the same options,
 /// so every rank throws it alike: the demo prints one line and exits with status 2.
@@ -127,7 +129,6 @@ Options parse(int argc, char** argv) {
   if (o.kv_heads != 0 && o.heads % o.kv_heads != 0)
     throw UsageError("--kv-heads: expected a divisor of --heads " + std::to_string(o.heads) + ", got " +
                      std::to_string(o.kv_heads));
-  if (o.backward) throw UsageError("--backward: not yet supported by seqpar_demo");
   if (o.policy == PolicyKind::ulysses && o.layout != LayoutKind::contiguous)
     throw UsageError("--layout: --policy ulysses has no ring, so no layout; use --policy unified --ring-degree R");
   return o;
@@ -211,35 +212,57 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   const bool print = me == 0;
   SequenceParallelAttention<Policy, Comm, CpuFlashKernel> attn(comm, policy, make_kernel<CpuFlashKernel>(o, print));
   const MeshConfig& mesh = attn.mesh();
-  const Plan plan = attn.plan(g.shape.problem<T>(), {split_sequence(o.seq, mesh)[static_cast<std::size_t>(me)]});
+  const Plan plan =
+      attn.plan(g.shape.problem<T>(o.backward), {split_sequence(o.seq, mesh)[static_cast<std::size_t>(me)]});
 
   const ex::GlobalShape& s = g.shape;
-  const PositionMap qpos = plan.q_positions(me);
-  ex::LocalSlices<T> l = ex::local_slices<T>(g, qpos, plan.kv_positions(me));
-  std::vector<std::byte> workspace(plan.workspace_bytes());
+  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim;
+  const PositionMap qpos = plan.q_positions(me), kvpos = plan.kv_positions(me);
+  ex::LocalSlices<T> l = ex::local_slices<T>(g, qpos, kvpos);
+  std::vector<std::byte> workspace(std::max(plan.workspace_bytes(), o.backward ? plan.backward_workspace_bytes() : 0));
   using CV = TensorView<const T>;
-  auto forward = [&] {
-    attn.template forward<T>(plan, CV::bshd(l.q.data(), s.batch, l.lq, s.heads, s.head_dim),
-                             CV::bshd(l.k.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
-                             CV::bshd(l.v.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
-                             TensorView<T>::bshd(l.out.data(), s.batch, l.lq, s.heads, s.head_dim), workspace);
+  using V = TensorView<T>;
+  const CV q = CV::bshd(l.q.data(), B, l.lq, H, D), k = CV::bshd(l.k.data(), B, l.lkv, K, D),
+           v = CV::bshd(l.v.data(), B, l.lkv, K, D);
+  const V out = V::bshd(l.out.data(), B, l.lq, H, D);
+  // Backward state: the LSE kept from forward, the upstream gradient and the three gradients.
+  std::vector<acc_t<T>> lse(o.backward ? static_cast<std::size_t>(B * l.lq * H) : 0);
+  const std::vector<T> dout = o.backward ? ex::take_rows<T>(g.dout, B, s.seq_q, H, D, qpos) : std::vector<T>{};
+  std::vector<T> dq(o.backward ? l.q.size() : 0), dk(o.backward ? l.k.size() : 0), dv(dk.size());
+  const auto lse_view = o.backward ? TensorView<acc_t<T>>::lse_bhs(lse.data(), B, l.lq, H) : TensorView<acc_t<T>>{};
+  auto step = [&] {
+    attn.template forward<T>(plan, q, k, v, out, lse_view, workspace);
+    if (o.backward)
+      attn.template backward<T>(plan, CV::bshd(dout.data(), B, l.lq, H, D), q, k, v, out, lse_view,
+                                V::bshd(dq.data(), B, l.lq, H, D), V::bshd(dk.data(), B, l.lkv, K, D),
+                                V::bshd(dv.data(), B, l.lkv, K, D), workspace);
   };
 
-  // The first forward is the one measured for traffic and checked; it also warms up.
+  // The first step is the one measured for traffic and checked; it also warms up.
   comm.stats().reset();
-  forward();
+  step();
   const std::uint64_t bytes = comm.stats().bytes_sent;
-  ex::ErrorStats err;
-  if (o.check) err = ex::reduce_errors(comm, ex::compare(l.out, ex::reference_rows(g, qpos)));
+  ex::ErrorStats err, grad_err;
+  if (o.check) {
+    err = ex::reduce_errors(comm, ex::compare(l.out, ex::reference_rows(g, qpos)));
+    if (o.backward) {
+      const ex::ReferenceGrads want = ex::reference_grads(g, qpos, kvpos);
+      ex::ErrorStats e = ex::compare(dq, want.dq);
+      for (const ex::ErrorStats& x : {ex::compare(dk, want.dk), ex::compare(dv, want.dv)})
+        e.max_abs = std::max(e.max_abs, x.max_abs), e.max_ref = std::max(e.max_ref, x.max_ref), e.nan |= x.nan;
+      grad_err = ex::reduce_errors(comm, e);
+    }
+  }
 
   comm.barrier();
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < o.iters; ++i) forward();
+  for (int i = 0; i < o.iters; ++i) step();
   comm.barrier();  // the time of the slowest rank
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / o.iters;
+  const std::uint64_t formula = plan.forward_bytes(me) + (o.backward ? plan.backward_bytes(me) : 0);
 
   const auto rows = ex::gather_rows(comm, {plan.local_q(), plan.local_kv(), plan.work(me), static_cast<std::int64_t>(bytes),
-                                           static_cast<std::int64_t>(plan.forward_bytes(me)),
+                                           static_cast<std::int64_t>(formula),
                                            std::bit_cast<std::int64_t>(ms)});
   if (!print) return 0;
   std::printf("seqpar_demo  %s  mesh %d (ulysses) x %d (ring)  comm=%s  ranks=%d\n", policy_type_name(o).c_str(),
@@ -263,19 +286,27 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
                 static_cast<long long>(r[3]), static_cast<long long>(r[4]), std::bit_cast<double>(r[5]));
   }
   std::printf("traffic      bytes sent %s the plan's analytic count\n", bytes_match ? "equal" : "DIFFER FROM");
-  const double tol = o.f64 ? 1e-12 : 1e-5;
-  const bool ok = !o.check || err.rel() <= tol;
-  char abs_text[32] = "n/a", rel_text[32] = "n/a";
+  const double tol = o.f64 ? 1e-12 : 1e-5, grad_tol = o.f64 ? 1e-11 : 1e-4;
+  const bool fwd_ok = err.rel() <= tol, grad_ok = !o.backward || grad_err.rel() <= grad_tol;
+  const bool ok = !o.check || (fwd_ok && grad_ok);
+  char abs_text[32] = "n/a", rel_text[32] = "n/a", grad_text[32] = "n/a";
   if (o.check) {
     std::snprintf(abs_text, sizeof abs_text, "%.3e", err.max_abs);
     std::snprintf(rel_text, sizeof rel_text, "%.3e", err.rel());
     std::printf("check        max|err| / max|ref| = %s (tolerance %.0e, exact double reference): %s\n", rel_text, tol,
-                ok ? "PASS" : "FAIL");
+                fwd_ok ? "PASS" : "FAIL");
+    if (o.backward) {
+      std::snprintf(grad_text, sizeof grad_text, "%.3e", grad_err.rel());
+      std::printf("check        gradients dq, dk, dv: max|err| / max|ref| = %s (tolerance %.0e): %s\n", grad_text,
+                  grad_tol, grad_ok ? "PASS" : "FAIL");
+    }
   }
+  // With --backward, time and bytes cover forward + backward and the gradient error comes last.
   std::printf("RESULT policy=%s ranks=%d seq=%lld heads=%lld max_abs_err=%s max_rel_err=%s bytes_sent_per_rank=%llu "
-              "time_ms_per_iter=%.3f\n",
+              "time_ms_per_iter=%.3f%s%s\n",
               o.policy_name.c_str(), world, static_cast<long long>(o.seq), static_cast<long long>(o.heads), abs_text,
-              rel_text, static_cast<unsigned long long>(max_bytes), max_ms);
+              rel_text, static_cast<unsigned long long>(max_bytes), max_ms, o.backward ? " grad_max_rel_err=" : "",
+              o.backward ? grad_text : "");
   std::fflush(stdout);
   return ok ? 0 : 1;
 }

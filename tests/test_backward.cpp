@@ -8,7 +8,7 @@
 using namespace seqpar;
 
 #ifndef TEST_KERNEL
-#define TEST_KERNEL ReferenceKernel
+#define TEST_KERNEL CpuFlashKernel
 #endif
 
 namespace {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "seqpar/core/error.hpp"
+#include "seqpar/kernel/cpu_flash_backward.hpp"
 #include "seqpar/kernel/fast_exp.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/kernel/thread_pool.hpp"
@@ -200,6 +201,23 @@ class CpuFlashKernel {
       pool_->run(tasks, task);
     else
       for (std::int64_t t = 0; t < tasks; ++t) task(t, 0);
+  }
+
+  /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
+  /// probabilities from the LSE (kernel/cpu_flash_backward.hpp; single-threaded). Its scratch
+  /// is separate from forward's, sized by prepare_backward() (the engine calls it at plan).
+  template <class T>
+  void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
+                TensorView<acc_t<T>> dk, TensorView<acc_t<T>> dv, const KernelParams& p) {
+    prepare_backward(q.dim());
+    detail::flash_backward<T, acc_t<T>>(dout, q, k, v, out, lse, dq, dk, dv, p,
+                                        reinterpret_cast<acc_t<T>*>(backward_scratch_.data()));
+  }
+  /// Sizes the backward scratch for head dims up to `max_head_dim` (a no-op once large enough).
+  void prepare_backward(std::int64_t max_head_dim) {
+    const std::size_t need = detail::flash_backward_scratch_elems(max_head_dim) * sizeof(double);
+    if (backward_scratch_.size() < need) backward_scratch_.resize(need);
   }
 
  private:
@@ -376,6 +394,7 @@ class CpuFlashKernel {
   std::int64_t prepared_dim_ = 0;
   std::size_t thread_stride_ = 0;
   std::vector<std::byte> scratch_;
+  std::vector<std::byte> backward_scratch_;  // backward's own; copies start empty and grow on use
 };
 
 }  // namespace seqpar
