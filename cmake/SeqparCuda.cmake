@@ -76,7 +76,8 @@ if(SEQPAR_HAS_CUDA)
     find_path(SEQPAR_NCCL_INCLUDE_DIR nccl.h
       HINTS ENV NCCL_ROOT ENV NCCL_HOME ${CUDAToolkit_INCLUDE_DIRS}
       PATH_SUFFIXES include)
-    find_library(SEQPAR_NCCL_LIBRARY NAMES nccl
+    # libnccl.so.2: the pip wheel ships no unversioned link.
+    find_library(SEQPAR_NCCL_LIBRARY NAMES nccl libnccl.so.2
       HINTS ENV NCCL_ROOT ENV NCCL_HOME ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}
       PATH_SUFFIXES lib lib64)
     if(SEQPAR_NCCL_INCLUDE_DIR AND SEQPAR_NCCL_LIBRARY)

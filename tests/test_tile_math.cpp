@@ -152,6 +152,22 @@ void emulate_mma(std::array<std::array<float, 4>, 32>& c, const std::array<std::
     }
 }
 
+/// ldmatrix.x4 by its documented semantics: lane l supplies the address `base + offset(l)` of
+/// row l % 8 of matrix l / 8; element e of register j of lane t is the element
+/// ldmatrix_elem(t, e, trans) of matrix j. Returns [lane][j] = {low, high}.
+template <class Offset>
+std::array<std::array<std::array<float, 2>, 4>, 32> emulate_ldmatrix(const std::vector<float>& tile, int base,
+                                                                      Offset offset, bool trans) {
+  std::array<std::array<std::array<float, 2>, 4>, 32> r{};
+  for (int lane = 0; lane < 32; ++lane)
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 2; ++e) {
+        const tile::FragCoord f = tile::ldmatrix_elem(lane, e, trans);
+        r[lane][j][e] = tile[static_cast<std::size_t>(base + offset(8 * j + f.row) + f.col)];
+      }
+  return r;
+}
+
 /// Max (or sum) over the four lanes of each quad, as the kernel's two xor-shuffles do.
 template <class Op>
 void quad_reduce(std::array<float, 32>& x, Op op) {
@@ -164,8 +180,9 @@ void quad_reduce(std::array<float, 32>& x, Op op) {
 
 /// The tensor-core kernel's data flow for one head: 64-row query tiles of four 16-row warps,
 /// 64-key tiles in [64][D + 8] shared tiles, fragments loaded by the layout offsets, S and P V
-/// by emulated mma, P's accumulators reused as operand A, row state reduced over quads.
-void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float>& lse) {
+/// by emulated mma, P's accumulators reused as operand A, row state reduced over quads. With
+/// `ldsm`, K and V fragments come from emulated ldmatrix (as the kernel's default variant).
+void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float>& lse, bool ldsm) {
   constexpr int bq = 64, bk = 64;
   const int D = c.dim, stride = D + 8;
   const tile::Positions qp = tile::Positions::from(c.qpos), kp = tile::Positions::from(c.kpos);
@@ -205,6 +222,19 @@ void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float
         for (int kc = 0; kc < D / 16; ++kc)
           for (int nt = 0; nt < bk / 8; ++nt) {
             Acc b{};
+            if (ldsm) {
+              if (nt % 2) continue;  // n-tiles come in pairs
+              const auto r = emulate_ldmatrix(sk_tile, nt * 8 * stride + kc * 16,
+                                              [&](int l) { return tile::ldmatrix_k_offset(l, stride); }, false);
+              Acc b1{};
+              for (int lane = 0; lane < 32; ++lane) {
+                b[lane] = {r[lane][0][0], r[lane][0][1], r[lane][1][0], r[lane][1][1]};
+                b1[lane] = {r[lane][2][0], r[lane][2][1], r[lane][3][0], r[lane][3][1]};
+              }
+              emulate_mma(sacc[nt], qf[kc], b);
+              emulate_mma(sacc[nt + 1], qf[kc], b1);
+              continue;
+            }
             for (int lane = 0; lane < 32; ++lane)
               for (int r = 0; r < 2; ++r) {
                 const int off = nt * 8 * stride + kc * 16 + tile::mma_b_offset_nk(lane, r, stride);
@@ -258,6 +288,19 @@ void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float
               pa[lane][i] = sacc[2 * kc + tile::a_from_c_tile(i)][lane][tile::a_from_c_elem(i)];
           for (int n = 0; n < D / 8; ++n) {
             Acc b{};
+            if (ldsm) {
+              if (n % 2) continue;
+              const auto r = emulate_ldmatrix(sv_tile, kc * 16 * stride + n * 8,
+                                              [&](int l) { return tile::ldmatrix_v_offset(l, stride); }, true);
+              Acc b1{};
+              for (int lane = 0; lane < 32; ++lane) {
+                b[lane] = {r[lane][0][0], r[lane][0][1], r[lane][1][0], r[lane][1][1]};
+                b1[lane] = {r[lane][2][0], r[lane][2][1], r[lane][3][0], r[lane][3][1]};
+              }
+              emulate_mma(oacc[n], pa, b);
+              emulate_mma(oacc[n + 1], pa, b1);
+              continue;
+            }
             for (int lane = 0; lane < 32; ++lane)
               for (int i = 0; i < 4; ++i)
                 b[lane][i] = sv_tile[kc * 16 * stride + n * 8 + tile::mma_b_offset_kn(lane, i, stride)];
@@ -391,18 +434,20 @@ TEST_CASE("tile math: the SIMT kernel's row loop matches the exact reference") {
 
 TEST_CASE("tile math: the tensor-core kernel's fragment flow matches the exact reference") {
   int seed = 100;
-  for (bool causal : {false, true})
-    for (auto [sq, sk, dim] : {std::array{64, 64, 64}, std::array{70, 150, 64}, std::array{33, 65, 128}})
-      for (const auto& [qpos, kpos] : position_cases(sq, sk)) {
-        CAPTURE(causal);
-        CAPTURE(sq);
-        CAPTURE(sk);
-        CAPTURE(dim);
-        const TileCase c = make_case(sq, sk, dim, causal, qpos, kpos, static_cast<std::uint64_t>(seed++));
-        std::vector<float> out, lse;
-        mma_emulation(c, out, lse);
-        CHECK(error_of(c, out, lse) <= 1e-5);
-      }
+  for (bool ldsm : {true, false})
+    for (bool causal : {false, true})
+      for (auto [sq, sk, dim] : {std::array{64, 64, 64}, std::array{70, 150, 64}, std::array{33, 65, 128}})
+        for (const auto& [qpos, kpos] : position_cases(sq, sk)) {
+          CAPTURE(causal);
+          CAPTURE(sq);
+          CAPTURE(sk);
+          CAPTURE(dim);
+          CAPTURE(ldsm);
+          const TileCase c = make_case(sq, sk, dim, causal, qpos, kpos, static_cast<std::uint64_t>(seed++));
+          std::vector<float> out, lse;
+          mma_emulation(c, out, lse, ldsm);
+          CHECK(error_of(c, out, lse) <= 1e-5);
+        }
 }
 
 TEST_CASE("tile math: merge_row of two disjoint key blocks equals attention over both") {

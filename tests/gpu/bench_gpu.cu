@@ -85,7 +85,7 @@ struct KernelRow {
 
 /// Times CudaFlashKernel forward on [1, seq, heads, dim] (median of `reps` after a warm-up).
 template <class T>
-KernelRow time_kernel(std::int64_t seq, std::int64_t dim, bool causal, bool tensor_cores, int reps) {
+KernelRow time_kernel(std::int64_t seq, std::int64_t dim, bool causal, bool tensor_cores, bool ldmatrix, int reps) {
   const std::int64_t heads = dim == 64 ? 32 : 16, B = 1;
   const std::size_t n = static_cast<std::size_t>(B * seq * heads * dim);
   Buffer<T> q(n, 1), k(n, 2), v(n, 3), out(n);
@@ -94,6 +94,7 @@ KernelRow time_kernel(std::int64_t seq, std::int64_t dim, bool causal, bool tens
   SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CudaFlashKernel kernel(s);
   kernel.set_tensor_cores(tensor_cores);
+  kernel.set_ldmatrix(ldmatrix);
   KernelParams p;
   p.scale = 1.0 / std::sqrt(double(dim));
   p.causal = causal;
@@ -122,7 +123,9 @@ KernelRow time_kernel(std::int64_t seq, std::int64_t dim, bool causal, bool tens
   std::sort(times.begin(), times.end());
   const double ms = times[times.size() / 2];
   const double flops = 4.0 * B * heads * double(seq) * double(seq) * dim * (causal ? 0.5 : 1.0);
-  KernelRow row{type_name<T>(), kernel.forward_path<T>(qv, kv, vv), seq, dim, heads, causal, ms,
+  std::string path = kernel.forward_path<T>(qv, kv, vv);
+  if (path == "mma" && !ldmatrix) path += " (no ldmatrix)";
+  KernelRow row{type_name<T>(), path, seq, dim, heads, causal, ms,
                 flops / (ms * 1e-3) / 1e12, finite_prefix(out.p, n)};
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
@@ -210,10 +213,10 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   std::vector<KernelRow> krows;
-  auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc) {
+  auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc, bool ldsm = true) {
     using T = decltype(tag);
     try {
-      krows.push_back(time_kernel<T>(seq, dim, causal, tc, quick ? 2 : 3));
+      krows.push_back(time_kernel<T>(seq, dim, causal, tc, ldsm, quick ? 2 : 3));
       const KernelRow& r = krows.back();
       std::printf("kernel %s %s seq %lld dim %lld %s: %.3f ms, %.1f TFLOP/s%s\n", r.type.c_str(), r.path.c_str(),
                   static_cast<long long>(seq), static_cast<long long>(dim), causal ? "causal" : "full", r.ms, r.tflops,
@@ -230,6 +233,7 @@ int main(int argc, char** argv) {
       for (std::int64_t seq : seqs) kernel_point(__nv_bfloat16{}, seq, dim, causal, true);
   kernel_point(__half{}, quick ? 4096 : 16384, 128, false, true);
   kernel_point(__half{}, quick ? 4096 : 16384, 128, true, true);
+  kernel_point(__nv_bfloat16{}, quick ? 4096 : 16384, 128, false, true, false);  // without ldmatrix
   kernel_point(__nv_bfloat16{}, 4096, 128, false, false);  // the SIMT path, for comparison
   kernel_point(float{}, 4096, 128, false, true);
   kernel_point(float{}, 4096, 64, true, true);

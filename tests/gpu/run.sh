@@ -50,8 +50,12 @@ step() {
   rc=$?
   local dt=$(($(date +%s) - t0))
   local status=ok
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="TIMEOUT"; FAILED=1
-  elif [ $rc -ne 0 ]; then status="FAILED (rc $rc)"; FAILED=1; fi
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="TIMEOUT"
+  elif [ $rc -ne 0 ]; then status="FAILED (rc $rc)"; fi
+  # SOFT=1: a failure that is retried, or judged by the caller, does not fail the run here.
+  if [ $rc -ne 0 ]; then
+    if [ "${SOFT:-0}" = 1 ]; then status="$status, not counted"; else FAILED=1; fi
+  fi
   log "END $name: $status in ${dt}s"
   SUMMARY+=("$name|$status|$dt|")
   return $rc
@@ -85,15 +89,33 @@ BENCH=""
 # Make (keep going with -k) unless only Ninja is there (-k 0).
 GEN=(); KEEP=(-- -k)
 if ! command -v make >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); KEEP=(-- -k 0); fi
-if [ $HAVE_CMAKE -eq 1 ] && step configure 120 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DSEQPAR_ENABLE_CUDA=ON -DSEQPAR_ENABLE_NCCL=AUTO -DSEQPAR_ENABLE_MPI=OFF -DSEQPAR_BUILD_TESTS=ON \
-    -DSEQPAR_BUILD_EXAMPLES=OFF -DSEQPAR_BUILD_BENCHMARKS=OFF "-DCMAKE_CUDA_ARCHITECTURES=$ARCH" \
-    -DCMAKE_CUDA_COMPILER="$NVCC"; then
+CONFIG=(-S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_ENABLE_CUDA=ON
+  -DSEQPAR_ENABLE_NCCL=AUTO -DSEQPAR_ENABLE_MPI=OFF -DSEQPAR_BUILD_TESTS=ON -DSEQPAR_BUILD_EXAMPLES=OFF
+  -DSEQPAR_BUILD_BENCHMARKS=OFF "-DCMAKE_CUDA_ARCHITECTURES=$ARCH" -DCMAKE_CUDA_COMPILER="$NVCC")
+# No doctest on the machine (GPU images often lack it, and nothing can be installed there): the
+# tests build against the minimal stand-in in tests/gpu/support/doctest_fallback.
+if ! echo '#include <doctest/doctest.h>' | "${CXX:-c++}" -std=c++17 -x c++ -fsyntax-only - >/dev/null 2>&1; then
+  log "doctest not found: using tests/gpu/support/doctest_fallback"
+  CONFIG+=("-DDOCTEST_INCLUDE_DIR=$ROOT/tests/gpu/support/doctest_fallback")
+fi
+# NCCL outside the toolkit: the pip wheel (nvidia-nccl-cu13) that PyTorch images carry.
+if [ -z "${NCCL_ROOT:-}" ] && [ ! -e /usr/local/cuda/include/nccl.h ] && [ ! -e /usr/include/nccl.h ]; then
+  PYNCCL=$(timeout 30 python3 -c 'import nvidia.nccl as m, os; print(os.path.dirname(m.__file__) if m.__file__ else list(m.__path__)[0])' 2>/dev/null)
+  if [ -n "$PYNCCL" ] && [ -e "$PYNCCL/include/nccl.h" ]; then
+    export NCCL_ROOT=$PYNCCL
+    log "NCCL from the Python wheel: NCCL_ROOT=$NCCL_ROOT"
+  fi
+fi
+# A second try without the install rules and NCCL: neither is needed to test, and either can
+# be what a half-finished checkout or an odd machine trips over.
+if [ $HAVE_CMAKE -eq 1 ] && { SOFT=1 step configure 120 cmake "${CONFIG[@]}" ||
+    { rm -f "$BUILD/CMakeCache.txt"; step configure-minimal 120 cmake "${CONFIG[@]}" -DSEQPAR_INSTALL=OFF \
+      -DSEQPAR_ENABLE_NCCL=OFF; }; }; then
   TARGETS="seqpar_gpu_bench test_tile_math test_gpu_kernel test_gpu_policies_f32 test_gpu_policies_f16 test_gpu_policies_bf16"
   grep -q "test_gpu_nccl" "$BUILD/tests/gpu/CTestTestfile.cmake" 2>/dev/null && TARGETS="$TARGETS test_gpu_nccl"
   # One build of everything, all cores, keep going past a failing target: whatever builds runs.
   # shellcheck disable=SC2086
-  step build 300 cmake --build "$BUILD" -j "$JOBS" --target $TARGETS "${KEEP[@]}"
+  step build "${SEQPAR_GPU_BUILD_LIMIT_S:-300}" cmake --build "$BUILD" -j "$JOBS" --target $TARGETS "${KEEP[@]}"
   [ -x "$BUILD/tests/gpu/seqpar_gpu_bench" ] && BENCH=$BUILD/tests/gpu/seqpar_gpu_bench
 fi
 if [ -z "$BENCH" ] && [ "$(left)" -gt 150 ]; then
@@ -117,8 +139,14 @@ if [ -x "$BUILD/tests/gpu/test_gpu_kernel" ]; then
   grep -E "tests passed|tests failed|Skipped|Failed|Timeout|Not Run" "$LOG" | grep -v "BEGIN\|END" | tail -14 \
     > "$BUILD/ctest_summary.txt" || true
   if command -v compute-sanitizer >/dev/null 2>&1 && [ "$(left)" -gt 200 ]; then
-    step memcheck 45 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/gpu/test_gpu_kernel" -tc="*smoke*"
-    step racecheck 45 compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/tests/gpu/test_gpu_kernel" -tc="*smoke*"
+    # Exit 9: the tool found an error (a failure). Any other failure means the tool could not
+    # run here (some sandboxes refuse it): noted, not counted.
+    for tool in memcheck racecheck; do
+      SOFT=1 step "$tool" 45 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        "$BUILD/tests/gpu/test_gpu_kernel" -tc="*smoke*"
+      rc=$?
+      if [ $rc -eq 9 ]; then FAILED=1; SUMMARY[${#SUMMARY[@]}-1]="$tool|ERRORS FOUND (see the log)||"; fi
+    done
   else
     log "no compute-sanitizer pass (not installed, or no time)"
   fi

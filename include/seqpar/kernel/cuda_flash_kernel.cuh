@@ -7,8 +7,8 @@
 /// Two forward paths, chosen per call:
 /// - tensor cores (sm_80+, half/bf16, head_dim 64 or 128, 16-byte aligned rows): 64 x 64
 ///   tiles, four warps of 16 query rows, mma.sync m16n8k16 for Q K^T and P V with P kept in
-///   registers, K/V tiles streamed into shared memory with cp.async (the V load overlaps
-///   Q K^T, the next K load overlaps softmax and P V);
+///   registers, K/V fragments by ldmatrix, K/V tiles streamed into shared memory with cp.async
+///   (the V load overlaps Q K^T, the next K load overlaps softmax and P V);
 /// - SIMT (every type, any head_dim <= 256, any strides): 32 x 32 tiles, one warp per eight
 ///   query rows, float in shared memory.
 /// Both walk key tiles with the online softmax of kernel/tile_math.hpp, skip tiles a causal
@@ -280,6 +280,27 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+/// ldmatrix.x4: four 8 x 8 matrices of 16-bit elements from shared memory, one row address per
+/// lane (see tile::ldmatrix_elem); `trans` loads them transposed.
+template <bool trans>
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+#else
+  __trap();
+#endif
+}
+
 /// Starts loading rows [j0, j0 + 64) of one head of `x` into a [64][D + 8] shared tile; rows
 /// past `n` become zeros (a zero V row keeps 0 * garbage from turning into NaN).
 template <class T, int D>
@@ -294,7 +315,10 @@ __device__ __forceinline__ void load_tile_async(T* tile, const DeviceView<const 
   }
 }
 
-template <class T, class O, int D>
+/// The tensor-core forward. `ldsm`: K and V fragments come from ldmatrix (four registers per
+/// instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant, kept
+/// as a cross-check and fallback).
+template <class T, class O, int D, bool ldsm>
 __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
   constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8;
@@ -355,16 +379,29 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     for (int nt = 0; nt < nt_s; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) sacc[nt][i] = 0.0f;
-    const int kb0 = tile::mma_b_offset_nk(lane, 0, stride), kb1 = tile::mma_b_offset_nk(lane, 1, stride);
+    // B = K^T: element (k = dim, n = key) is K[key][dim]; a register holds two adjacent dims.
+    if constexpr (ldsm) {
+      const int koff = tile::ldmatrix_k_offset(lane, stride);
 #pragma unroll
-    for (int kc = 0; kc < kc_steps; ++kc)
+      for (int kc = 0; kc < kc_steps; ++kc)
 #pragma unroll
-      for (int nt = 0; nt < nt_s; ++nt) {
-        // B = K^T: element (k = dim, n = key) is K[key][dim]; a register holds two adjacent dims.
-        const T* kr = sK + nt * 8 * stride + kc * 16;
-        mma_16816<T>(sacc[nt], qf[kc], *reinterpret_cast<const std::uint32_t*>(kr + kb0),
-                     *reinterpret_cast<const std::uint32_t*>(kr + kb1));
-      }
+        for (int nt = 0; nt < nt_s; nt += 2) {
+          std::uint32_t kb[4];
+          ldmatrix_x4<false>(kb, sK + nt * 8 * stride + kc * 16 + koff);
+          mma_16816<T>(sacc[nt], qf[kc], kb[0], kb[1]);
+          mma_16816<T>(sacc[nt + 1], qf[kc], kb[2], kb[3]);
+        }
+    } else {
+      const int kb0 = tile::mma_b_offset_nk(lane, 0, stride), kb1 = tile::mma_b_offset_nk(lane, 1, stride);
+#pragma unroll
+      for (int kc = 0; kc < kc_steps; ++kc)
+#pragma unroll
+        for (int nt = 0; nt < nt_s; ++nt) {
+          const T* kr = sK + nt * 8 * stride + kc * 16;
+          mma_16816<T>(sacc[nt], qf[kc], *reinterpret_cast<const std::uint32_t*>(kr + kb0),
+                       *reinterpret_cast<const std::uint32_t*>(kr + kb1));
+        }
+    }
     __syncthreads();  // every warp is done with sK: prefetch the next K tile into it
     const std::int64_t j1 = j0 + mma_bk;
     const bool next_ok = j1 < a.sk && tile_mask(j1) != tile::TileMask::hidden;
@@ -422,6 +459,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     int vb[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride);
+    const int voff = tile::ldmatrix_v_offset(lane, stride);
 #pragma unroll
     for (int kc = 0; kc < mma_bk / 16; ++kc) {
       // P's accumulator fragments of n-tiles 2kc, 2kc + 1 are exactly A's fragment of k-chunk kc.
@@ -432,14 +470,24 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
         const int e = tile::a_from_c_elem(2 * r);
         pa[r] = pack_pair<T>(c[e], c[e + 1]);
       }
+      // B = V: element (k = key, n = dim); a register holds two adjacent keys of one dim.
       const T* vk = sV + kc * 16 * stride;
+      if constexpr (ldsm) {
 #pragma unroll
-      for (int n = 0; n < nt_o; ++n) {
-        // B = V: element (k = key, n = dim); a register holds two adjacent keys of one dim.
-        const T* vc = vk + n * 8;
-        const std::uint32_t b0 = pack_bits(vc[vb[0]], vc[vb[1]]);
-        const std::uint32_t b1 = pack_bits(vc[vb[2]], vc[vb[3]]);
-        mma_16816<T>(oacc[n], pa, b0, b1);
+        for (int n = 0; n < nt_o; n += 2) {
+          std::uint32_t vb4[4];
+          ldmatrix_x4<true>(vb4, vk + n * 8 + voff);
+          mma_16816<T>(oacc[n], pa, vb4[0], vb4[1]);
+          mma_16816<T>(oacc[n + 1], pa, vb4[2], vb4[3]);
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < nt_o; ++n) {
+          const T* vc = vk + n * 8;
+          const std::uint32_t b0 = pack_bits(vc[vb[0]], vc[vb[1]]);
+          const std::uint32_t b1 = pack_bits(vc[vb[2]], vc[vb[3]]);
+          mma_16816<T>(oacc[n], pa, b0, b1);
+        }
       }
     }
     __syncthreads();  // every warp is done with sV before the next V load
@@ -664,6 +712,11 @@ class CudaFlashKernel {
   void set_tensor_cores(bool on) { tensor_cores_ = on; }
   /// Whether the tensor-core path may be used.
   bool tensor_cores() const { return tensor_cores_; }
+  /// Tensor-core path: load K and V fragments with ldmatrix (default, faster) or with plain
+  /// shared loads (false; a cross-check of the ldmatrix layouts).
+  void set_ldmatrix(bool on) { ldmatrix_ = on; }
+  /// Whether the tensor-core path uses ldmatrix.
+  bool ldmatrix() const { return ldmatrix_; }
 
   /// Called when a plan is made: rejects head dims the kernels do not cover, before any forward.
   void prepare(std::int64_t head_dim) const {
@@ -701,12 +754,10 @@ class CudaFlashKernel {
     if (lse.absent()) a.lse.data = nullptr;
     if constexpr (!std::is_same_v<T, float>) {
       if (uses_mma(q, k, v)) {
-        const dim3 grid = grid_of(q, cuda_detail::mma_bq);
         if (q.dim() == 64)
-          cuda_detail::flash_fwd_mma<T, O, 64><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
+          launch_mma<T, O, 64>(a, q);
         else
-          cuda_detail::flash_fwd_mma<T, O, 128><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
-        SEQPAR_CUDA_CHECK(cudaGetLastError());
+          launch_mma<T, O, 128>(a, q);
         return;
       }
     }
@@ -813,6 +864,16 @@ class CudaFlashKernel {
     return cached_major_;
   }
 
+  template <class T, class O, int D>
+  void launch_mma(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
+    const dim3 grid = grid_of(q, cuda_detail::mma_bq);
+    if (ldmatrix_)
+      cuda_detail::flash_fwd_mma<T, O, D, true><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
+    else
+      cuda_detail::flash_fwd_mma<T, O, D, false><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
+    SEQPAR_CUDA_CHECK(cudaGetLastError());
+  }
+
   template <class T, class O, int DC>
   void launch_simt(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
     const std::size_t smem = cuda_detail::simt_fwd_smem(a.dim, DC);
@@ -836,6 +897,7 @@ class CudaFlashKernel {
 
   cudaStream_t stream_ = nullptr;
   bool tensor_cores_ = true;
+  bool ldmatrix_ = true;
   mutable int cached_device_ = -1;
   mutable int cached_major_ = 0;
 };

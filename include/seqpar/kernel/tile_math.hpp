@@ -164,6 +164,27 @@ SEQPAR_HOST_DEVICE constexpr int mma_b_offset_nk(int lane, int r, int stride) {
 SEQPAR_HOST_DEVICE constexpr int mma_b_offset_kn(int lane, int i, int stride) {
   return mma_b_coord(lane, i).row * stride + mma_b_coord(lane, i).col;
 }
+/// ldmatrix.m8n8.x4 (16-bit elements): lane l supplies the address of row (l % 8) of matrix
+/// (l / 8); register j of every lane receives two elements of matrix j. This is the element
+/// (row, col) of matrix j that `lane` receives in the low (e = 0) or high (e = 1) half: row
+/// lane/4 and columns 2 (lane%4) + e, or with .trans the transposed position.
+SEQPAR_HOST_DEVICE constexpr FragCoord ldmatrix_elem(int lane, int e, bool trans) {
+  return trans ? FragCoord{2 * (lane & 3) + e, lane >> 2} : FragCoord{lane >> 2, 2 * (lane & 3) + e};
+}
+/// Offset, in a row-major [key][dim] tile with row stride `stride`, of the row that `lane`
+/// passes to ldmatrix.x4 (no transpose) to load operand B = K^T for n-tiles nt, nt + 1 of one
+/// 16-wide k-chunk (the base points at key 8 nt, dim 16 kc). The four matrices are (n-tile,
+/// k-half) = (nt, 0), (nt, 1), (nt+1, 0), (nt+1, 1): registers b0, b1 of nt, then of nt + 1.
+SEQPAR_HOST_DEVICE constexpr int ldmatrix_k_offset(int lane, int stride) {
+  return ((lane >> 4) * 8 + (lane & 7)) * stride + ((lane >> 3) & 1) * 8;
+}
+/// Offset of the row `lane` passes to ldmatrix.x4.trans to load operand B = V for n-tiles
+/// n, n + 1 of one 16-key chunk (the base points at key 16 kc, dim 8 n) from a row-major
+/// [key][dim] tile: matrices (keys 0-7, n), (keys 8-15, n), (0-7, n+1), (8-15, n+1), which
+/// transposed are registers b0, b1 of n, then of n + 1.
+SEQPAR_HOST_DEVICE constexpr int ldmatrix_v_offset(int lane, int stride) {
+  return (((lane >> 3) & 1) * 8 + (lane & 7)) * stride + (lane >> 4) * 8;
+}
 /// The accumulator element that becomes A-element i when a 16 x 16 block of C (two n-tiles of
 /// 8 columns) is fed back as operand A: n-tile (i >> 2) of the pair, element (i & 3). This is
 /// what lets the kernel keep P = softmax(S) in registers between the two products.
