@@ -29,8 +29,10 @@ inline constexpr bool enable_communicator = requires { requires C::is_seqpar_com
 
 /// A Communicator moves bytes between the ranks of a group. Requirements:
 /// - opt-in: `enable_communicator<C>` (see above);
+/// - `C` is move-constructible (the engine keeps the communicators it splits off);
 /// - `typename C::memory_space`: where the buffers it moves live (HostSpace, CudaSpace);
-/// - `typename C::request_type`: handle of a started exchange;
+/// - `typename C::request_type`: handle of a started exchange, default-constructible (a
+///   request not started yet);
 /// - `c.rank()`, `c.size()`: this rank and the group size, as int;
 /// - `c.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs)`: every
 ///   rank sends send_counts[j] bytes at send + send_displs[j] to rank j and receives
@@ -45,12 +47,15 @@ inline constexpr bool enable_communicator = requires { requires C::is_seqpar_com
 /// - `c.barrier()`;
 /// - `c.split(color, key)`: a new communicator per color, ranked by key (collective). It
 ///   shares the parent's stats;
-/// - `c.stats()`: the CommStats counters (const and mutable access).
-/// Every operation is collective over the group where MPI's is, and reports failures by
-/// throwing CommError (never by aborting or hanging forever when a peer has failed).
+/// - `c.stats()`: the CommStats counters (const and mutable access);
+/// - every operation is collective over the group where MPI's is, and reports failures by
+///   throwing CommError (never by aborting, and never by hanging forever when a peer has
+///   failed); a send buffer stays untouched, and a receive buffer unread, until the operation
+///   (or its wait) returns.
+/// The concept checks the syntax; the semantics above are what the policies rely on.
 template <class C>
 concept Communicator =
-    enable_communicator<C> &&
+    enable_communicator<C> && std::move_constructible<C> && std::default_initializable<typename C::request_type> &&
     requires(C& c, const C& cc, const std::byte* send, std::byte* recv, std::span<const std::size_t> counts,
              std::span<const std::int64_t> mine, std::span<std::int64_t> all, typename C::request_type& req) {
       typename C::memory_space;

@@ -160,6 +160,7 @@ class BasicThreadCommunicator {
     int source = -1;                                     ///< rank we receive from
   };
 
+  /// Rank `rank` of `group`; made by run_ranks() and split(), not by users.
   BasicThreadCommunicator(std::shared_ptr<detail::ThreadGroup> group, int rank,
                           std::shared_ptr<CommStats> stats = std::make_shared<CommStats>())
       : group_(std::move(group)), rank_(rank), stats_(std::move(stats)) {}

@@ -21,7 +21,10 @@ struct HeadRange {
 
 /// Byte counts and displacements of one all-to-all, indexed by peer.
 struct AllToAllTable {
-  std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;  ///< bytes
+  std::vector<std::size_t> send_counts;  ///< bytes sent to each peer
+  std::vector<std::size_t> send_displs;  ///< byte offset of each peer's piece in the send buffer
+  std::vector<std::size_t> recv_counts;  ///< bytes received from each peer
+  std::vector<std::size_t> recv_displs;  ///< byte offset of each peer's piece in the receive buffer
 };
 
 /// The result of SequenceParallelAttention::plan. Read-only for users; its accessors answer

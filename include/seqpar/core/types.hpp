@@ -10,12 +10,12 @@ namespace seqpar {
 /// Host (CPU) memory. Communicators and kernels name the space they work in; a pair that
 /// disagrees fails to compile.
 struct HostSpace {
-  static constexpr const char* name = "HostSpace";
+  static constexpr const char* name = "HostSpace";  ///< readable name, for messages
 };
 
 /// CUDA device memory.
 struct CudaSpace {
-  static constexpr const char* name = "CudaSpace";
+  static constexpr const char* name = "CudaSpace";  ///< readable name, for messages
 };
 
 /// Element type of Q, K, V and O, recorded in a plan so that forward can check it.

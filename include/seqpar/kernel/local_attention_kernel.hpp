@@ -38,25 +38,33 @@ template <class K>
 inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; };
 
 /// A LocalAttentionKernel computes attention of local queries against one block of keys.
-/// Requirements, for element type T and A = acc_t<T>:
+/// Requirements, for element type T, A = acc_t<T> and Space = K::memory_space:
 /// - opt-in: `enable_kernel<K>`;
-/// - `typename K::memory_space`: where its tensors live;
+/// - `typename K::memory_space`: where its tensors live; SequenceParallelAttention also
+///   requires it to equal the communicator's;
+/// - `K` is move-constructible (the engine owns its copy), and default-constructible when
+///   SequenceParallelAttention is not given one;
 /// - `k.forward(q, k, v, out, lse, params)` with q, k, v `TensorView<const T, Space>`
 ///   ([B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]), out `TensorView<T, Space>` [B, Sq, H, D]
 ///   and lse `TensorView<A, Space>` [B, Sq, H, 1] (may be absent: then not written). It writes
 ///   out = softmax(q k^T * scale + mask) v and lse = natural-log sum of exp of the visible
-///   scores, per row; a row that sees no key gets out = 0 and lse = -inf. Query head h reads
-///   K/V head params.kv_head(h).
-/// Backward (needed by SequenceParallelAttention::backward):
-/// `k.backward(dout, q, k, v, out, lse, dq, dk, dv, params)` with dout, out
+///   scores, per row; a row that sees no key gets out = 0 and lse = -inf, never NaN, and a NaN
+///   in a row stays in that row. Query head h reads K/V head params.kv_head(h). Key j is
+///   visible to query i iff not params.causal or k_positions(j) <= q_positions(i);
+/// - views may have any strides with head_dim contiguous (the engine passes packed
+///   [S, B, H, D] blocks), any extent may be 0, and positions strictly increase within a call
+///   (a kernel may stop at the first key tile a causal mask hides);
+/// - backward (only for SequenceParallelAttention::backward, see kernel_has_backward):
+///   `k.backward(dout, q, k, v, out, lse, dq, dk, dv, params)` with dout, out
 ///   `TensorView<const T, Space>` [B, Sq, H, D], lse `TensorView<const A, Space>` [B, Sq, H, 1]
 ///   (the LSE of the *whole* attention, not of this block), and dq [B, Sq, H, D], dk, dv
 ///   [B, Sk, Hkv, D] as `TensorView<A, Space>`: it ADDS this key block's contribution to dq, dk
 ///   and dv (so ring steps and the query heads sharing a K/V head accumulate). It recomputes
-///   the probabilities as exp(q k^T * scale - lse); rows with lse = -inf contribute nothing.
-/// Optional: `k.prepare(max_head_dim)` is called when a plan is made, so forward allocates
-/// nothing; a forward that also accepts `out` of type `TensorView<A, Space>` lets ring
-/// policies keep partial outputs in A.
+///   the probabilities as exp(q k^T * scale - lse); rows with lse = -inf contribute nothing;
+/// - optional: `k.prepare(max_head_dim)` (and `k.prepare_backward(max_head_dim)`) is called when
+///   a plan is made, so that forward (backward) allocates nothing; a forward that also accepts
+///   `out` of type `TensorView<A, Space>` lets ring policies keep partial outputs in A.
+/// The concept checks the forward's syntax; the semantics above are what the policies rely on.
 template <class K, class T>
 concept LocalAttentionKernel =
     enable_kernel<K> &&

@@ -87,8 +87,10 @@ SEQPAR_HOST_DEVICE inline TileMask classify_tile(bool causal, std::int64_t q_fir
 /// PositionMap as a kernel argument: at most two runs, no std:: types, callable on the device.
 struct Positions {
   std::int64_t count0 = 0;                 ///< tokens in the first run
-  std::int64_t start0 = 0, stride0 = 1;    ///< first run
-  std::int64_t start1 = 0, stride1 = 1;    ///< second run (tokens count0 and on)
+  std::int64_t start0 = 0;                 ///< first position of the first run
+  std::int64_t stride0 = 1;                ///< step of the first run
+  std::int64_t start1 = 0;                 ///< first position of the second run (tokens count0 and on)
+  std::int64_t stride1 = 1;                ///< step of the second run
 
   /// Copies a PositionMap (host side).
   static Positions from(const PositionMap& m) {

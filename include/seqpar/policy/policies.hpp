@@ -54,6 +54,7 @@ struct base_policy<UnifiedPolicy<L>> : std::true_type {};
 /// True for UlyssesPolicy, RingPolicy<L>, UnifiedPolicy<L> and AnythingPolicy of those.
 template <class P>
 inline constexpr bool is_policy_v = detail::base_policy<P>::value;
+/// AnythingPolicy<P> is a policy when P is one of the three base policies (no nesting).
 template <class Inner>
 inline constexpr bool is_policy_v<AnythingPolicy<Inner>> = detail::base_policy<Inner>::value;
 
