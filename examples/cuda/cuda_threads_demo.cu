@@ -44,6 +44,8 @@ double run(Policy policy, int ranks, const examples::GlobalInputs& inputs) {
     }
     std::byte* ws = nullptr;
     SEQPAR_CUDA_CHECK(cudaMalloc(&ws, plan.workspace_bytes()));
+    // The copies ran on the legacy stream, which the rank's non-blocking stream does not wait for.
+    SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
     using CV = TensorView<const T, CudaSpace>;
     const std::int64_t B = shape.batch, H = shape.heads, K = shape.kv_head_count(), D = shape.head_dim;
     attn.template forward<T>(plan, CV::bshd(dev[0], B, l.lq, H, D), CV::bshd(dev[1], B, l.lkv, K, D),

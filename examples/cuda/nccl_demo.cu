@@ -32,6 +32,8 @@ E* to_device(const std::vector<E>& host) {
   E* p = nullptr;
   SEQPAR_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(host.size(), 1) * sizeof(E)));
   SEQPAR_CUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
+  // The copy ran on the legacy stream, which a non-blocking stream does not wait for.
+  SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
   return p;
 }
 

@@ -138,6 +138,11 @@ if [ -x "$BUILD/tests/gpu/test_gpu_kernel" ]; then
   # The ctest verdict goes to the table; a "Skipped" GPU test means the device was not seen.
   grep -E "tests passed|tests failed|Skipped|Failed|Timeout|Not Run" "$LOG" | grep -v "BEGIN\|END" | tail -14 \
     > "$BUILD/ctest_summary.txt" || true
+  if grep -q "Skipped" "$BUILD/ctest_summary.txt"; then
+    log "GPU tests were SKIPPED: the tests saw no CUDA device (see the SKIPPED line in the log)"
+    SUMMARY+=("gpu tests|SKIPPED: no device seen||")
+    FAILED=1
+  fi
   if command -v compute-sanitizer >/dev/null 2>&1 && [ "$(left)" -gt 200 ]; then
     # Exit 9: the tool found an error (a failure). Any other failure means the tool could not
     # run here (some sandboxes refuse it): noted, not counted.

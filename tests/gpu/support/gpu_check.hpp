@@ -95,10 +95,14 @@ class DeviceBuffer {
   void upload_raw(const std::vector<T>& h) {
     SEQPAR_CHECK(h.size() == n_, ConfigError, "DeviceBuffer::upload: expected ", n_, " elements, got ", h.size());
     if (n_) SEQPAR_CUDA_CHECK(cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+    // cudaMemcpy from pageable memory may return before the DMA lands, and the tests' own
+    // streams are non-blocking (not ordered after the legacy stream): wait here.
+    SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
   }
   /// Fills every byte with `byte` (0xff makes float and half NaN: a sentinel for unwritten output).
   void poison(int byte = 0xff) {
     if (n_) SEQPAR_CUDA_CHECK(cudaMemset(p_, byte, n_ * sizeof(T)));
+    SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());  // see upload_raw
   }
   /// Copies out as doubles (synchronous).
   std::vector<double> download() const {
