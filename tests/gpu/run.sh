@@ -134,7 +134,7 @@ if [ -x "$BUILD/tests/gpu/test_gpu_kernel" ]; then
   LIMIT=$(($(left) - 130))
   [ $LIMIT -gt 220 ] && LIMIT=220
   [ $LIMIT -lt 60 ] && LIMIT=60
-  step ctest-gpu $LIMIT ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 150
+  step ctest-gpu $LIMIT ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 150 -j 3
   # The ctest verdict goes to the table; a "Skipped" GPU test means the device was not seen.
   grep -E "tests passed|tests failed|Skipped|Failed|Timeout|Not Run" "$LOG" | grep -v "BEGIN\|END" | tail -14 \
     > "$BUILD/ctest_summary.txt" || true
