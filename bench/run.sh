@@ -27,6 +27,33 @@ run() {
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 load_start="$(load)"
 
+# Figures whose point is concurrency (threads, ranks) need both cores. On a shared machine,
+# wait (at most SEQPAR_BENCH_IDLE_WAIT seconds per stage, default 45) for 2 s in which the
+# CPUs are less than 15% busy; the outcome is recorded in RESULTS.md.
+idle_wait="${SEQPAR_BENCH_IDLE_WAIT:-45}"
+: > "$out/idle.txt"
+cpu_busy() {  # percentage of CPU time not idle over 2 seconds
+  local a b
+  a=($(head -1 /proc/stat)); sleep 2; b=($(head -1 /proc/stat))
+  local total=0 i
+  for i in 1 2 3 4 5 6 7; do total=$(( total + b[i] - a[i] )); done
+  echo $(( 100 * (total - (b[4] - a[4])) / (total > 0 ? total : 1) ))
+}
+wait_idle() {  # wait_idle <stage>
+  local t0=$SECONDS busy
+  while :; do
+    busy=$(cpu_busy)
+    if (( busy < 15 )); then
+      echo "$1: started when the CPUs were ${busy}% busy (waited $(( SECONDS - t0 )) s)" >> "$out/idle.txt"
+      return
+    fi
+    if (( SECONDS - t0 >= idle_wait )); then
+      echo "$1: no idle window in ${idle_wait} s; started with the CPUs ${busy}% busy" >> "$out/idle.txt"
+      return
+    fi
+  done
+}
+
 run cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_EXAMPLES=OFF \
   -DSEQPAR_BUILD_BENCHMARKS=ON > "$out/cmake.log"
 targets=(seqpar_bench)
@@ -41,17 +68,27 @@ gb() {  # gb <json name> <filter> [more args]
     --benchmark_counters_tabular=true "$@"
 }
 
-kernel_filter='BM_cpu_flash|BM_reference'
-policy_filter='BM_policy|BM_anything_vs_plain'
+kernel_filter='BM_cpu_flash/|BM_reference'
+scaling_filter='BM_cpu_flash_scaling'
+policy_filter='BM_policy'
+pair_filter='BM_anything_vs_plain'
 if [[ "$quick" == 1 ]]; then
-  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_reference/D:64/seq:512/|BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
-  policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1|BM_anything_vs_plain<UlyssesPolicy>/P:2'
+  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_reference/D:64/seq:512/'
+  scaling_filter='BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
+  policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1'
+  pair_filter='BM_anything_vs_plain<UlyssesPolicy>/P:2'
 fi
 
+wait_idle "machine ceilings (before)"
 gb machine_before 'BM_peak|BM_memory'
 gb kernels "$kernel_filter"
+wait_idle "thread scaling"
+gb scaling "$scaling_filter"
+wait_idle "machine ceilings (after)"
 gb machine_after 'BM_peak|BM_memory'
 gb policies "$policy_filter"
+wait_idle "Anything vs plain"
+gb pairs "$pair_filter"
 
 # MPI strong scaling: the same global shape on 1 and 2 ranks, alternated so that a change of
 # load on the shared machine hits both.
@@ -65,9 +102,10 @@ if [[ -x "$mpi_bin" ]] && command -v mpirun > /dev/null; then
   [[ "$(id -u)" == 0 ]] && mpi_flags+=(--allow-run-as-root)
   for round in 1 2; do
     for policy in ring ulysses; do
+      wait_idle "MPI $policy round $round"
       for ranks in 1 2; do
-        run mpirun "${mpi_flags[@]}" -n "$ranks" "$mpi_bin" --policy "$policy" --seq "$mpi_seq" --heads 4 \
-          --head-dim 64 --iters 3 | grep '^RESULT' | tee -a "$out/mpi_results.txt"
+        run mpirun "${mpi_flags[@]}" -n "$ranks" "$mpi_bin" --policy "$policy" --seq "$mpi_seq" --heads 2 \
+          --head-dim 64 --iters 4 | grep '^RESULT' | tee -a "$out/mpi_results.txt"
       done
     done
   done

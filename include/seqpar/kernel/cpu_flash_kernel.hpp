@@ -14,8 +14,9 @@
 ///  - the softmax statistics (running max m, sum l, rescale alpha) of a column of queries are
 ///    lane-wise vector operations over the rows of S^T, and exp is the vectorised fast_exp.
 /// O^T is transposed back, divided by l, once per query block. Per thread the working set is
-/// Q^T, O^T (head_dim x block_q each) and S^T (block_k x block_q): 96 KiB at head_dim 128 in
-/// float, in L2; one micro-kernel's B panel (<= 16 KiB) stays in L1.
+/// Q^T, O^T (head_dim x query block each) and S^T (block_k x query block): 96 or 192 KiB at
+/// head_dim 128 in float, in L2; one micro-kernel's B panel (<= 16 KiB) stays in L1. The next
+/// key block's K and V rows are prefetched into L2 while the current one computes.
 
 #include <algorithm>
 #include <cmath>
@@ -117,8 +118,13 @@ class CpuFlashKernel {
  public:
   static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
   using memory_space = HostSpace;                 ///< host tensors
-  static constexpr std::int64_t block_q = 64;     ///< query rows per block (a multiple of every tile's query panel)
+  static constexpr std::int64_t block_q = 128;    ///< most query rows per block (a multiple of every tile's query panel)
   static constexpr std::int64_t block_k = 128;    ///< key rows per block
+
+  /// Query rows per block for `key_len` keys. Each query block streams all of K and V once:
+  /// at long key sequences they come from L3 or memory, so 128-row blocks halve that traffic;
+  /// at short ones 64-row blocks waste less work on causal diagonals and make more tasks.
+  static constexpr std::int64_t query_block_rows(std::int64_t key_len) { return key_len >= 4096 ? 128 : 64; }
 
   /// One thread.
   CpuFlashKernel() = default;
@@ -189,13 +195,13 @@ class CpuFlashKernel {
     using A = acc_t<T>;
     const std::int64_t dim = q.dim();
     prepare(dim);  // no-op once prepared
-    const std::int64_t nqb = (q.seq() + block_q - 1) / block_q;
+    const std::int64_t bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
     const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
     // Later query blocks see more keys under a causal mask: hand them out first, so that the
     // cheap ones fill the gaps at the end.
     auto task = [&](std::int64_t t, int worker) {
       const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
-      query_block<T, O, A>(q, k, v, out, lse, p, b, h, qb * block_q, thread_scratch<A>(worker, dim));
+      query_block<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq, thread_scratch<A>(worker, dim));
     };
     if (pool_)
       pool_->run(tasks, task);
@@ -269,14 +275,13 @@ class CpuFlashKernel {
   template <class T, class O, class A>
   static void query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                           TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
-                          std::int64_t i0, const Scratch<A>& s) {
+                          std::int64_t i0, std::int64_t bq, const Scratch<A>& s) {
     using V = detail::simd_t<A>;
     using Tile = detail::FlashTile<A>;
     constexpr int W = Tile::width, PW = Tile::panel;
-    constexpr std::int64_t BQ = block_q;
-    static_assert(BQ % PW == 0, "block_q must be a multiple of the query panel");
+    static_assert(block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
     constexpr A neg_inf = -std::numeric_limits<A>::infinity();
-    const std::int64_t dim = q.dim(), nq = std::min(block_q, q.seq() - i0), kh = p.kv_head(h);
+    const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h);
     const std::int64_t ncols = (nq + PW - 1) / PW * PW;  // queries padded to whole panels
     const A scale = static_cast<A>(p.scale);
 
@@ -284,15 +289,15 @@ class CpuFlashKernel {
     for (std::int64_t i = 0; i < ncols; ++i) {
       if (i < nq) {
         const T* src = q.row(b, i0 + i, h);
-        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * BQ + i] = static_cast<A>(src[d]) * scale;
+        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * bq + i] = static_cast<A>(src[d]) * scale;
         if (p.causal) s.qpos[i] = p.q_positions(i0 + i);
       } else {
-        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * BQ + i] = A(0);
+        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * bq + i] = A(0);
       }
       s.m[i] = neg_inf;
       s.l[i] = 0;
     }
-    for (std::int64_t d = 0; d < dim; ++d) std::fill(s.ot + d * BQ, s.ot + d * BQ + ncols, A(0));
+    for (std::int64_t d = 0; d < dim; ++d) std::fill(s.ot + d * bq, s.ot + d * bq + ncols, A(0));
 
     const std::int64_t q_lo = p.causal ? s.qpos[0] : 0, q_hi = p.causal ? s.qpos[nq - 1] : 0;
     for (std::int64_t j0 = 0; j0 < k.seq(); j0 += block_k) {
@@ -334,25 +339,37 @@ class CpuFlashKernel {
         ks = vs = dim;
       }
 
+      // Start the next key block's K and V rows on their way to L2 while this one computes:
+      // at long sequences they come from L3 or memory, and the hardware prefetcher does not
+      // run far enough ahead on MR interleaved row streams.
+      if (const std::int64_t jn = j0 + block_k; jn < k.seq())
+        for (std::int64_t j = jn, je = std::min(k.seq(), jn + block_k); j < je; ++j) {
+          const char* kp = reinterpret_cast<const char*>(k.row(b, j, kh));
+          const char* vp = reinterpret_cast<const char*>(v.row(b, j, kh));
+          for (std::int64_t off = 0; off < dim * std::int64_t(sizeof(T)); off += 64) {
+            __builtin_prefetch(kp + off, 0, 2);
+            __builtin_prefetch(vp + off, 0, 2);
+          }
+        }
       // S^T = K Q^T, one query panel at a time (its Q^T panel stays in L1).
       for (std::int64_t c0 = 0; c0 < ncols; c0 += PW)
-        detail::flash_tiles<false>(nk, kr, ks, 1, s.qt + c0, BQ, dim, s.st + c0, BQ, static_cast<const A*>(nullptr));
+        detail::flash_tiles<false>(nk, kr, ks, 1, s.qt + c0, bq, dim, s.st + c0, bq, static_cast<const A*>(nullptr));
       if (masked)
         for (std::int64_t j = 0; j < nk; ++j)
           for (std::int64_t i = 0; i < nq; ++i)
-            if (s.kpos[j] > s.qpos[i]) s.st[j * BQ + i] = neg_inf;
+            if (s.kpos[j] > s.qpos[i]) s.st[j * bq + i] = neg_inf;
 
       // Online softmax, W queries at a time: P^T = exp(S^T - m') in place.
       for (std::int64_t c = 0; c < ncols; c += W) {
         V mx = detail::simd_load(s.m + c);
         const V m_old = mx;
-        for (std::int64_t j = 0; j < nk; ++j) mx = detail::simd_max(detail::simd_load(s.st + j * BQ + c), mx);
+        for (std::int64_t j = 0; j < nk; ++j) mx = detail::simd_max(detail::simd_load(s.st + j * bq + c), mx);
         // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
         // weights exp(-inf) = 0 instead of NaN. NaN scores pass through to the output.
         const V shift = mx == neg_inf ? V{} : mx;
         V sum{};
         for (std::int64_t j = 0; j < nk; ++j) {
-          A* sj = s.st + j * BQ + c;
+          A* sj = s.st + j * bq + c;
           const V e = exp_lanes(detail::simd_load(sj) - shift);
           detail::simd_store(sj, e);
           sum += e;
@@ -365,14 +382,14 @@ class CpuFlashKernel {
 
       // O^T = alpha O^T + V^T P^T: A reads V column-wise (head-dim rows), B is a P^T panel.
       for (std::int64_t c0 = 0; c0 < ncols; c0 += PW)
-        detail::flash_tiles<true>(dim, vr, 1, vs, s.st + c0, BQ, nk, s.ot + c0, BQ, s.alpha + c0);
+        detail::flash_tiles<true>(dim, vr, 1, vs, s.st + c0, bq, nk, s.ot + c0, bq, s.alpha + c0);
     }
 
     for (std::int64_t i = 0; i < nq; ++i) {
       O* dst = out.row(b, i0 + i, h);
       const A l = s.l[i];
       const A inv = l != 0 ? A(1) / l : A(0);
-      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(s.ot[d * BQ + i] * inv);
+      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(s.ot[d * bq + i] * inv);
       if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] + std::log(l) : neg_inf;
     }
   }
