@@ -206,17 +206,15 @@ TEST_CASE("errors: degrees whose product is not the world size") {
   INFO(describe(neg));
   CHECK(all_same_config_error(neg, "degrees must be >= 0"));
 
-  // Only rank 0's degrees are impossible: it fails before the agreement gather, so the others
-  // are woken from it with CommAborted (no rank hangs) and run_ranks rethrows rank 0's error.
+  // Only rank 0's degrees are impossible: the request is gathered before it is resolved, so
+  // every rank sees the disagreement and throws the same ConfigError (none is left waiting).
   auto one = rank_outcomes(4, [&](Comm& c) { build(c, UnifiedPolicy<>{c.rank() == 0 ? 3 : 2, 0}); });
   INFO(describe(one));
-  CHECK(one[0].kind == "ConfigError");
-  CHECK(one[0].what.find("must equal the world size 4") != std::string::npos);
-  for (int r = 1; r < 4; ++r) CHECK(one[r].kind == "CommAborted");
+  CHECK(all_same_config_error(one, "ranks disagree on ulysses_degree: rank 0 has 3, rank 1 has 2"));
   CHECK_THROWS_WITH_AS(
       run_ranks(4, [&](Comm& c) { build(c, UnifiedPolicy<>{c.rank() == 0 ? 3 : 2, 0}); },
                 ThreadRunOptions{test::outcome_timeout}),
-      doctest::Contains("must equal the world size 4"), ConfigError);
+      doctest::Contains("ranks disagree on ulysses_degree"), ConfigError);
 }
 
 TEST_CASE("errors: an impossible shape without AnythingPolicy names the rule and the fix") {

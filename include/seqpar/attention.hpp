@@ -43,7 +43,7 @@ class SequenceParallelAttention {
   /// Collective over `world`: checks that every rank has the same policy and degrees, then
   /// builds the mesh. `world` must outlive this object.
   explicit SequenceParallelAttention(Comm& world, Policy policy = {}, Kernel kernel = {})
-      : engine_(world, mesh_config(policy, world.size()), std::move(kernel)) {}
+      : engine_(world, mesh_request(policy), std::move(kernel)) {}
 
   /// Collective: makes the plan for `problem` with this rank's local lengths.
   Plan plan(const AttentionProblem& problem, LocalLengths lengths) { return engine_.plan(problem, lengths); }

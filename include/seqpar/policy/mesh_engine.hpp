@@ -33,6 +33,7 @@
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/kernel/host_ops.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/policy/policies.hpp"
 
 namespace seqpar::detail {
 
@@ -253,10 +254,13 @@ class MeshEngine {
  public:
   using Space = typename Comm::memory_space;
 
-  /// Collective: all ranks check that they agree on the mesh, then split the world.
-  MeshEngine(Comm& world, MeshConfig mesh, Kernel kernel)
-      : world_(world), mesh_(mesh), kernel_(std::move(kernel)),
-        ulysses_(split_checked(world, mesh)), ring_(world.split(mesh.ulysses_rank(world.rank()), mesh.ring_rank(world.rank()))) {}
+  /// Collective: all ranks check that they agree on the requested mesh (mesh_request), resolve
+  /// it for the world size (every rank alike, so all throw the same ConfigError or none), then
+  /// split the world into Ulysses groups and rings.
+  MeshEngine(Comm& world, MeshConfig request, Kernel kernel)
+      : world_(world), mesh_(agree_on_mesh(world, request)), kernel_(std::move(kernel)),
+        ulysses_(world.split(mesh_.ring_rank(world.rank()), mesh_.ulysses_rank(world.rank()))),
+        ring_(world.split(mesh_.ulysses_rank(world.rank()), mesh_.ring_rank(world.rank()))) {}
 
   /// Collective: gathers every rank's problem and lengths once, validates them identically
   /// on every rank (all throw the same ConfigError, none hangs), and builds the plan.
@@ -343,6 +347,7 @@ class MeshEngine {
       check_view(lse, "forward: lse", p.problem.batch, p.local_q(), p.problem.heads, 1, true);
     else
       SEQPAR_CHECK(lse.absent(), ConfigError, "forward: lse given, but the plan's problem has with_lse = false");
+    check_workspace(workspace, p.workspace_bytes(), "forward");
     const LocalShape n(p);
     const auto B = p.problem.batch, D = p.problem.head_dim;
     const auto qr = to_i(n.qr), hq = to_i(n.hq);
@@ -398,6 +403,7 @@ class MeshEngine {
     check_view(dq, "backward: dq", pr.batch, p.local_q(), pr.heads, pr.head_dim, true);
     check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
     check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
+    check_workspace(workspace, p.backward_workspace_bytes(), "backward");
     const LocalShape n(p);
     const auto B = pr.batch, D = pr.head_dim;
     const auto qr = to_i(n.qr), kr = to_i(n.kr), hq = to_i(n.hq), hk = to_i(n.hk);
@@ -445,9 +451,9 @@ class MeshEngine {
   TensorOps<Space>& ops() { return ops_; }
 
  private:
-  static Comm split_checked(Comm& world, const MeshConfig& mesh) {
-    const std::int64_t mine[5] = {mesh.ulysses, mesh.ring, static_cast<std::int64_t>(mesh.placement),
-                                  static_cast<std::int64_t>(mesh.layout), mesh.anything};
+  static MeshConfig agree_on_mesh(Comm& world, const MeshConfig& request) {
+    const std::int64_t mine[5] = {request.ulysses, request.ring, static_cast<std::int64_t>(request.placement),
+                                  static_cast<std::int64_t>(request.layout), request.anything};
     const int n = world.size();
     std::vector<std::int64_t> all(static_cast<std::size_t>(5 * n));
     world.all_gather_host(mine, all);
@@ -457,10 +463,7 @@ class MeshEngine {
       for (int w = 1; w < n; ++w)
         SEQPAR_CHECK(all[w * 5 + f] == all[f], ConfigError, "SequenceParallelAttention: ranks disagree on ",
                      names[f], ": rank 0 has ", all[f], ", rank ", w, " has ", all[w * 5 + f]);
-    SEQPAR_CHECK(mesh.world() == n, ConfigError, mesh.policy, ": ulysses_degree x ring_degree = ", mesh.ulysses, " x ",
-                 mesh.ring, " must equal the communicator size ", n);
-    const int w = world.rank();
-    return world.split(mesh.ring_rank(w), mesh.ulysses_rank(w));
+    return resolve_mesh(request, n);
   }
 
   void validate(const std::vector<std::int64_t>& all, int world) const {
@@ -503,6 +506,14 @@ class MeshEngine {
                  dtype_name(p.problem.dtype), ", got ", dtype_name(dtype));
     SEQPAR_CHECK(p.world_rank == world_.rank() && p.mesh.ulysses == mesh_.ulysses && p.mesh.ring == mesh_.ring,
                  ConfigError, call, ": the plan was made by another SequenceParallelAttention");
+  }
+
+  static void check_workspace(std::span<std::byte> workspace, std::size_t need, const char* call) {
+    SEQPAR_CHECK(workspace.data() != nullptr || workspace.empty(), ConfigError, call,
+                 ": workspace: null data pointer with a size of ", workspace.size(), " bytes");
+    SEQPAR_CHECK(workspace.size() >= need, ConfigError, call, ": workspace: expected at least ", need,
+                 " bytes (plan.", call == std::string_view("forward") ? "workspace_bytes()" : "backward_workspace_bytes()",
+                 "), got ", workspace.size());
   }
 
   template <class T>

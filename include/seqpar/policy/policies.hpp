@@ -58,45 +58,60 @@ inline constexpr bool is_policy_v = detail::base_policy<P>::value;
 template <class Inner>
 inline constexpr bool is_policy_v<AnythingPolicy<Inner>> = detail::base_policy<Inner>::value;
 
-/// Resolves a policy into the mesh it runs on for `world` ranks; throws ConfigError if the
-/// degrees do not multiply to the world size.
+/// The mesh a policy asks for, before the world size is known: a degree of 0 means "derive
+/// it from the world size" (Ulysses asks for U = world, Ring for R = world). Nothing is
+/// checked here, so that every rank can first agree on the request and then fail alike.
 template <class P>
-MeshConfig mesh_config(const P& policy, int world) {
+MeshConfig mesh_request(const P& policy) {
   if constexpr (requires { policy.inner; }) {
     static_assert(detail::base_policy<std::remove_cvref_t<decltype(policy.inner)>>::value,
                   "seqpar: AnythingPolicy<P> needs P = UlyssesPolicy, RingPolicy<Layout> or UnifiedPolicy<Layout>");
-    MeshConfig m = mesh_config(policy.inner, world);
+    MeshConfig m = mesh_request(policy.inner);
     m.anything = true;
     return m;
   } else {
     static_assert(detail::base_policy<P>::value,
                   "seqpar: a policy must be UlyssesPolicy, RingPolicy<Layout>, UnifiedPolicy<Layout> or AnythingPolicy<...>");
-    SEQPAR_CHECK(world >= 1, ConfigError, "world size: expected >= 1, got ", world);
     MeshConfig m;
     if constexpr (std::is_same_v<P, UlyssesPolicy>) {
-      m.ulysses = world;
+      m.ulysses = 0;
       m.policy = "UlyssesPolicy";
     } else if constexpr (requires { policy.ring_degree; }) {
-      int u = policy.ulysses_degree, r = policy.ring_degree;
-      SEQPAR_CHECK(u >= 0 && r >= 0, ConfigError, "UnifiedPolicy degrees must be >= 0, got ulysses_degree ", u,
-                   " ring_degree ", r);
-      SEQPAR_CHECK(u > 0 || r > 0, ConfigError, "UnifiedPolicy: set ulysses_degree or ring_degree (both are 0)");
-      if (u == 0) u = world % r == 0 ? world / r : 0;
-      if (r == 0) r = world % u == 0 ? world / u : 0;
-      SEQPAR_CHECK(u * r == world && u > 0 && r > 0, ConfigError, "UnifiedPolicy: ulysses_degree x ring_degree = ",
-                   policy.ulysses_degree, " x ", policy.ring_degree, " must equal the world size ", world);
-      m.ulysses = u;
-      m.ring = r;
+      m.ulysses = policy.ulysses_degree;
+      m.ring = policy.ring_degree;
       m.placement = policy.placement;
       m.layout = layout_kind_of<typename P::layout>();
       m.policy = "UnifiedPolicy";
     } else {
-      m.ring = world;
+      m.ring = 0;
       m.layout = layout_kind_of<typename P::layout>();
       m.policy = "RingPolicy";
     }
     return m;
   }
+}
+
+/// Fills the derived degree of a request for `world` ranks; throws ConfigError when the
+/// degrees are negative, both derived, or do not multiply to the world size.
+inline MeshConfig resolve_mesh(MeshConfig m, int world) {
+  SEQPAR_CHECK(world >= 1, ConfigError, "world size: expected >= 1, got ", world);
+  const int u = m.ulysses, r = m.ring;
+  SEQPAR_CHECK(u >= 0 && r >= 0, ConfigError, m.policy, ": degrees must be >= 0, got ulysses_degree ", u,
+               ", ring_degree ", r);
+  SEQPAR_CHECK(u > 0 || r > 0, ConfigError, m.policy, ": set ulysses_degree or ring_degree (both are 0)");
+  if (m.ulysses == 0) m.ulysses = world % r == 0 ? world / r : 0;
+  if (m.ring == 0) m.ring = world % u == 0 ? world / u : 0;
+  SEQPAR_CHECK(m.ulysses > 0 && m.ring > 0 && m.ulysses * m.ring == world, ConfigError, m.policy,
+               ": ulysses_degree x ring_degree = ", u, " x ", r, " must equal the world size ", world,
+               " (a degree of 0 is derived from the other)");
+  return m;
+}
+
+/// Resolves a policy into the mesh it runs on for `world` ranks; throws ConfigError if the
+/// degrees do not multiply to the world size.
+template <class P>
+MeshConfig mesh_config(const P& policy, int world) {
+  return resolve_mesh(mesh_request(policy), world);
 }
 
 }  // namespace seqpar
