@@ -5,8 +5,9 @@
 //
 //   mpi_faults uncaught   rank 1 throws after the plan, uncaught (std::terminate), while its
 //                         peers wait for it in forward's all-to-all
-//   mpi_faults abort      rank 0 alone asks for impossible degrees: a local ConfigError while
-//                         its peers wait in the constructor's agreement gather; it follows the
+//   mpi_faults abort      rank 0 alone passes a wrong output view to forward: a local
+//                         ConfigError (forward checks are local: it exchanges no metadata)
+//                         while its peers wait in forward's all-to-all; it follows the
 //                         recommended pattern (catch seqpar::Error, print, MPI_Abort)
 
 #include <mpi.h>
@@ -38,9 +39,15 @@ void uncaught(MpiCommunicator& world) {
 
 void abort_on_error(MpiCommunicator& world) {
   try {
-    const int u = world.rank() == 0 ? world.size() + 1 : world.size();  // rank 0: no factorisation
-    SequenceParallelAttention<UnifiedPolicy<>, MpiCommunicator, ReferenceKernel> attn(world, {u, 0});
-    std::printf("rank %d: constructed, but rank 0 never joined\n", world.rank());
+    SequenceParallelAttention<UlyssesPolicy, MpiCommunicator, ReferenceKernel> attn(world);
+    const AttentionProblem problem{.heads = 2 * world.size(), .head_dim = 8};
+    const Plan plan = attn.plan(problem, {4});
+    std::vector<float> x(static_cast<std::size_t>(4 * problem.heads * 8), 0.5f), out(x.size());
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    const auto view = TensorView<const float>::bshd(x.data(), 1, 4, problem.heads, 8);
+    const std::int64_t out_len = world.rank() == 0 ? 3 : 4;  // rank 0: one row short
+    attn.forward<float>(plan, view, view, view, TensorView<float>::bshd(out.data(), 1, out_len, problem.heads, 8), ws);
+    std::printf("rank %d: forward returned, but rank 0 never joined\n", world.rank());
   } catch (const Error& e) {
     std::fprintf(stderr, "rank %d: %s\n", world.rank(), e.what());
     std::fflush(stderr);
