@@ -45,36 +45,39 @@ Pol make_policy(int ranks) {
     return Pol{};
 }
 
-/// One rank's engine, plan, tensors and workspace for `Pol`.
+/// One rank's tensors and workspace. Engines compared with each other share one set, so that
+/// no difference of memory placement can show up as a difference between them.
+struct RankBuffers {
+  std::int64_t len = 0;
+  std::vector<float> q, k, v, out;
+  std::vector<std::byte> workspace;
+
+  RankBuffers(int rank, std::int64_t local_len, const AttentionProblem& pr)
+      : len(local_len),
+        q(bench::random_values<float>(std::size_t(pr.batch * len * pr.heads * pr.head_dim), 11 + rank)),
+        k(bench::random_values<float>(std::size_t(pr.batch * len * pr.kv_head_count() * pr.head_dim), 23 + rank)),
+        v(bench::random_values<float>(k.size(), 37 + rank)), out(q.size()) {}
+};
+
+/// One rank's engine and plan for `Pol`.
 template <class Pol>
 struct RankEngine {
   SequenceParallelAttention<Pol, ThreadCommunicator, CpuFlashKernel> attn;
   Plan plan;
-  std::vector<float> q, k, v, out;
-  std::vector<std::byte> workspace;
 
   RankEngine(ThreadCommunicator& comm, int ranks, const AttentionProblem& pr, std::int64_t seq)
       : attn(comm, make_policy<Pol>(ranks)) {
-    const std::int64_t len = split_sequence(seq, attn.mesh())[std::size_t(comm.rank())];
-    plan = attn.plan(pr, {len});
-    const std::size_t nq = std::size_t(pr.batch * len * pr.heads * pr.head_dim);
-    const std::size_t nk = std::size_t(pr.batch * len * pr.kv_head_count() * pr.head_dim);
-    q = bench::random_values<float>(nq, 11 + comm.rank());
-    k = bench::random_values<float>(nk, 23 + comm.rank());
-    v = bench::random_values<float>(nk, 37 + comm.rank());
-    out.resize(nq);
-    workspace.resize(plan.workspace_bytes());
+    plan = attn.plan(pr, {split_sequence(seq, attn.mesh())[std::size_t(comm.rank())]});
   }
 
-  void forward() {
+  void forward(RankBuffers& x) {
     const auto& pr = plan.problem;
-    const std::int64_t len = plan.local_q();
     using CV = TensorView<const float>;
-    attn.template forward<float>(plan, CV::bshd(q.data(), pr.batch, len, pr.heads, pr.head_dim),
-                                 CV::bshd(k.data(), pr.batch, len, pr.kv_heads, pr.head_dim),
-                                 CV::bshd(v.data(), pr.batch, len, pr.kv_heads, pr.head_dim),
-                                 TensorView<float>::bshd(out.data(), pr.batch, len, pr.heads, pr.head_dim),
-                                 std::span<std::byte>(workspace));
+    attn.template forward<float>(plan, CV::bshd(x.q.data(), pr.batch, x.len, pr.heads, pr.head_dim),
+                                 CV::bshd(x.k.data(), pr.batch, x.len, pr.kv_heads, pr.head_dim),
+                                 CV::bshd(x.v.data(), pr.batch, x.len, pr.kv_heads, pr.head_dim),
+                                 TensorView<float>::bshd(x.out.data(), pr.batch, x.len, pr.heads, pr.head_dim),
+                                 std::span<std::byte>(x.workspace));
   }
 };
 
@@ -107,11 +110,14 @@ RankTeam::Setup engines_setup(int ranks, bool causal, std::int64_t seq, TeamRepo
     // Braces: the engines (collective constructions) are built in the same order on every rank.
     using Engines = std::tuple<RankEngine<Pols>...>;
     std::shared_ptr<Engines> engines(new Engines{RankEngine<Pols>(comm, ranks, pr, seq)...});
-    if (comm.rank() == 0) report.plan = std::get<0>(*engines).plan;
-    return [engines, &report, &comm](int which) {
+    const Plan& first = std::get<0>(*engines).plan;
+    if (comm.rank() == 0) report.plan = first;
+    auto buffers = std::make_shared<RankBuffers>(comm.rank(), first.local_q(), pr);
+    std::apply([&](auto&... e) { buffers->workspace.resize(std::max({e.plan.workspace_bytes()...})); }, *engines);
+    return [engines, buffers, &report, &comm](int which) {
       const std::uint64_t before = comm.stats().bytes_sent;
       int i = 0;
-      std::apply([&](auto&... e) { ((i++ == which ? e.forward() : void()), ...); }, *engines);
+      std::apply([&](auto&... e) { ((i++ == which ? e.forward(*buffers) : void()), ...); }, *engines);
       report.bytes[std::size_t(comm.rank())] = comm.stats().bytes_sent - before;
     };
   };
@@ -195,7 +201,7 @@ BENCHMARK(BM_policy<UnifiedPolicy<Zigzag>>)->Apply(policy_args);
 BENCHMARK(BM_policy<AnythingPolicy<UnifiedPolicy<Zigzag>>>)->Apply(policy_args);
 
 void pair_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"P"})->Arg(2)->Arg(4)->UseManualTime()->MinTime(3.0)->Unit(benchmark::kMillisecond);
+  b->ArgNames({"P"})->Arg(2)->Arg(4)->UseManualTime()->MinTime(4.0)->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK(BM_anything_vs_plain<UlyssesPolicy>)->Apply(pair_args);
