@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-packages=(g++ make cmake git libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev)
+packages=(g++ make ninja-build cmake git libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
