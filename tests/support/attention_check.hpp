@@ -67,6 +67,32 @@ std::vector<double> rounded(std::vector<double> x) {
   return x;
 }
 
+/// The library's problem of case `c` for element type T.
+template <class T>
+AttentionProblem problem_of(const GlobalCase& c, bool with_lse) {
+  AttentionProblem prob;
+  prob.batch = c.batch;
+  prob.heads = c.heads;
+  prob.kv_heads = c.kv_heads;
+  prob.head_dim = c.head_dim;
+  prob.causal = c.causal;
+  prob.scale = c.scale;
+  prob.dtype = dtype_v<T>;
+  prob.with_lse = with_lse;
+  return prob;
+}
+
+/// Kernel parameters of case `c` computed on one rank over the whole sequence.
+inline KernelParams whole_sequence_params(const GlobalCase& c) {
+  KernelParams p;
+  p.scale = c.softmax_scale();
+  p.causal = c.causal;
+  p.q_positions = PositionMap::run(c.seq_q, 0);
+  p.k_positions = PositionMap::run(c.kv_len(), 0);
+  p.group_size = c.heads / c.kv_heads;
+  return p;
+}
+
 /// Random inputs of case `c`, rounded to T, and the exact double answer on them.
 template <class T = double>
 GlobalData make_global_as(const GlobalCase& c) {
@@ -77,12 +103,7 @@ GlobalData make_global_as(const GlobalCase& c) {
   g.v = rounded<T>(random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng));
   g.out.resize(g.q.size());
   g.lse.resize(static_cast<std::size_t>(c.batch * c.seq_q * c.heads));
-  KernelParams p;
-  p.scale = c.softmax_scale();
-  p.causal = c.causal;
-  p.q_positions = PositionMap::run(c.seq_q, 0);
-  p.k_positions = PositionMap::run(c.kv_len(), 0);
-  p.group_size = c.heads / c.kv_heads;
+  const KernelParams p = whole_sequence_params(c);
   using V = TensorView<const double>;
   ReferenceKernel{}.forward(V::bshd(g.q.data(), c.batch, c.seq_q, c.heads, c.head_dim),
                             V::bshd(g.k.data(), c.batch, c.kv_len(), c.kv_heads, c.head_dim),
@@ -212,16 +233,7 @@ RunResult run_policy(int ranks, Policy policy, const GlobalCase& c, const Global
       [&](ThreadCommunicator& comm) {
         const int w = comm.rank();
         SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(comm, policy);
-        AttentionProblem prob;
-        prob.batch = B;
-        prob.heads = H;
-        prob.kv_heads = c.kv_heads;
-        prob.head_dim = D;
-        prob.causal = c.causal;
-        prob.scale = c.scale;
-        prob.dtype = dtype_v<T>;
-        prob.with_lse = opt.with_lse;
-        const Plan plan = attn.plan(prob, {opt.lengths_q[w], opt.lengths_kv[w]});
+        const Plan plan = attn.plan(problem_of<T>(c, opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
         const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
         auto q = scatter_rows<T>(g.q, B, c.seq_q, H, D, qp);
         auto k = scatter_rows<T>(g.k, B, c.kv_len(), c.kv_heads, D, kp);

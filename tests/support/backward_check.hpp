@@ -17,17 +17,6 @@ struct GlobalGrads {
   std::vector<double> dout, dq, dk, dv;
 };
 
-/// Kernel parameters of case `c` computed on one rank over the whole sequence.
-inline KernelParams whole_sequence_params(const GlobalCase& c) {
-  KernelParams p;
-  p.scale = c.softmax_scale();
-  p.causal = c.causal;
-  p.q_positions = PositionMap::run(c.seq_q, 0);
-  p.k_positions = PositionMap::run(c.kv_len(), 0);
-  p.group_size = c.heads / c.kv_heads;
-  return p;
-}
-
 /// The exact output of attention on inputs q, k, v of case `c` (for finite differences).
 inline std::vector<double> reference_out(const GlobalCase& c, const std::vector<double>& q, const std::vector<double>& k,
                                          const std::vector<double>& v) {
@@ -115,15 +104,7 @@ BackwardResult run_backward(int ranks, Policy policy, const GlobalCase& c, const
   run_ranks(ranks, [&](ThreadCommunicator& comm) {
     const int w = comm.rank();
     SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(comm, policy);
-    AttentionProblem prob;
-    prob.batch = c.batch;
-    prob.heads = c.heads;
-    prob.kv_heads = c.kv_heads;
-    prob.head_dim = c.head_dim;
-    prob.causal = c.causal;
-    prob.dtype = dtype_v<T>;
-    prob.with_lse = true;
-    const Plan plan = attn.plan(prob, {lengths_q[w], lengths_kv[w]});
+    const Plan plan = attn.plan(problem_of<T>(c, true), {lengths_q[w], lengths_kv[w]});
     const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
     const auto B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim, lq = qp.size(), lk = kp.size();
     auto q = scatter_rows<T>(g.q, B, c.seq_q, H, D, qp);

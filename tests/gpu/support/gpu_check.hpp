@@ -155,20 +155,7 @@ struct GpuRunResult {
   test::GradErrors grads; ///< when backward ran
 };
 
-/// The problem of case `c` for element type T.
-template <class T>
-AttentionProblem problem_of(const test::GlobalCase& c, bool with_lse) {
-  AttentionProblem prob;
-  prob.batch = c.batch;
-  prob.heads = c.heads;
-  prob.kv_heads = c.kv_heads;
-  prob.head_dim = c.head_dim;
-  prob.causal = c.causal;
-  prob.scale = c.scale;
-  prob.dtype = dtype_v<T>;
-  prob.with_lse = with_lse;
-  return prob;
-}
+using test::problem_of;
 
 /// Lengths filled in (even split when empty) for `ranks` ranks of `policy`.
 template <class Policy>
