@@ -53,6 +53,17 @@ inline double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/// Mean of the faster half of a sample: robust to the slow outliers other processes cause,
+/// and steadier than the minimum alone (one lucky call decides a minimum).
+inline double fast_half_mean(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = (v.size() + 1) / 2;
+  double sum = 0;
+  for (std::size_t i = 0; i < n; ++i) sum += v[i];
+  return sum / double(n);
+}
+
 /// P ranks on threads that outlive the benchmark loop. Each rank runs `setup(comm)` once,
 /// which returns the rank's step function; `time_step(which)` then makes every rank call
 /// step(which) between two barriers and returns rank 0's wall time for it in seconds.
