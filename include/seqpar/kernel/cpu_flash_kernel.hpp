@@ -146,7 +146,7 @@ class CpuFlashKernel {
   CpuFlashKernel(CpuFlashKernel&& other) noexcept
       : options_(std::exchange(other.options_, CpuFlashOptions{})), pool_(std::move(other.pool_)),
         prepared_dim_(std::exchange(other.prepared_dim_, 0)), thread_stride_(std::exchange(other.thread_stride_, 0)),
-        scratch_(std::move(other.scratch_)) {}
+        scratch_(std::move(other.scratch_)), backward_scratch_(std::move(other.backward_scratch_)) {}
   /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
   CpuFlashKernel& operator=(CpuFlashKernel&& other) noexcept {
     if (this != &other) {
@@ -156,6 +156,8 @@ class CpuFlashKernel {
       thread_stride_ = std::exchange(other.thread_stride_, 0);
       scratch_ = std::move(other.scratch_);
       other.scratch_.clear();
+      backward_scratch_ = std::move(other.backward_scratch_);
+      other.backward_scratch_.clear();
     }
     return *this;
   }
