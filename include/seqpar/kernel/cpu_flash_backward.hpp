@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "seqpar/kernel/fast_exp.hpp"
@@ -18,6 +19,63 @@ namespace seqpar::detail {
 
 /// Block sizes of the backward pass.
 inline constexpr std::int64_t bwd_block_q = 32, bwd_block_k = 64;
+
+/// C[m][n] += sum_k a(k, m) * B[k][n] for an MR x NR block of C held in registers while k
+/// streams: a(k, m) = a[k * ak + m * am], B row-major (ldb), C row-major (ldc). Every product
+/// of the backward (S, dP, dV, dK, dQ) is this shape, with a's strides choosing the transpose.
+/// An MR x (NV vectors) block of C += sum_k a(k, m) * B[k][n], held in registers while k
+/// streams (GCC/Clang vector extension, one SIMD register wide: simd_bytes from
+/// fast_exp.hpp). a(k, m) = a[k * ak + m * am]; B and C row-major.
+template <int MR, int NV, class A>
+inline void gemm_block(std::int64_t K, const A* a, std::int64_t ak, std::int64_t am, const A* b, std::int64_t ldb,
+                       A* c, std::int64_t ldc) {
+  typedef A Vec __attribute__((vector_size(simd_bytes)));
+  constexpr int W = simd_bytes / sizeof(A);
+  Vec acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) std::memcpy(&acc[m][v], c + m * ldc + v * W, sizeof(Vec));
+  for (std::int64_t k = 0; k < K; ++k) {
+    Vec bv[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&bv[v], b + k * ldb + v * W, sizeof(Vec));
+    for (int m = 0; m < MR; ++m) {
+      const Vec x = Vec{} + a[k * ak + m * am];
+      for (int v = 0; v < NV; ++v) acc[m][v] += x * bv[v];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) std::memcpy(c + m * ldc + v * W, &acc[m][v], sizeof(Vec));
+}
+
+/// C (M x N) += sum_k a(k, m) B[k][n]: every product of the backward (S, dP, dV, dK, dQ) has
+/// this shape, a's strides choosing the transpose. 4 x 2-vector register blocks, then the
+/// edges: rows one at a time, columns past the last whole vector in plain loops.
+template <class A>
+void gemm_acc(std::int64_t M, std::int64_t N, std::int64_t K, const A* a, std::int64_t ak, std::int64_t am,
+              const A* b, std::int64_t ldb, A* c, std::int64_t ldc) {
+  constexpr std::int64_t MR = 4, W = simd_bytes / sizeof(A), NR = 2 * W;
+  const std::int64_t n_blocks = N / NR * NR, n_vectors = N / W * W;
+  for (std::int64_t m = 0; m < M; m += MR) {
+    const bool full = m + MR <= M;
+    for (std::int64_t i = m; i < (full ? m + 1 : M); ++i) {  // one pass for a full block, else per row
+      const std::int64_t rows = full ? MR : 1;
+      const A* ai = a + i * am;
+      A* ci = c + i * ldc;
+      std::int64_t n = 0;
+      for (; n < n_blocks; n += NR)
+        rows == MR ? gemm_block<MR, 2>(K, ai, ak, am, b + n, ldb, ci + n, ldc)
+                   : gemm_block<1, 2>(K, ai, ak, am, b + n, ldb, ci + n, ldc);
+      for (; n < n_vectors; n += W)
+        rows == MR ? gemm_block<MR, 1>(K, ai, ak, am, b + n, ldb, ci + n, ldc)
+                   : gemm_block<1, 1>(K, ai, ak, am, b + n, ldb, ci + n, ldc);
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t col = n; col < N; ++col) {
+          A sum = ci[r * ldc + col];
+          for (std::int64_t k = 0; k < K; ++k) sum += ai[k * ak + r * am] * b[k * ldb + col];
+          ci[r * ldc + col] = sum;
+        }
+    }
+  }
+}
 
 /// Elements of accumulation type the backward scratch holds for head dim `dim`.
 constexpr std::size_t flash_backward_scratch_elems(std::int64_t dim) {
@@ -87,22 +145,14 @@ void flash_backward(TensorView<const T> dout, TensorView<const T> q, TensorView<
               delta[i] = dl;
               lrow[i] = lse(b, i0 + i, h);
             }
-            // P = exp(scale q k^T - lse) and dP = dO v^T, one query row at a time.
+            // S = q k^T and dP = dO v^T, then P = exp(scale S - lse) and dS = P (dP - delta) scale.
+            std::fill(pm, pm + BQ * BK, A(0));
+            std::fill(ds, ds + BQ * BK, A(0));
+            gemm_acc<A>(nq, nk, dim, qs, 1, dim, kt, BK, pm, BK);
+            gemm_acc<A>(nq, nk, dim, dos, 1, dim, vt, BK, ds, BK);
             for (std::int64_t i = 0; i < nq; ++i) {
               A* __restrict prow = pm + i * BK;
               A* __restrict drow = ds + i * BK;
-              const A* __restrict qrow = qs + i * dim;
-              const A* __restrict dorow = dos + i * dim;
-              for (std::int64_t j = 0; j < nk; ++j) prow[j] = drow[j] = 0;
-              for (std::int64_t d = 0; d < dim; ++d) {
-                const A a = qrow[d], g = dorow[d];
-                const A* __restrict ktd = kt + d * BK;
-                const A* __restrict vtd = vt + d * BK;
-                for (std::int64_t j = 0; j < nk; ++j) {
-                  prow[j] += a * ktd[j];
-                  drow[j] += g * vtd[j];
-                }
-              }
               const A l = lrow[i];
               const bool dead = l == -std::numeric_limits<A>::infinity();
               const std::int64_t qp = masked ? p.q_positions(i0 + i) : 0;
@@ -113,25 +163,10 @@ void flash_backward(TensorView<const T> dout, TensorView<const T> q, TensorView<
                 drow[j] = pr * (drow[j] - delta[i]) * scale;
               }
             }
-            // dV += P^T dO, dK += dS^T q, dQ += dS k.
-            for (std::int64_t i = 0; i < nq; ++i) {
-              const A* __restrict prow = pm + i * BK;
-              const A* __restrict drow = ds + i * BK;
-              const A* __restrict qrow = qs + i * dim;
-              const A* __restrict dorow = dos + i * dim;
-              A* __restrict dqr = dq.row(b, i0 + i, h);
-              for (std::int64_t j = 0; j < nk; ++j) {
-                const A pj = prow[j], sj = drow[j];
-                A* __restrict dvr = dvs + j * dim;
-                A* __restrict dkr = dks + j * dim;
-                const A* __restrict kr = ks + j * dim;
-                for (std::int64_t d = 0; d < dim; ++d) {
-                  dvr[d] += pj * dorow[d];
-                  dkr[d] += sj * qrow[d];
-                  dqr[d] += sj * kr[d];
-                }
-              }
-            }
+            // dV += P^T dO, dK += dS^T q (reduce over the query rows), dQ += dS k (over keys).
+            gemm_acc<A>(nk, dim, nq, pm, BK, 1, dos, dim, dvs, dim);
+            gemm_acc<A>(nk, dim, nq, ds, BK, 1, qs, dim, dks, dim);
+            gemm_acc<A>(nq, dim, nk, ds, 1, BK, ks, dim, dq.row(b, i0, h), dq.stride[1]);
           }
         }
         if (!touched) continue;
