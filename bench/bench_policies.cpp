@@ -205,10 +205,10 @@ BENCHMARK(BM_policy<AnythingPolicy<UnifiedPolicy<Zigzag>>>)->Apply(policy_args);
 // P = 4 puts two rank threads on each core: how the scheduler interleaves them varies from
 // call to call by a percent or two, so that case gets more calls.
 void pair_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"P"})->Arg(2)->UseManualTime()->MinTime(4.0)->Unit(benchmark::kMillisecond);
+  b->ArgNames({"P"})->Arg(2)->UseManualTime()->MinTime(8.0)->Unit(benchmark::kMillisecond);
 }
 void pair_args_shared_cores(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"P"})->Arg(4)->UseManualTime()->MinTime(10.0)->Unit(benchmark::kMillisecond);
+  b->ArgNames({"P"})->Arg(4)->UseManualTime()->MinTime(16.0)->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK(BM_anything_vs_plain<UlyssesPolicy>)->Apply(pair_args);
