@@ -125,7 +125,8 @@ fi
 flags="$(grep -h CXX_FLAGS "$build/bench/CMakeFiles/seqpar_bench.dir/flags.make" | sed 's/^CXX_FLAGS = //')"
 {
   echo "date=$(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "commit=$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- include bench || echo '+local changes')"
+  echo "commit=$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- include bench \
+    ':!bench/RESULTS.md' ':!bench/kernel_gflops.png' || echo '+local changes')"
   echo "elapsed=$(( $(date +%s) - start )) s"
   echo "load_start=$load_start"
   echo "load_end=$(load)"
