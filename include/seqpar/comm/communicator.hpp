@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <span>
 
+#include "seqpar/core/error.hpp"
+
 namespace seqpar {
 
 /// Traffic a communicator (and every communicator split from it) has sent from this rank.
@@ -19,7 +21,26 @@ struct CommStats {
   std::uint64_t exchanges = 0;      ///< paired send/recv calls
   /// Zeroes every counter.
   void reset() { *this = CommStats{}; }
+  /// Counts one all-to-all: every non-empty piece to another rank is a message.
+  void count_all_to_all(std::span<const std::size_t> send_counts, int self) {
+    for (std::size_t j = 0; j < send_counts.size(); ++j)
+      if (static_cast<int>(j) != self && send_counts[j] > 0) {
+        bytes_sent += send_counts[j];
+        ++messages_sent;
+      }
+    ++all_to_alls;
+  }
 };
+
+namespace detail {
+/// The argument check every communicator's all_to_all_v shares: four spans of size() entries.
+inline void check_all_to_all_spans(const char* who, std::size_t n, std::size_t a, std::size_t b, std::size_t c,
+                                   std::size_t d) {
+  SEQPAR_CHECK(a == n && b == n && c == n && d == n, ConfigError, who,
+               ": all_to_all_v: counts and displacements must have size() = ", n, " entries, got ", a, ", ", b, ", ",
+               c, ", ", d);
+}
+}  // namespace detail
 
 /// Opt-in for the Communicator concept: true when the type declares
 /// `static constexpr bool is_seqpar_communicator = true;`. Specialise to opt in a type you

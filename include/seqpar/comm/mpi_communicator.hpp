@@ -176,11 +176,8 @@ class BasicMpiCommunicator {
                     std::span<const std::size_t> send_displs, std::byte* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     const auto n = static_cast<std::size_t>(size_);
-    SEQPAR_CHECK(send_counts.size() == n && send_displs.size() == n && recv_counts.size() == n &&
-                     recv_displs.size() == n,
-                 ConfigError, "MpiCommunicator: all_to_all_v: counts and displacements must have size() = ", n,
-                 " entries, got ", send_counts.size(), ", ", send_displs.size(), ", ", recv_counts.size(), ", ",
-                 recv_displs.size());
+    detail::check_all_to_all_spans("MpiCommunicator", n, send_counts.size(), send_displs.size(), recv_counts.size(),
+                                   recv_displs.size());
     // Each side picks its own unit: MPI matches type signatures, which for contiguous bytes
     // only means equal byte totals per pair.
     const std::size_t su = detail::mpi_unit_bytes(send_counts, send_displs);
@@ -195,12 +192,7 @@ class BasicMpiCommunicator {
     }
     SEQPAR_MPI_CHECK(MPI_Alltoallv(send, ints.data(), ints.data() + n, state_->unit_type(su), recv,
                                    ints.data() + 2 * n, ints.data() + 3 * n, state_->unit_type(ru), native()));
-    for (int j = 0; j < size_; ++j)
-      if (j != rank_ && send_counts[static_cast<std::size_t>(j)] > 0) {
-        stats_->bytes_sent += send_counts[static_cast<std::size_t>(j)];
-        ++stats_->messages_sent;
-      }
-    ++stats_->all_to_alls;
+    stats_->count_all_to_all(send_counts, rank_);
   }
 
   /// Starts receiving `recv_bytes` from `source` and sending `send_bytes` to `dest`

@@ -193,11 +193,8 @@ class NcclCommunicator {
                     std::span<const std::size_t> send_displs, std::byte* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     const auto n = static_cast<std::size_t>(size_);
-    SEQPAR_CHECK(send_counts.size() == n && send_displs.size() == n && recv_counts.size() == n &&
-                     recv_displs.size() == n,
-                 ConfigError, "NcclCommunicator: all_to_all_v: counts and displacements must have size() = ", n,
-                 " entries, got ", send_counts.size(), ", ", send_displs.size(), ", ", recv_counts.size(), ", ",
-                 recv_displs.size());
+    detail::check_all_to_all_spans("NcclCommunicator", n, send_counts.size(), send_displs.size(), recv_counts.size(),
+                                   recv_displs.size());
     const auto me = static_cast<std::size_t>(rank_);
     SEQPAR_CHECK(send_counts[me] == recv_counts[me], ConfigError, "NcclCommunicator: all_to_all_v: rank ", rank_,
                  " sends itself ", send_counts[me], " bytes but expects ", recv_counts[me]);
@@ -216,12 +213,7 @@ class NcclCommunicator {
     if (send_counts[me] > 0)
       SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv + recv_displs[me], send + send_displs[me], send_counts[me],
                                         cudaMemcpyDeviceToDevice, stream_));
-    for (int j = 0; j < size_; ++j)
-      if (j != rank_ && send_counts[static_cast<std::size_t>(j)] > 0) {
-        stats_->bytes_sent += send_counts[static_cast<std::size_t>(j)];
-        ++stats_->messages_sent;
-      }
-    ++stats_->all_to_alls;
+    stats_->count_all_to_all(send_counts, rank_);
   }
 
   /// Starts sending `send_bytes` to `dest` and receiving `recv_bytes` from `source` on the

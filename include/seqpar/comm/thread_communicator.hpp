@@ -179,7 +179,8 @@ class BasicThreadCommunicator {
   void all_to_all_v(const std::byte* send, std::span<const std::size_t> send_counts,
                     std::span<const std::size_t> send_displs, std::byte* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    check_spans(send_counts.size(), send_displs.size(), recv_counts.size(), recv_displs.size());
+    detail::check_all_to_all_spans("ThreadCommunicator", static_cast<std::size_t>(size()), send_counts.size(),
+                                   send_displs.size(), recv_counts.size(), recv_displs.size());
     auto& fam = *group_->family;
     std::unique_lock lock(fam.mu);
     group_->slots[rank_] = {send, send_counts.data(), send_displs.data(), nullptr, 0};
@@ -203,12 +204,7 @@ class BasicThreadCommunicator {
     lock.lock();
     --fam.active_reads;
     fam.cv.notify_all();
-    for (int j = 0; j < size(); ++j)
-      if (j != rank_ && send_counts[j] > 0) {
-        stats_->bytes_sent += send_counts[j];
-        ++stats_->messages_sent;
-      }
-    ++stats_->all_to_alls;
+    stats_->count_all_to_all(send_counts, rank_);
     group_->barrier_locked(lock, "all_to_all_v", true);
   }
 
@@ -314,12 +310,6 @@ class BasicThreadCommunicator {
     SEQPAR_CHECK(r >= 0 && r < size(), ConfigError, "ThreadCommunicator: ", name, ": expected a rank in [0, ",
                  size(), "), got ", r);
   }
-  void check_spans(std::size_t a, std::size_t b, std::size_t c, std::size_t d) const {
-    const auto n = static_cast<std::size_t>(size());
-    SEQPAR_CHECK(a == n && b == n && c == n && d == n, ConfigError,
-                 "all_to_all_v: counts and displacements must have size() = ", n, " entries");
-  }
-
   std::shared_ptr<detail::ThreadGroup> group_;
   int rank_;
   std::shared_ptr<CommStats> stats_;
