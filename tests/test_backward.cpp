@@ -1,8 +1,7 @@
 // Backward for every policy against the exact double reference; the reference backward itself
-// against central finite differences.
+// against central finite differences. The kernel alone: test_cpu_flash_backward_threads.cpp.
 #include <doctest/doctest.h>
 
-#include "seqpar/kernel/cpu_flash_backward.hpp"
 #include "support/backward_check.hpp"
 
 using namespace seqpar;
@@ -120,54 +119,4 @@ TEST_CASE("Anything backward: uneven lengths, zero-token ranks, odd heads, cross
   cross.seq_kv = 26;
   check_backward<double>(3, AnythingPolicy<UnifiedPolicy<Zigzag>>{{3, 1}}, cross);
   check_backward<double>(6, AnythingPolicy<UnifiedPolicy<Contiguous>>{{2, 3}}, cross);
-}
-
-TEST_CASE("flash backward kernel matches the reference kernel: tiles, causal, GQA, positions, odd sizes") {
-  struct Shape {
-    std::int64_t b, sq, sk, h, kh, d;
-    bool causal;
-  };
-  for (const Shape s : {Shape{1, 1, 1, 1, 1, 1, false}, Shape{2, 33, 70, 4, 2, 5, true}, Shape{1, 130, 65, 3, 1, 16, true},
-                        Shape{1, 64, 64, 2, 2, 64, false}, Shape{2, 97, 129, 6, 3, 7, true}}) {
-    CAPTURE(s.sq);
-    CAPTURE(s.sk);
-    std::mt19937_64 rng(static_cast<std::uint64_t>(s.sq * 131 + s.sk));
-    auto q = test::random_tensor(s.b * s.sq * s.h * s.d, rng), dout = test::random_tensor(s.b * s.sq * s.h * s.d, rng);
-    auto k = test::random_tensor(s.b * s.sk * s.kh * s.d, rng), v = test::random_tensor(s.b * s.sk * s.kh * s.d, rng);
-    KernelParams p;
-    p.scale = 0.3;
-    p.causal = s.causal;
-    // Two increasing runs with gaps, like a zigzag block against a stripe block.
-    p.q_positions = PositionMap::run(s.sq / 2, 10, 2);
-    p.q_positions.seg[p.q_positions.segments++] = {s.sq - s.sq / 2, 400, 1};
-    p.k_positions = PositionMap::run(s.sk, 0, 5);
-    p.group_size = s.h / s.kh;
-    using V = TensorView<const double>;
-    using G = TensorView<double>;
-    std::vector<double> out(q.size()), lse(static_cast<std::size_t>(s.b * s.sq * s.h));
-    ReferenceKernel ref;
-    ref.forward(V::bshd(q.data(), s.b, s.sq, s.h, s.d), V::bshd(k.data(), s.b, s.sk, s.kh, s.d),
-                V::bshd(v.data(), s.b, s.sk, s.kh, s.d), G::bshd(out.data(), s.b, s.sq, s.h, s.d),
-                G::bshd(lse.data(), s.b, s.sq, s.h, 1), p);
-    std::vector<double> want_dq(q.size(), 0.5), want_dk(k.size(), 0.5), want_dv(v.size(), 0.5);
-    auto got_dq = want_dq, got_dk = want_dk, got_dv = want_dv;  // both add to the same start
-    auto run = [&](auto&& backward, std::vector<double>& dq, std::vector<double>& dk, std::vector<double>& dv) {
-      backward(V::bshd(dout.data(), s.b, s.sq, s.h, s.d), V::bshd(q.data(), s.b, s.sq, s.h, s.d),
-               V::bshd(k.data(), s.b, s.sk, s.kh, s.d), V::bshd(v.data(), s.b, s.sk, s.kh, s.d),
-               V::bshd(out.data(), s.b, s.sq, s.h, s.d), V::bshd(lse.data(), s.b, s.sq, s.h, 1),
-               G::bshd(dq.data(), s.b, s.sq, s.h, s.d), G::bshd(dk.data(), s.b, s.sk, s.kh, s.d),
-               G::bshd(dv.data(), s.b, s.sk, s.kh, s.d), p);
-    };
-    run([&](auto... a) { ref.backward(a...); }, want_dq, want_dk, want_dv);
-    std::vector<double> scratch(detail::flash_backward_scratch_elems(s.d));
-    run([&](auto... a) { detail::flash_backward<double, double>(a..., scratch.data()); }, got_dq, got_dk, got_dv);
-    auto max_diff = [](const std::vector<double>& a, const std::vector<double>& b) {
-      double m = 0;
-      for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-      return m;
-    };
-    CHECK(max_diff(want_dq, got_dq) < 1e-12);
-    CHECK(max_diff(want_dk, got_dk) < 1e-12);
-    CHECK(max_diff(want_dv, got_dv) < 1e-12);
-  }
 }

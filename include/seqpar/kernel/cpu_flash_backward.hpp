@@ -1,184 +1,271 @@
 #pragma once
 /// \file
 /// Backward of CpuFlashKernel (FlashAttention-2 style): probabilities are recomputed from the
-/// saved LSE, one key block at a time, so memory stays O(block). For each key block the
-/// gradients dK, dV accumulate in scratch across every query block and query head of the K/V
-/// group, and are added to the caller's dk, dv once; dQ is added to the caller's rows as it
-/// is formed.
+/// saved LSE one (query block, key block) tile at a time, so memory stays O(block).
+///
+/// Work split. A task is one key block of one (batch, K/V head): it owns that block's dK, dV
+/// rows (summed in scratch over every query block and every query head of the group, then
+/// added to the caller's once), so tasks never share a dK or dV row. dQ rows are shared by
+/// every key block; each task forms its dQ share of a tile in scratch and adds it to the
+/// caller's rows in key-block order: a per-(batch, head, query block) turn counter says
+/// which key block may add next. The sums, and their order, are thus the same whatever the
+/// thread count, and dq, dk, dv are bit-identical from 1 to N threads, with no dQ copy per
+/// thread to reduce. Tasks are numbered key block major, so threads first run different
+/// (batch, K/V head) pairs, which never wait for each other; when there are fewer pairs
+/// than threads, consecutive key blocks of one pair pipeline, the later one a tile behind.
+/// Deadlock-free because the pool hands tasks out in increasing order and a causal mask
+/// hides, from a query block, a suffix of the key blocks: the earliest running task never
+/// waits.
+///
+/// Per tile (BQ queries, BK keys) five products run through one register-tiled
+/// micro-kernel (kernel/cpu_flash_tile.hpp): S = Q K^T and dP = dO V^T with keys in the SIMD
+/// lanes, then P = exp(S scale - LSE) and dS = P (dP - delta) scale lane-wise, then
+/// dV += P^T dO, dK += dS^T Q and dQ = dS K with head dims in the lanes. Operands are packed
+/// into scratch with rows padded to whole micro-kernel panels, which serves every head_dim,
+/// stride and element type with one code path.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
+#include <thread>
+#include <type_traits>
 
+#include "seqpar/kernel/cpu_flash_tile.hpp"
 #include "seqpar/kernel/fast_exp.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 
 namespace seqpar::detail {
 
-/// Block sizes of the backward pass.
-inline constexpr std::int64_t bwd_block_q = 32, bwd_block_k = 64;
+/// Query rows and key rows of a backward tile (multiples of every micro-kernel panel).
+inline constexpr std::int64_t bwd_block_q = 64, bwd_block_k = 64;
 
-/// C[m][n] += sum_k a(k, m) * B[k][n] for an MR x NR block of C held in registers while k
-/// streams: a(k, m) = a[k * ak + m * am], B row-major (ldb), C row-major (ldc). Every product
-/// of the backward (S, dP, dV, dK, dQ) is this shape, with a's strides choosing the transpose.
-/// An MR x (NV vectors) block of C += sum_k a(k, m) * B[k][n], held in registers while k
-/// streams (GCC/Clang vector extension, one SIMD register wide: simd_bytes from
-/// fast_exp.hpp). a(k, m) = a[k * ak + m * am]; B and C row-major.
-template <int MR, int NV, class A>
-inline void gemm_block(std::int64_t K, const A* a, std::int64_t ak, std::int64_t am, const A* b, std::int64_t ldb,
-                       A* c, std::int64_t ldc) {
-  typedef A Vec __attribute__((vector_size(simd_bytes)));
-  constexpr int W = simd_bytes / sizeof(A);
-  Vec acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) std::memcpy(&acc[m][v], c + m * ldc + v * W, sizeof(Vec));
-  for (std::int64_t k = 0; k < K; ++k) {
-    Vec bv[NV];
-    for (int v = 0; v < NV; ++v) std::memcpy(&bv[v], b + k * ldb + v * W, sizeof(Vec));
-    for (int m = 0; m < MR; ++m) {
-      const Vec x = Vec{} + a[k * ak + m * am];
-      for (int v = 0; v < NV; ++v) acc[m][v] += x * bv[v];
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) std::memcpy(c + m * ldc + v * W, &acc[m][v], sizeof(Vec));
-}
-
-/// C (M x N) += sum_k a(k, m) B[k][n]: every product of the backward (S, dP, dV, dK, dQ) has
-/// this shape, a's strides choosing the transpose. 4 x 2-vector register blocks, then the
-/// edges: rows one at a time, columns past the last whole vector in plain loops.
+/// One thread's backward scratch for accumulation type A, carved from one byte range.
 template <class A>
-void gemm_acc(std::int64_t M, std::int64_t N, std::int64_t K, const A* a, std::int64_t ak, std::int64_t am,
-              const A* b, std::int64_t ldb, A* c, std::int64_t ldc) {
-  constexpr std::int64_t MR = 4, W = simd_bytes / sizeof(A), NR = 2 * W;
-  const std::int64_t n_blocks = N / NR * NR, n_vectors = N / W * W;
-  for (std::int64_t m = 0; m < M; m += MR) {
-    const bool full = m + MR <= M;
-    for (std::int64_t i = m; i < (full ? m + 1 : M); ++i) {  // one pass for a full block, else per row
-      const std::int64_t rows = full ? MR : 1;
-      const A* ai = a + i * am;
-      A* ci = c + i * ldc;
-      std::int64_t n = 0;
-      for (; n < n_blocks; n += NR)
-        rows == MR ? gemm_block<MR, 2>(K, ai, ak, am, b + n, ldb, ci + n, ldc)
-                   : gemm_block<1, 2>(K, ai, ak, am, b + n, ldb, ci + n, ldc);
-      for (; n < n_vectors; n += W)
-        rows == MR ? gemm_block<MR, 1>(K, ai, ak, am, b + n, ldb, ci + n, ldc)
-                   : gemm_block<1, 1>(K, ai, ak, am, b + n, ldb, ci + n, ldc);
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t col = n; col < N; ++col) {
-          A sum = ci[r * ldc + col];
-          for (std::int64_t k = 0; k < K; ++k) sum += ai[k * ak + r * am] * b[k * ldb + col];
-          ci[r * ldc + col] = sum;
-        }
+struct BackwardScratch {
+  A* ks;     ///< [BK][dp] keys, rows padded to dp (B of dQ = dS K)
+  A* kt;     ///< [dim][BK] keys transposed (B of S)
+  A* vt;     ///< [dim][BK] values transposed (B of dP)
+  A* dks;    ///< [BK][dp] dK of the task's key block
+  A* dvs;    ///< [BK][dp] dV of the task's key block
+  A* qs;     ///< [BQ][dp] queries
+  A* dos;    ///< [BQ][dp] output gradients
+  A* dqs;    ///< [BQ][dp] this tile's dQ share
+  A* pm;     ///< [BQ][BK] S, then P
+  A* ds;     ///< [BQ][BK] dP, then dS
+  A* lrow;   ///< [BQ] LSE of the tile's rows
+  A* delta;  ///< [BQ] rowsum(dO * O)
+  A* ones;   ///< one panel of 1 (the alpha of an accumulating micro-kernel call)
+  std::int64_t* limit;  ///< [BQ] keys of the block the row sees (a prefix: positions increase)
+  std::int64_t* kpos;   ///< [BK] global positions of the block's keys
+
+  /// Head dim rounded up to whole micro-kernel panels.
+  static constexpr std::int64_t padded(std::int64_t dim) {
+    constexpr std::int64_t pw = FlashTile<A>::panel;
+    return (dim + pw - 1) / pw * pw;
+  }
+
+  /// Carves the scratch for head dim `dim` at `base`, or with a null base only measures it;
+  /// returns the bytes used.
+  static std::size_t carve(std::byte* base, std::int64_t dim, BackwardScratch* s) {
+    constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
+    const std::int64_t dp = padded(dim);
+    BackwardScratch tmp;
+    BackwardScratch& r = s ? *s : tmp;
+    std::size_t used = 0;
+    auto take = [&](auto*& ptr, std::int64_t count) {
+      using E = std::remove_reference_t<decltype(*ptr)>;
+      ptr = reinterpret_cast<E*>(base + used);
+      used += (static_cast<std::size_t>(count) * sizeof(E) + 63) / 64 * 64;
+    };
+    take(r.ks, BK * dp);
+    take(r.kt, dim * BK);
+    take(r.vt, dim * BK);
+    take(r.dks, BK * dp);
+    take(r.dvs, BK * dp);
+    take(r.qs, BQ * dp);
+    take(r.dos, BQ * dp);
+    take(r.dqs, BQ * dp);
+    take(r.pm, BQ * BK);
+    take(r.ds, BQ * BK);
+    take(r.lrow, BQ);
+    take(r.delta, BQ);
+    take(r.ones, FlashTile<A>::panel);
+    take(r.limit, BQ);
+    take(r.kpos, BK);
+    if (s) std::fill(r.ones, r.ones + FlashTile<A>::panel, A(1));
+    return used;
+  }
+};
+
+/// Bytes of one thread's backward scratch for head dims up to `dim`, float or double
+/// (rounded to 256 so that slices stay aligned).
+inline std::size_t flash_backward_thread_bytes(std::int64_t dim) {
+  const std::size_t n = std::max(BackwardScratch<float>::carve(nullptr, dim, nullptr),
+                                 BackwardScratch<double>::carve(nullptr, dim, nullptr));
+  return (n + 255) / 256 * 256;
+}
+
+/// Spins briefly, then sleeps on the counter, until `turn` reaches `mine`. The acquire load
+/// makes the earlier key blocks' dQ adds visible.
+inline void wait_turn(std::int32_t& turn, std::int32_t mine) {
+  std::atomic_ref<std::int32_t> t(turn);
+  for (int spin = 0;; ++spin) {
+    const std::int32_t seen = t.load(std::memory_order_acquire);
+    if (seen == mine) return;
+    if (spin < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#else
+      std::this_thread::yield();
+#endif
+    } else {
+      t.wait(seen, std::memory_order_acquire);  // a shared machine: do not burn a preempted peer's core
     }
   }
 }
 
-/// Elements of accumulation type the backward scratch holds for head dim `dim`.
-constexpr std::size_t flash_backward_scratch_elems(std::int64_t dim) {
-  return static_cast<std::size_t>(5 * bwd_block_k * dim + 2 * bwd_block_q * dim + 2 * bwd_block_q * bwd_block_k +
-                                  2 * bwd_block_q);
+/// Hands `turn` to key block `next` (release: this block's dQ adds happen before).
+inline void pass_turn(std::int32_t& turn, std::int32_t next) {
+  std::atomic_ref<std::int32_t> t(turn);
+  t.store(next, std::memory_order_release);
+  t.notify_all();
 }
 
-/// Adds the gradients of attention over keys k (one block of the ring, or all of them) to
-/// dq, dk, dv; `scratch` holds flash_backward_scratch_elems(dim) elements of A.
+/// One backward call: the views, and task(t) for every t in [0, tasks()). `turns` (one
+/// int32 per (batch, head, query block), zeroed before the first task) orders the dQ adds
+/// when tasks run concurrently; tasks run one by one in increasing order need none (null).
 template <class T, class A>
-void flash_backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
-                    TensorView<const T> out, TensorView<const A> lse, TensorView<A> dq, TensorView<A> dk,
-                    TensorView<A> dv, const KernelParams& p, A* scratch) {
-  constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
-  const std::int64_t dim = q.dim();
-  const A scale = static_cast<A>(p.scale);
-  A* const ks = scratch;            // [BK][dim] keys, row-major (for dQ)
-  A* const kt = ks + BK * dim;      // [dim][BK] keys, transposed (for S)
-  A* const vt = kt + BK * dim;      // [dim][BK] values, transposed (for dP)
-  A* const dks = vt + BK * dim;     // [BK][dim]
-  A* const dvs = dks + BK * dim;    // [BK][dim]
-  A* const qs = dvs + BK * dim;     // [BQ][dim]
-  A* const dos = qs + BQ * dim;     // [BQ][dim]
-  A* const pm = dos + BQ * dim;     // [BQ][BK] probabilities
-  A* const ds = pm + BQ * BK;       // [BQ][BK] dS
-  A* const lrow = ds + BQ * BK;     // [BQ]
-  A* const delta = lrow + BQ;       // [BQ]
+struct FlashBackward {
+  static constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
 
-  for (std::int64_t b = 0; b < q.batch(); ++b)
-    for (std::int64_t kh = 0; kh < k.heads(); ++kh)
-      for (std::int64_t j0 = 0; j0 < k.seq(); j0 += BK) {
-        const std::int64_t nk = std::min(BK, k.seq() - j0);
-        const std::int64_t k_lo = p.causal ? p.k_positions(j0) : 0, k_hi = p.causal ? p.k_positions(j0 + nk - 1) : 0;
-        for (std::int64_t j = 0; j < nk; ++j) {
-          const T* kr = k.row(b, j0 + j, kh);
-          const T* vr = v.row(b, j0 + j, kh);
-          for (std::int64_t d = 0; d < dim; ++d) {
-            ks[j * dim + d] = static_cast<A>(kr[d]);
-            kt[d * BK + j] = static_cast<A>(kr[d]);
-            vt[d * BK + j] = static_cast<A>(vr[d]);
-          }
-        }
-        std::fill(dks, dks + BK * dim, A(0));
-        std::fill(dvs, dvs + BK * dim, A(0));
-        bool touched = false;
-        for (std::int64_t h = 0; h < q.heads(); ++h) {
-          if (p.kv_head(h) != kh) continue;
-          for (std::int64_t i0 = 0; i0 < q.seq(); i0 += BQ) {
-            const std::int64_t nq = std::min(BQ, q.seq() - i0);
-            bool masked = false;
-            if (p.causal) {
-              const std::int64_t q_lo = p.q_positions(i0), q_hi = p.q_positions(i0 + nq - 1);
-              if (p.fully_masked(q_hi, k_lo)) continue;
-              masked = !p.fully_visible(q_lo, k_hi);
-            }
-            touched = true;
-            for (std::int64_t i = 0; i < nq; ++i) {
-              const T* qr = q.row(b, i0 + i, h);
-              const T* dor = dout.row(b, i0 + i, h);
-              const T* orow = out.row(b, i0 + i, h);
-              A dl = 0;
-              for (std::int64_t d = 0; d < dim; ++d) {
-                qs[i * dim + d] = static_cast<A>(qr[d]);
-                dos[i * dim + d] = static_cast<A>(dor[d]);
-                dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
-              }
-              delta[i] = dl;
-              lrow[i] = lse(b, i0 + i, h);
-            }
-            // S = q k^T and dP = dO v^T, then P = exp(scale S - lse) and dS = P (dP - delta) scale.
-            std::fill(pm, pm + BQ * BK, A(0));
-            std::fill(ds, ds + BQ * BK, A(0));
-            gemm_acc<A>(nq, nk, dim, qs, 1, dim, kt, BK, pm, BK);
-            gemm_acc<A>(nq, nk, dim, dos, 1, dim, vt, BK, ds, BK);
-            for (std::int64_t i = 0; i < nq; ++i) {
-              A* __restrict prow = pm + i * BK;
-              A* __restrict drow = ds + i * BK;
-              const A l = lrow[i];
-              const bool dead = l == -std::numeric_limits<A>::infinity();
-              const std::int64_t qp = masked ? p.q_positions(i0 + i) : 0;
-              for (std::int64_t j = 0; j < nk; ++j) {
-                const bool hidden = dead || (masked && p.k_positions(j0 + j) > qp);
-                const A pr = hidden ? A(0) : fast_exp(prow[j] * scale - l);
-                prow[j] = pr;
-                drow[j] = pr * (drow[j] - delta[i]) * scale;
-              }
-            }
-            // dV += P^T dO, dK += dS^T q (reduce over the query rows), dQ += dS k (over keys).
-            gemm_acc<A>(nk, dim, nq, pm, BK, 1, dos, dim, dvs, dim);
-            gemm_acc<A>(nk, dim, nq, ds, BK, 1, qs, dim, dks, dim);
-            gemm_acc<A>(nq, dim, nk, ds, 1, BK, ks, dim, dq.row(b, i0, h), dq.stride[1]);
-          }
-        }
-        if (!touched) continue;
-        for (std::int64_t j = 0; j < nk; ++j) {
-          A* dkr = dk.row(b, j0 + j, kh);
-          A* dvr = dv.row(b, j0 + j, kh);
-          for (std::int64_t d = 0; d < dim; ++d) {
-            dkr[d] += dks[j * dim + d];
-            dvr[d] += dvs[j * dim + d];
-          }
-        }
+  TensorView<const T> dout, q, k, v, out;  ///< inputs
+  TensorView<const A> lse;                 ///< forward's LSE
+  TensorView<A> dq, dk, dv;                ///< gradients, added to
+  const KernelParams& p;                   ///< scale, mask, head map
+
+  /// Query blocks per (batch, head).
+  std::int64_t query_blocks() const { return (q.seq() + BQ - 1) / BQ; }
+  /// Turn counters the threaded run needs.
+  std::int64_t turn_count() const { return q.batch() * q.heads() * query_blocks(); }
+  /// Tasks: key blocks x batch x K/V heads.
+  std::int64_t tasks() const { return (k.seq() + BK - 1) / BK * q.batch() * k.heads(); }
+
+  /// Runs task t (key block t / (batch x K/V heads) of pair t % (batch x K/V heads)).
+  void task(std::int64_t t, const BackwardScratch<A>& s, std::int32_t* turns) const {
+    using V = simd_t<A>;
+    constexpr std::int64_t W = FlashTile<A>::width, PW = FlashTile<A>::panel;
+    static_assert(BK % PW == 0, "key blocks must be whole panels");
+    const std::int64_t pairs = q.batch() * k.heads(), b = t % pairs / k.heads(), kh = t % pairs % k.heads();
+    const std::int64_t jb = t / pairs, j0 = jb * BK, nk = std::min(BK, k.seq() - j0);
+    const std::int64_t dim = q.dim(), dp = BackwardScratch<A>::padded(dim), nqb = query_blocks();
+    const std::int64_t kcols = (nk + PW - 1) / PW * PW;  // S, dP columns the products form
+    const A scale = static_cast<A>(p.scale);
+
+    for (std::int64_t j = 0; j < kcols; ++j) {
+      const bool real = j < nk;
+      const T* kr = real ? k.row(b, j0 + j, kh) : nullptr;
+      const T* vr = real ? v.row(b, j0 + j, kh) : nullptr;
+      for (std::int64_t d = 0; d < dim; ++d) {
+        const A kx = real ? static_cast<A>(kr[d]) : A(0), vx = real ? static_cast<A>(vr[d]) : A(0);
+        s.kt[d * BK + j] = kx;
+        s.vt[d * BK + j] = vx;
+        if (real) s.ks[j * dp + d] = kx;
       }
-}
+      if (real) {
+        std::fill(s.ks + j * dp + dim, s.ks + (j + 1) * dp, A(0));
+        s.kpos[j] = p.causal ? p.k_positions(j0 + j) : 0;
+      }
+    }
+    std::fill(s.dks, s.dks + nk * dp, A(0));
+    std::fill(s.dvs, s.dvs + nk * dp, A(0));
+    const std::int64_t k_lo = s.kpos[0];
+
+    bool touched = false;
+    for (std::int64_t h = 0; h < q.heads(); ++h) {
+      if (p.kv_head(h) != kh) continue;
+      for (std::int64_t ib = 0; ib < nqb; ++ib) {
+        const std::int64_t i0 = ib * BQ, nq = std::min(BQ, q.seq() - i0);
+        // Earlier query blocks see fewer keys: skip those that see none of this block.
+        if (p.causal && p.fully_masked(p.q_positions(i0 + nq - 1), k_lo)) continue;
+        touched = true;
+        pack_rows(b, h, i0, nq, nk, s);
+
+        // S = Q K^T, dP = dO V^T: keys in lanes, one key panel at a time.
+        for (std::int64_t c0 = 0; c0 < kcols; c0 += PW) {
+          flash_tiles<false>(nq, s.qs, dp, 1, s.kt + c0, BK, dim, s.pm + c0, BK, static_cast<const A*>(nullptr));
+          flash_tiles<false>(nq, s.dos, dp, 1, s.vt + c0, BK, dim, s.ds + c0, BK, static_cast<const A*>(nullptr));
+        }
+        // P = exp(S scale - LSE) on the keys the row sees, else 0; dS = P (dP - delta) scale.
+        V lane{};
+        for (std::int64_t w = 0; w < W; ++w) lane[w] = static_cast<A>(w);
+        for (std::int64_t i = 0; i < nq; ++i) {
+          const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]), sc = simd_splat(scale);
+          const A limit = static_cast<A>(s.limit[i]);
+          for (std::int64_t c = 0; c < kcols; c += W) {
+            A* pr = s.pm + i * BK + c;
+            A* dr = s.ds + i * BK + c;
+            const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
+            const V pv = lane + static_cast<A>(c) < limit ? e : V{};
+            simd_store(pr, pv);
+            simd_store(dr, pv * (simd_load(dr) - dl) * sc);
+          }
+        }
+        // dV += P^T dO, dK += dS^T Q (over the tile's queries), dQ share = dS K (over its keys):
+        // head dims in lanes.
+        for (std::int64_t c0 = 0; c0 < dp; c0 += PW) {
+          flash_tiles<true>(nk, s.pm, 1, BK, s.dos + c0, dp, nq, s.dvs + c0, dp, s.ones);
+          flash_tiles<true>(nk, s.ds, 1, BK, s.qs + c0, dp, nq, s.dks + c0, dp, s.ones);
+          flash_tiles<false>(nq, s.ds, BK, 1, s.ks + c0, dp, nk, s.dqs + c0, dp, static_cast<const A*>(nullptr));
+        }
+        std::int32_t* turn = turns ? turns + (b * q.heads() + h) * nqb + ib : nullptr;
+        if (turn) wait_turn(*turn, static_cast<std::int32_t>(jb));
+        for (std::int64_t i = 0; i < nq; ++i) {
+          A* dst = dq.row(b, i0 + i, h);
+          const A* src = s.dqs + i * dp;
+          for (std::int64_t d = 0; d < dim; ++d) dst[d] += src[d];
+        }
+        if (turn) pass_turn(*turn, static_cast<std::int32_t>(jb + 1));
+      }
+    }
+    if (!touched) return;
+    for (std::int64_t j = 0; j < nk; ++j) {
+      A* dkr = dk.row(b, j0 + j, kh);
+      A* dvr = dv.row(b, j0 + j, kh);
+      for (std::int64_t d = 0; d < dim; ++d) {
+        dkr[d] += s.dks[j * dp + d];
+        dvr[d] += s.dvs[j * dp + d];
+      }
+    }
+  }
+
+ private:
+  /// Packs the tile's Q and dO rows (padded with zeros to dp), their LSE and delta, and how
+  /// many of the block's nk keys each row sees (none for a row that saw no key at all).
+  void pack_rows(std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t nq, std::int64_t nk,
+                 const BackwardScratch<A>& s) const {
+    const std::int64_t dim = q.dim(), dp = BackwardScratch<A>::padded(dim);
+    std::int64_t seen = 0;  // keys at or before the row's position: non-decreasing down the rows
+    for (std::int64_t i = 0; i < nq; ++i) {
+      const T* qr = q.row(b, i0 + i, h);
+      const T* dor = dout.row(b, i0 + i, h);
+      const T* orow = out.row(b, i0 + i, h);
+      A dl = 0;
+      for (std::int64_t d = 0; d < dim; ++d) {
+        s.qs[i * dp + d] = static_cast<A>(qr[d]);
+        s.dos[i * dp + d] = static_cast<A>(dor[d]);
+        dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
+      }
+      std::fill(s.qs + i * dp + dim, s.qs + (i + 1) * dp, A(0));
+      std::fill(s.dos + i * dp + dim, s.dos + (i + 1) * dp, A(0));
+      s.delta[i] = dl;
+      s.lrow[i] = lse(b, i0 + i, h);
+      if (p.causal)
+        for (const std::int64_t qp = p.q_positions(i0 + i); seen < nk && s.kpos[seen] <= qp;) ++seen;
+      s.limit[i] = s.lrow[i] == -std::numeric_limits<A>::infinity() ? 0 : p.causal ? seen : nk;
+    }
+  }
+};
 
 }  // namespace seqpar::detail

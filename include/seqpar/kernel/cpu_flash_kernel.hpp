@@ -30,6 +30,7 @@
 
 #include "seqpar/core/error.hpp"
 #include "seqpar/kernel/cpu_flash_backward.hpp"
+#include "seqpar/kernel/cpu_flash_tile.hpp"
 #include "seqpar/kernel/fast_exp.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/kernel/thread_pool.hpp"
@@ -38,74 +39,11 @@ namespace seqpar {
 
 /// Options of CpuFlashKernel.
 struct CpuFlashOptions {
-  /// Threads a forward call uses: the caller plus threads - 1 pool workers, created once.
-  /// Work is split over (batch x heads x query blocks). 1 runs on the caller alone.
+  /// Threads a forward or backward call uses: the caller plus threads - 1 pool workers,
+  /// created once. Forward splits its work over (batch x heads x query blocks), backward over
+  /// (key blocks x batch x K/V heads). 1 runs on the caller alone.
   int threads = 1;
 };
-
-namespace detail {
-
-/// Register tile of the CPU kernel's micro-kernel for accumulation type A: MR rows (keys for
-/// S^T, head-dim rows for O^T) by NR vectors of queries. 2 x MR accumulators plus the two B
-/// vectors fill most of the register file (8 x 2 with 32 registers, 6 x 2 with 16).
-template <class A>
-struct FlashTile {
-  static constexpr int nr = 2;                                  ///< vectors of queries per tile
-  static constexpr int width = Simd<A>::width;                  ///< lanes per vector
-  static constexpr int panel = nr * width;                      ///< queries per tile
-  static constexpr int mr = simd_registers >= 32 ? 8 : 6;      ///< rows per tile
-};
-
-/// C[M x NR vectors] = A B (Accumulate false), or C = C * alpha + A B (Accumulate true, alpha
-/// one value per query lane). A is read by broadcast at a[r * a_row + k * a_k] (so it can be K
-/// rows, or V read column-wise, in the caller's strides); B row k is the contiguous panel at
-/// b + k * ldb. The M x NR accumulators stay in registers for the whole k loop.
-template <int M, bool Accumulate, class A>
-inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb,
-                       std::int64_t kdim, A* c, std::ptrdiff_t ldc, const A* alpha) {
-  using V = simd_t<A>;
-  constexpr int W = FlashTile<A>::width;
-  static_assert(FlashTile<A>::nr == 2, "flash_tile is written for two vectors of queries");
-  // Fold expressions over the row index keep every accumulator a named register value (a
-  // loop over an array of them may go through the stack).
-  [&]<int... R>(std::integer_sequence<int, R...>) {
-    V acc0[M] = {((void)R, V{})...}, acc1[M] = {((void)R, V{})...};
-    for (std::int64_t k = 0; k < kdim; ++k) {
-      const A* ak = a + k * a_k;
-      const V b0 = simd_load(b + k * ldb), b1 = simd_load(b + k * ldb + W);
-      ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
-        acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
-       ...);
-    }
-    if constexpr (Accumulate) {
-      const V al0 = simd_load(alpha), al1 = simd_load(alpha + W);
-      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R])),
-        simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))),
-       ...);
-    } else {
-      ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
-    }
-  }(std::make_integer_sequence<int, M>{});
-}
-
-/// flash_tile over `rows` rows: full MR tiles, then one tail tile of rows % MR.
-template <bool Accumulate, class A>
-inline void flash_tiles(std::int64_t rows, const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, const A* b,
-                        std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc, const A* alpha) {
-  constexpr int MR = FlashTile<A>::mr;
-  std::int64_t r0 = 0;
-  for (; r0 + MR <= rows; r0 += MR)
-    flash_tile<MR, Accumulate>(a + r0 * a_row, a_row, a_k, b, ldb, kdim, c + r0 * ldc, ldc, alpha);
-  const int tail = static_cast<int>(rows - r0);
-  if (tail == 0) return;
-  a += r0 * a_row;
-  c += r0 * ldc;
-  [&]<int... T>(std::integer_sequence<int, T...>) {
-    ((tail == T + 1 ? flash_tile<T + 1, Accumulate>(a, a_row, a_k, b, ldb, kdim, c, ldc, alpha) : void()), ...);
-  }(std::make_integer_sequence<int, MR - 1>{});
-}
-
-}  // namespace detail
 
 /// Fast local attention on the CPU (see the file comment for the blocking). Each (batch,
 /// head, block of queries) streams over blocks of keys, keeping a running max, sum and
@@ -176,7 +114,7 @@ class CpuFlashKernel {
     prepared_dim_ = 0;
     prepare(dim);
   }
-  /// Threads a forward call uses.
+  /// Threads a forward or backward call uses.
   int threads() const { return options_.threads; }
   /// The options in force.
   const CpuFlashOptions& options() const { return options_; }
@@ -212,19 +150,38 @@ class CpuFlashKernel {
   }
 
   /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
-  /// probabilities from the LSE (kernel/cpu_flash_backward.hpp; single-threaded). Its scratch
-  /// is separate from forward's, sized by prepare_backward() (the engine calls it at plan).
+  /// probabilities from the LSE, on the forward's threads (kernel/cpu_flash_backward.hpp has
+  /// the split). dq, dk, dv come out bit-identical whatever the thread count. Its scratch is
+  /// separate from forward's: one slice per thread, sized by prepare_backward() (the engine
+  /// calls it at plan), plus, with more than one thread, one turn counter per (batch, head,
+  /// query block), made on the first call with a larger query shape.
   template <class T>
   void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                 TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
                 TensorView<acc_t<T>> dk, TensorView<acc_t<T>> dv, const KernelParams& p) {
-    prepare_backward(q.dim());
-    detail::flash_backward<T, acc_t<T>>(dout, q, k, v, out, lse, dq, dk, dv, p,
-                                        reinterpret_cast<acc_t<T>*>(backward_scratch_.data()));
+    using A = acc_t<T>;
+    const detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p};
+    const std::size_t turn_bytes = pool_ ? round_up(static_cast<std::size_t>(job.turn_count()) * 4, 256) : 0;
+    const std::size_t stride = detail::flash_backward_thread_bytes(q.dim());
+    prepare_backward(q.dim(), turn_bytes);
+    std::byte* base = aligned(backward_scratch_.data());
+    std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base) : nullptr;
+    if (turns) std::fill(turns, turns + job.turn_count(), 0);
+    auto task = [&](std::int64_t t, int worker) {
+      detail::BackwardScratch<A> s;
+      detail::BackwardScratch<A>::carve(base + turn_bytes + static_cast<std::size_t>(worker) * stride, q.dim(), &s);
+      job.task(t, s, turns);
+    };
+    if (pool_)
+      pool_->run(job.tasks(), task);
+    else
+      for (std::int64_t t = 0; t < job.tasks(); ++t) task(t, 0);
   }
-  /// Sizes the backward scratch for head dims up to `max_head_dim` (a no-op once large enough).
-  void prepare_backward(std::int64_t max_head_dim) {
-    const std::size_t need = detail::flash_backward_scratch_elems(max_head_dim) * sizeof(double);
+  /// Sizes the backward scratch for head dims up to `max_head_dim` and every thread, after
+  /// `turn_bytes` of turn counters (a no-op once large enough).
+  void prepare_backward(std::int64_t max_head_dim, std::size_t turn_bytes = 0) {
+    const std::size_t need =
+        turn_bytes + static_cast<std::size_t>(options_.threads) * detail::flash_backward_thread_bytes(max_head_dim) + 64;
     if (backward_scratch_.size() < need) backward_scratch_.resize(need);
   }
 
@@ -266,9 +223,12 @@ class CpuFlashKernel {
     return std::max(carve<float>(nullptr, dim, nullptr), carve<double>(nullptr, dim, nullptr));
   }
 
+  /// The first 64-byte boundary in a scratch buffer.
+  static std::byte* aligned(std::byte* p) { return p + (64 - reinterpret_cast<std::uintptr_t>(p) % 64) % 64; }
+
   template <class A>
   Scratch<A> thread_scratch(int worker, std::int64_t dim) {
-    std::byte* base = scratch_.data() + (64 - reinterpret_cast<std::uintptr_t>(scratch_.data()) % 64) % 64;
+    std::byte* base = aligned(scratch_.data());
     Scratch<A> s;
     carve<A>(base + static_cast<std::size_t>(worker) * thread_stride_, dim, &s);
     return s;
@@ -372,11 +332,11 @@ class CpuFlashKernel {
         V sum{};
         for (std::int64_t j = 0; j < nk; ++j) {
           A* sj = s.st + j * bq + c;
-          const V e = exp_lanes(detail::simd_load(sj) - shift);
+          const V e = detail::exp_lanes(detail::simd_load(sj) - shift);
           detail::simd_store(sj, e);
           sum += e;
         }
-        const V alpha = exp_lanes(m_old - shift);
+        const V alpha = detail::exp_lanes(m_old - shift);
         detail::simd_store(s.alpha + c, alpha);
         detail::simd_store(s.l + c, detail::simd_fma(alpha, detail::simd_load(s.l + c), sum));
         detail::simd_store(s.m + c, mx);
@@ -393,18 +353,6 @@ class CpuFlashKernel {
       const A inv = l != 0 ? A(1) / l : A(0);
       for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(s.ot[d * bq + i] * inv);
       if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] + std::log(l) : neg_inf;
-    }
-  }
-
-  /// exp of every lane: the vectorised fast_exp for float, the library exp for double (the
-  /// exact path).
-  template <class V>
-  static V exp_lanes(V x) {
-    if constexpr (std::is_same_v<V, detail::simd_t<float>>) {
-      return detail::fast_exp_lanes(x);
-    } else {
-      for (int i = 0; i < detail::Simd<double>::width; ++i) x[i] = std::exp(x[i]);
-      return x;
     }
   }
 

@@ -1,0 +1,155 @@
+// CpuFlashKernel::backward on its thread pool: bit-identical dq, dk, dv for 1, 2, 3 and 5
+// threads, and within tolerance of ReferenceKernel::backward (double), on odd lengths, causal
+// and not, GQA, cross attention (Sq != Sk, shifted positions, rows that see no key), and ranks
+// with no keys or no queries. Gradients start from random values: backward adds to them.
+#include <doctest/doctest.h>
+
+#include <random>
+#include <vector>
+
+#include "support/attention_check.hpp"
+
+using namespace seqpar;
+
+namespace {
+
+struct Shape {
+  std::int64_t b, sq, sk, h, kh, d;
+  bool causal;
+  PositionMap qpos, kpos;  // used when causal
+};
+
+/// Gradients of one backward call, in the element type's accumulation type.
+template <class A>
+struct Grads {
+  std::vector<A> dq, dk, dv;
+};
+
+/// Inputs rounded to T, the exact forward (out, LSE) on them, and the exact gradients added to
+/// random starting values; then CpuFlashKernel::backward in T on 1, 2, 3, 5 threads (one kernel
+/// object, re-threaded, so the scratch is regrown and reused).
+template <class T>
+void check_threads(const Shape& s, std::uint64_t seed) {
+  using A = acc_t<T>;
+  std::mt19937_64 rng(seed);
+  const std::int64_t nq = s.b * s.sq * s.h * s.d, nk = s.b * s.sk * s.kh * s.d;
+  const auto q = test::rounded<T>(test::random_tensor(nq, rng)), dout = test::rounded<T>(test::random_tensor(nq, rng));
+  const auto k = test::rounded<T>(test::random_tensor(nk, rng)), v = test::rounded<T>(test::random_tensor(nk, rng));
+  const auto dq0 = test::rounded<A>(test::random_tensor(nq, rng)), dk0 = test::rounded<A>(test::random_tensor(nk, rng)),
+             dv0 = test::rounded<A>(test::random_tensor(nk, rng));
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(s.d));
+  p.causal = s.causal;
+  p.q_positions = s.qpos;
+  p.k_positions = s.kpos;
+  p.group_size = s.h / s.kh;
+
+  using V = TensorView<const double>;
+  using G = TensorView<double>;
+  std::vector<double> out(q.size()), lse(static_cast<std::size_t>(s.b * s.sq * s.h));
+  ReferenceKernel ref;
+  ref.forward(V::bshd(q.data(), s.b, s.sq, s.h, s.d), V::bshd(k.data(), s.b, s.sk, s.kh, s.d),
+              V::bshd(v.data(), s.b, s.sk, s.kh, s.d), G::bshd(out.data(), s.b, s.sq, s.h, s.d),
+              G::bshd(lse.data(), s.b, s.sq, s.h, 1), p);
+  std::vector<double> want_dq = dq0, want_dk = dk0, want_dv = dv0;
+  ref.backward(V::bshd(dout.data(), s.b, s.sq, s.h, s.d), V::bshd(q.data(), s.b, s.sq, s.h, s.d),
+               V::bshd(k.data(), s.b, s.sk, s.kh, s.d), V::bshd(v.data(), s.b, s.sk, s.kh, s.d),
+               V::bshd(out.data(), s.b, s.sq, s.h, s.d), V::bshd(lse.data(), s.b, s.sq, s.h, 1),
+               G::bshd(want_dq.data(), s.b, s.sq, s.h, s.d), G::bshd(want_dk.data(), s.b, s.sk, s.kh, s.d),
+               G::bshd(want_dv.data(), s.b, s.sk, s.kh, s.d), p);
+
+  const std::vector<T> qt(q.begin(), q.end()), kt(k.begin(), k.end()), vt(v.begin(), v.end()),
+      dot(dout.begin(), dout.end()), ot(out.begin(), out.end());
+  const std::vector<A> lt(lse.begin(), lse.end());
+  using CV = TensorView<const T>;
+  CpuFlashKernel kernel;
+  auto run = [&](int threads) {
+    kernel.set_threads(threads);
+    Grads<A> g{{dq0.begin(), dq0.end()}, {dk0.begin(), dk0.end()}, {dv0.begin(), dv0.end()}};
+    kernel.backward(CV::bshd(dot.data(), s.b, s.sq, s.h, s.d), CV::bshd(qt.data(), s.b, s.sq, s.h, s.d),
+                    CV::bshd(kt.data(), s.b, s.sk, s.kh, s.d), CV::bshd(vt.data(), s.b, s.sk, s.kh, s.d),
+                    CV::bshd(ot.data(), s.b, s.sq, s.h, s.d), TensorView<const A>::bshd(lt.data(), s.b, s.sq, s.h, 1),
+                    TensorView<A>::bshd(g.dq.data(), s.b, s.sq, s.h, s.d),
+                    TensorView<A>::bshd(g.dk.data(), s.b, s.sk, s.kh, s.d),
+                    TensorView<A>::bshd(g.dv.data(), s.b, s.sk, s.kh, s.d), p);
+    return g;
+  };
+
+  // Normwise error of the added gradient: max |got - want| / max |want - start|.
+  auto rel = [](const std::vector<A>& got, const std::vector<double>& want, const std::vector<double>& start) {
+    double err = 0, norm = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      if (std::isnan(static_cast<double>(got[i]))) return std::numeric_limits<double>::infinity();
+      err = std::max(err, std::abs(static_cast<double>(got[i]) - want[i]));
+      norm = std::max(norm, std::abs(want[i] - start[i]));
+    }
+    return norm > 0 ? err / norm : err;
+  };
+  constexpr double tol = std::is_same_v<T, double> ? 1e-11 : 1e-4;
+  const Grads<A> one = run(1);
+  CHECK(rel(one.dq, want_dq, dq0) <= tol);
+  CHECK(rel(one.dk, want_dk, dk0) <= tol);
+  CHECK(rel(one.dv, want_dv, dv0) <= tol);
+  for (int threads : {2, 3, 5}) {
+    CAPTURE(threads);
+    const Grads<A> many = run(threads);
+    CHECK(many.dq == one.dq);  // exact: the same sums in the same order
+    CHECK(many.dk == one.dk);
+    CHECK(many.dv == one.dv);
+  }
+}
+
+Shape shape(std::int64_t sq, std::int64_t sk, bool causal, std::int64_t h = 6, std::int64_t kh = 2, std::int64_t d = 20) {
+  return Shape{1, sq, sk, h, kh, d, causal, PositionMap::run(sq, 0), PositionMap::run(sk, 0)};
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("threaded flash backward: odd lengths, causal and not, GQA 6 / 2", T, float, double) {
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    check_threads<T>(shape(333, 333, causal), 1 + causal);
+    check_threads<T>(shape(1025, 1025, causal, 6, 2, 8), 3 + causal);
+  }
+}
+
+TEST_CASE_TEMPLATE("threaded flash backward: cross attention, batch 2, shifted and two-run positions", T, float,
+                   double) {
+  // Sq != Sk, no mask.
+  check_threads<T>(shape(333, 130, false), 11);
+  // A ring step: the keys start later than the queries, so the first rows see no key
+  // (LSE -inf) and whole query blocks are skipped for later key blocks.
+  Shape s = shape(200, 333, true, 4, 4, 13);
+  s.b = 2;
+  s.qpos = PositionMap::run(s.sq, 150, 2);
+  s.kpos = PositionMap::run(s.sk, 220);
+  check_threads<T>(s, 12);
+  // Zigzag-like queries (two runs with a gap) against contiguous keys, MQA.
+  Shape z = shape(257, 190, true, 3, 1, 64);
+  z.qpos = PositionMap::run(129, 0);
+  z.qpos.seg[z.qpos.segments++] = {257 - 129, 700, 1};
+  z.kpos = PositionMap::run(z.sk, 60, 3);
+  check_threads<T>(z, 13);
+}
+
+TEST_CASE_TEMPLATE("threaded flash backward: tiny and odd tiles, head_dim 1..64, strided positions", T, float,
+                   double) {
+  struct Small {
+    std::int64_t b, sq, sk, h, kh, d;
+    bool causal;
+  };
+  for (const Small m : {Small{1, 1, 1, 1, 1, 1, false}, Small{2, 33, 70, 4, 2, 5, true}, Small{1, 130, 65, 3, 1, 16, true},
+                        Small{1, 64, 64, 2, 2, 64, false}, Small{2, 97, 129, 6, 3, 7, true}}) {
+    CAPTURE(m.sq);
+    CAPTURE(m.sk);
+    // Two increasing runs with gaps, like a zigzag block against a stripe block.
+    Shape s{m.b, m.sq, m.sk, m.h, m.kh, m.d, m.causal, PositionMap::run(m.sq / 2, 10, 2), PositionMap::run(m.sk, 0, 5)};
+    s.qpos.seg[s.qpos.segments++] = {m.sq - m.sq / 2, 400, 1};
+    check_threads<T>(s, static_cast<std::uint64_t>(m.sq * 131 + m.sk));
+  }
+}
+
+TEST_CASE_TEMPLATE("threaded flash backward: a rank with no keys or no queries adds nothing", T, float, double) {
+  check_threads<T>(shape(333, 0, true), 21);
+  check_threads<T>(shape(0, 333, false), 22);
+}
