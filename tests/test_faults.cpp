@@ -6,8 +6,11 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -227,49 +230,200 @@ namespace {
 
 /// CpuFlashKernel that throws on demand: a fault in the middle of a forward call.
 struct FailingKernel : CpuFlashKernel {
-  bool fail = false;
+  int fail_on_call = -1;  ///< the local forward call (0-based) that throws; -1: none
+  int calls = 0;          ///< local forward calls so far
   template <class T, class O>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<acc_t<T>> lse, const KernelParams& p) {
-    if (fail) throw std::runtime_error("kernel fault on purpose");
+    if (calls++ == fail_on_call) throw std::runtime_error("kernel fault on purpose");
     CpuFlashKernel::forward(q, k, v, out, lse, p);
   }
 };
+
+/// The case the kernel-fault tests run: 4 ranks of 6 tokens, GQA.
+test::GlobalCase fault_case() {
+  test::GlobalCase c;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.seq_q = 24;
+  return c;
+}
+
+/// One forward of `policy` on 4 ranks whose rank `failing` throws in its local kernel call
+/// number `fail_on_call`; returns how each rank ended. The workspace and the local tensors
+/// are locals of the rank function, so the failing rank frees them while it unwinds.
+template <class Policy>
+std::vector<test::RankOutcome> forward_with_kernel_fault(Policy policy, int failing, int fail_on_call) {
+  const test::GlobalCase c = fault_case();
+  const auto g = test::make_global_as<float>(c);
+  return rank_outcomes(4, [&](Comm& comm) {
+    SequenceParallelAttention<Policy, Comm, FailingKernel> attn(comm, policy);
+    const Plan plan = attn.plan(test::problem_of<float>(c, false), {6, -1});
+    attn.kernel().fail_on_call = comm.rank() == failing ? fail_on_call : -1;
+    auto q = test::scatter_rows<float>(g.q, 1, c.seq_q, c.heads, c.head_dim, plan.q_positions(comm.rank()));
+    auto k = test::scatter_rows<float>(g.k, 1, c.seq_q, c.kv_heads, c.head_dim, plan.kv_positions(comm.rank()));
+    std::vector<float> o(q.size());
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    using CV = TensorView<const float>;
+    attn.template forward<float>(plan, CV::bshd(q.data(), 1, 6, c.heads, c.head_dim),
+                                 CV::bshd(k.data(), 1, 6, c.kv_heads, c.head_dim),
+                                 CV::bshd(k.data(), 1, 6, c.kv_heads, c.head_dim),
+                                 TensorView<float>::bshd(o.data(), 1, 6, c.heads, c.head_dim), ws);
+  });
+}
+
+/// Rank `failing` ended with the kernel fault; every other rank was woken with CommAborted
+/// naming it.
+void check_kernel_fault(const std::vector<test::RankOutcome>& out, int failing) {
+  INFO(describe(out));
+  for (int r = 0; r < static_cast<int>(out.size()); ++r) {
+    if (r == failing) {
+      CHECK(out[r].kind == "other");
+      CHECK(out[r].what == "kernel fault on purpose");
+    } else {
+      CHECK(out[r].kind == "CommAborted");
+      CHECK(out[r].what.find("rank " + std::to_string(failing) + " failed: kernel fault on purpose") !=
+            std::string::npos);
+    }
+  }
+}
 
 }  // namespace
 
 TEST_CASE("faults: a kernel that throws on one rank mid-forward fails the call on every rank") {
   // Ulysses: the faulty rank throws after the first all-to-all; the others block in the
   // all-to-all that brings the output back and are woken.
-  test::GlobalCase c;
-  c.heads = 4;
-  c.kv_heads = 2;
-  c.seq_q = 24;
-  const auto g = test::make_global_as<float>(c);
-  const auto out = rank_outcomes(4, [&](Comm& comm) {
-    SequenceParallelAttention<UlyssesPolicy, Comm, FailingKernel> attn(comm);
-    AttentionProblem p;
-    p.heads = c.heads;
-    p.kv_heads = c.kv_heads;
-    p.head_dim = c.head_dim;
-    const Plan plan = attn.plan(p, {6, -1});
-    attn.kernel().fail = comm.rank() == 3;
-    auto q = test::scatter_rows<float>(g.q, 1, c.seq_q, c.heads, c.head_dim, plan.q_positions(comm.rank()));
-    auto k = test::scatter_rows<float>(g.k, 1, c.seq_q, c.kv_heads, c.head_dim, plan.kv_positions(comm.rank()));
-    std::vector<float> o(q.size());
-    std::vector<std::byte> ws(plan.workspace_bytes());
-    using CV = TensorView<const float>;
-    attn.forward<float>(plan, CV::bshd(q.data(), 1, 6, c.heads, c.head_dim), CV::bshd(k.data(), 1, 6, c.kv_heads, c.head_dim),
-                        CV::bshd(k.data(), 1, 6, c.kv_heads, c.head_dim), TensorView<float>::bshd(o.data(), 1, 6, c.heads, c.head_dim),
-                        ws);
+  check_kernel_fault(forward_with_kernel_fault(UlyssesPolicy{}, 3, 0), 3);
+  // The same communicators' world is not reused after a failure: a fresh run_ranks works.
+  const test::GlobalCase c = fault_case();
+  CHECK(test::run_distributed<float>(4, UlyssesPolicy{}, c, test::make_global_as<float>(c)).err.within(1e-5));
+}
+
+TEST_CASE("faults: a kernel that throws mid-ring frees nothing a peer still copies") {
+  // The faulty rank throws in a ring step with its next hop posted: the workspace holding
+  // that block unwinds while the next rank may be copying it (ASan and TSan watch this test;
+  // it repeats to meet the copy at different moments). One kernel call per ring step. Rank
+  // r + 1 may still take the failing rank's last posted block and run on, so only faults
+  // early enough that every rank still needs a hop from the failing side reach all of them:
+  // steps 0 and 1 of a 4-rank ring, step 0 of a 2 x 2 mesh (after its last ring step only
+  // the failing Ulysses group fails).
+  for (int rep = 0; rep < 10; ++rep) {
+    for (int fail_on_call : {0, 1}) {
+      CAPTURE(fail_on_call);
+      check_kernel_fault(forward_with_kernel_fault(RingPolicy<>{}, 1, fail_on_call), 1);
+    }
+    check_kernel_fault(forward_with_kernel_fault(UnifiedPolicy<>{2, 2}, 2, 0), 2);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A rank that fails while its ring send is in flight must not free the send buffer under a
+// peer that is copying it (or is about to). The rank function's locals (the workspace, the
+// send buffer) are destroyed while the exception unwinds, before run_ranks learns of the
+// failure, so the communicator itself has to hold the unwinding back.
+
+namespace {
+
+/// A memory space whose copies take long enough to be interrupted: half the bytes, a pause,
+/// the other half. A sender that failed mid-copy and freed its buffer makes the second half
+/// read freed memory, which ASan reports (and TSan reports as a race with the free).
+struct PausingSpace {
+  static constexpr const char* name = "PausingSpace";  ///< readable name, for messages
+};
+
+/// Set while a PausingSpace copy is paused between its halves.
+std::atomic<bool> copy_paused{false};
+
+}  // namespace
+
+/// Copies of PausingSpace (see there).
+template <>
+struct seqpar::SpaceCopy<PausingSpace> {
+  /// Copies `bytes` from src to dst in two halves, 150 ms apart.
+  static void copy(std::byte* dst, const std::byte* src, std::size_t bytes) {
+    const std::size_t half = bytes / 2;
+    std::memcpy(dst, src, half);
+    copy_paused = true;
+    std::this_thread::sleep_for(milliseconds(150));
+    std::memcpy(dst + half, src + half, bytes - half);
+    copy_paused = false;
+  }
+};
+
+namespace {
+
+/// `n` random bytes (the payload whose arrival the tests check exactly).
+std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = static_cast<std::byte>(gen() & 0xff);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("faults: a sender that fails while a peer copies its ring send waits for the copy") {
+  // Rank 1 is already copying rank 0's message when rank 0 throws and unwinds its buffer.
+  constexpr std::size_t n = 1 << 16;
+  const auto payload = random_bytes(n, 7);
+  std::vector<std::byte> received(n);
+  std::string rank1_error;
+  const auto start = Clock::now();
+  CHECK_THROWS_WITH_AS(test::within(milliseconds(30000),
+                                    [&] {
+                                      run_ranks<PausingSpace>(2, [&](BasicThreadCommunicator<PausingSpace>& c) {
+                                        std::vector<std::byte> send(payload), recv(n);
+                                        auto req = c.start_exchange(send.data(), n, 1 - c.rank(), recv.data(), n,
+                                                                    1 - c.rank());
+                                        if (c.rank() == 0) {
+                                          while (!copy_paused) std::this_thread::yield();
+                                          throw std::runtime_error("rank 0 fails mid-copy");
+                                        }
+                                        try {
+                                          c.wait(req);
+                                        } catch (const CommAborted& e) {
+                                          rank1_error = e.what();
+                                          received = recv;
+                                          throw;
+                                        }
+                                      });
+                                    },
+                                    "fail mid-copy"),
+                       "rank 0 fails mid-copy", std::runtime_error);
+  // The copy that had started finished from live memory; the rank was then woken.
+  CHECK(received == payload);
+  CHECK(rank1_error.find("rank 0 failed: rank 0 fails mid-copy") != std::string::npos);
+  CHECK(Clock::now() - start < milliseconds(5000));
+}
+
+TEST_CASE("faults: a peer that reaches a failed sender's message after it unwound never reads it") {
+  // Rank 0 throws with its send posted and unwinds the buffer; it holds the exception back
+  // for a while (as a rank busy with cleanup would), so rank 1 reaches the message before the
+  // group is failed. It must wait for the failure, not copy the freed bytes.
+  std::atomic<bool> unwound{false};
+  const auto start = Clock::now();
+  const auto out = rank_outcomes(2, [&](Comm& c) {
+    const auto peer = 1 - c.rank();
+    std::vector<std::byte> recv(4096);
+    if (c.rank() == 0) {
+      try {
+        const auto send = random_bytes(4096, 11);
+        auto req = c.start_exchange(send.data(), send.size(), peer, recv.data(), recv.size(), peer);
+        throw std::runtime_error("fault with the send in flight");
+      } catch (...) {
+        unwound = true;
+        std::this_thread::sleep_for(milliseconds(200));
+        throw;
+      }
+    }
+    while (!unwound) std::this_thread::yield();
+    const auto send = random_bytes(4096, 12);
+    auto req = c.start_exchange(send.data(), send.size(), peer, recv.data(), recv.size(), peer);
+    c.wait(req);
   });
   INFO(describe(out));
-  CHECK(out[3].kind == "other");
-  CHECK(out[3].what == "kernel fault on purpose");
-  for (int r : {0, 1, 2}) {
-    CHECK(out[r].kind == "CommAborted");
-    CHECK(out[r].what.find("rank 3 failed: kernel fault on purpose") != std::string::npos);
-  }
-  // The same communicators' world is not reused after a failure: a fresh run_ranks works.
-  CHECK(test::run_distributed<float>(4, UlyssesPolicy{}, c, g).err.within(1e-5));
+  CHECK(out[0].kind == "other");
+  CHECK(out[1].kind == "CommAborted");
+  CHECK(out[1].what.find("rank 0 failed: fault with the send in flight") != std::string::npos);
+  CHECK(Clock::now() - start < milliseconds(5000));
 }

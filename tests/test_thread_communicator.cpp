@@ -6,6 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -161,6 +163,91 @@ TEST_CASE("thread comm: exchange around a ring, messages of different sizes, in 
       CHECK(c.stats().bytes_sent == 0);
     });
   }
+}
+
+TEST_CASE("thread comm: many exchanges in flight to one peer, waited in start order, random sizes") {
+  // More sends outstanding on one pair than the reused message slots hold at first, with
+  // waits and new starts interleaved, so the slots wrap around and grow while in use.
+  for (int P : {2, 3}) {
+    CAPTURE(P);
+    ranks_with_watchdog(P, [P](ThreadCommunicator& c) {
+      const int me = c.rank(), next = (me + 1) % P, prev = (me + P - 1) % P;
+      // Message m of rank r: size and bytes from a generator seeded by (r, m).
+      auto message = [](int from, int m) {
+        std::mt19937 gen(static_cast<unsigned>(from * 100003 + m));
+        std::vector<std::byte> v(gen() % 300);
+        for (auto& b : v) b = static_cast<std::byte>(gen() & 0xff);
+        return v;
+      };
+      constexpr int total = 60;
+      std::vector<std::vector<std::byte>> sent(total), got(total);
+      std::deque<std::pair<int, ThreadCommunicator::request_type>> live;
+      std::mt19937 pace(static_cast<unsigned>(me + 7));
+      for (int m = 0; m < total; ++m) {
+        sent[m] = message(me, m);
+        got[m].resize(message(prev, m).size());
+        live.emplace_back(m, c.start_exchange(sent[m].data(), sent[m].size(), next, got[m].data(), got[m].size(), prev));
+        // Wait for the oldest ones now and then (up to 9 stay in flight).
+        while (live.size() > 9 || (!live.empty() && pace() % 3 == 0)) {
+          c.wait(live.front().second);
+          REQUIRE(got[live.front().first] == message(prev, live.front().first));
+          live.pop_front();
+        }
+      }
+      for (auto& [m, req] : live) {
+        c.wait(req);
+        REQUIRE(got[m] == message(prev, m));
+      }
+    });
+  }
+}
+
+TEST_CASE("thread comm: requests not started, moved, or reused after completion") {
+  ranks_with_watchdog(2, [](ThreadCommunicator& c) {
+    const int other = 1 - c.rank();
+    ThreadCommunicator::request_type none;
+    c.wait(none);  // not started: returns at once
+    int x = 40 + c.rank(), y = 0;
+    auto first = c.start_exchange(reinterpret_cast<const std::byte*>(&x), sizeof x, other,
+                                  reinterpret_cast<std::byte*>(&y), sizeof y, other);
+    ThreadCommunicator::request_type moved = std::move(first);
+    c.wait(first);  // moved from: nothing to do
+    c.wait(moved);
+    CHECK(y == 40 + other);
+    // Assigning over a completed request, as a ring loop does every step.
+    x = 50 + c.rank();
+    moved = c.start_exchange(reinterpret_cast<const std::byte*>(&x), sizeof x, other, reinterpret_cast<std::byte*>(&y),
+                             sizeof y, other);
+    c.wait(moved);
+    CHECK(y == 50 + other);
+  });
+}
+
+TEST_CASE("thread comm: a request dropped without waiting fails the group, nothing hangs") {
+  // The peer would otherwise wait forever for a message its sender gave up.
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<int> aborted{0};
+  CHECK_THROWS_WITH_AS(ranks_with_watchdog(2,
+                                           [&](ThreadCommunicator& c) {
+                                             const int other = 1 - c.rank();
+                                             std::vector<std::byte> s(64, std::byte{1}), r(64);
+                                             try {
+                                               if (c.rank() == 0) {
+                                                 (void)c.start_exchange(s.data(), 64, other, r.data(), 64, other);
+                                                 c.barrier();
+                                               } else {
+                                                 auto req = c.start_exchange(s.data(), 64, other, r.data(), 64, other);
+                                                 c.wait(req);
+                                               }
+                                             } catch (const CommAborted&) {
+                                               ++aborted;
+                                               throw;
+                                             }
+                                           }),
+                       doctest::Contains("rank 0 dropped an exchange (to rank 1) without waiting for it"),
+                       CommAborted);
+  CHECK(aborted == 2);
+  CHECK(std::chrono::steady_clock::now() - start < 20s);
 }
 
 TEST_CASE("thread comm: exchange size mismatch throws CommError, nothing hangs") {

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
@@ -46,18 +45,35 @@ struct ThreadRunOptions {
 
 namespace detail {
 
+/// ": what()" of the exception being handled, or "" when it is no std::exception (call
+/// inside a catch block): the tail of the reason a failure gives the woken peers.
+inline std::string current_what() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return std::string(": ") + e.what();
+  } catch (...) {
+    return {};
+  }
+}
+
 /// State shared by every communicator of one run_ranks call (the world and all its splits).
 /// One lock guards it all: the bookkeeping is tiny and the copies happen outside the lock.
+///
+/// Buffer safety rests on one rule: a copy out of (or into) another rank's buffer starts only
+/// under the lock in a family that has not failed, and is counted in `active_reads` until it
+/// ends. So once the family is aborted, `drain` bounds every copy that can still touch a
+/// failing rank's memory.
 struct ThreadFamily {
   std::mutex mu;
   std::condition_variable cv;
   bool aborted = false;
   std::string reason;
-  int active_reads = 0;  // copies in progress out of another rank's buffer
+  int active_reads = 0;  // copies in progress between two ranks' buffers
   std::chrono::milliseconds timeout{0};
 
-  void abort(std::string why) {
-    std::lock_guard lock(mu);
+  /// Fails the family under the lock (the first reason is kept) and wakes every waiter.
+  void abort_locked(std::string why) {
     if (!aborted) {
       aborted = true;
       reason = std::move(why);
@@ -65,51 +81,117 @@ struct ThreadFamily {
     cv.notify_all();
   }
 
-  /// Fails the whole family from a rank that found an error under `lock`: marks it aborted,
-  /// then lets every in-flight copy out of this rank's buffers finish before throwing
-  /// CommError, so that no peer reads memory the unwinding stack is about to free.
-  [[noreturn]] void fail(std::unique_lock<std::mutex>& lock, const std::string& why) {
-    if (!aborted) {
-      aborted = true;
-      reason = why;
-    }
-    cv.notify_all();
+  /// abort_locked, taking the lock.
+  void abort(std::string why) {
+    std::lock_guard lock(mu);
+    abort_locked(std::move(why));
+  }
+
+  /// Blocks until no copy is in progress; after an abort no new one starts (see above).
+  void drain(std::unique_lock<std::mutex>& lock) {
     cv.wait(lock, [&] { return active_reads == 0; });
+  }
+
+  /// Fails the whole family from a rank that found an error under `lock`, then throws
+  /// CommError once no peer copies out of this rank's buffers any more.
+  [[noreturn]] void fail(std::unique_lock<std::mutex>& lock, const std::string& why) {
+    abort_locked(why);
+    drain(lock);
     throw CommError("ThreadCommunicator: " + why);
   }
 
   /// Waits for `ready` under `lock`; throws CommAborted when a peer failed or on time-out.
-  /// Before throwing it lets every in-flight copy finish, so no peer reads a buffer that the
-  /// unwinding stack is about to free. With `completed_wins`, a wait whose condition did come
-  /// true returns normally even if a peer failed meanwhile: only for the last barrier of an
-  /// operation (no buffer is read after it), so that ranks which then evaluate one check on
-  /// the same gathered data all throw the same error, instead of a race deciding which of
-  /// them see CommAborted.
+  /// Before throwing it drains, so no peer reads a buffer that the unwinding stack is about
+  /// to free. With `completed_wins`, a wait whose condition did come true returns normally
+  /// even if a peer failed meanwhile: only for the last barrier of an operation (no buffer is
+  /// read after it), so that ranks which then evaluate one check on the same gathered data
+  /// all throw the same error, instead of a race deciding which of them see CommAborted.
   template <class Pred>
   void wait(std::unique_lock<std::mutex>& lock, Pred ready, const char* what, bool completed_wins = false) {
     auto stop = [&] { return aborted || ready(); };
     if (timeout.count() > 0) {
-      if (!cv.wait_for(lock, timeout, stop)) {
-        aborted = true;
-        reason = std::string("time-out after ") + std::to_string(timeout.count()) + " ms in " + what;
-        cv.notify_all();
-      }
+      if (!cv.wait_for(lock, timeout, stop))
+        abort_locked(std::string("time-out after ") + std::to_string(timeout.count()) + " ms in " + what);
     } else {
       cv.wait(lock, stop);
     }
     if (ready() && (completed_wins || !aborted)) return;
-    cv.wait(lock, [&] { return active_reads == 0; });
+    drain(lock);
     throw CommAborted(std::string("ThreadCommunicator: ") + what + " interrupted: " + reason);
+  }
+
+  /// Runs `copy` (between this rank's buffers and a peer's) with the lock released, counted
+  /// in active_reads; `done` then runs under the lock, also when the copy throws (a device
+  /// error). A copy that throws fails the family and drains before the exception leaves, as
+  /// peers may be copying out of this rank's buffers.
+  template <class Copy, class Done>
+  void copy_unlocked(std::unique_lock<std::mutex>& lock, Copy&& copy, Done&& done) {
+    ++active_reads;
+    lock.unlock();
+    try {
+      copy();
+    } catch (...) {
+      lock.lock();
+      --active_reads;
+      done();
+      abort_locked("a copy failed" + current_what());
+      drain(lock);
+      throw;
+    }
+    lock.lock();
+    --active_reads;
+    done();
+    cv.notify_all();
+  }
+};
+
+/// The exchange messages one rank posted to another, in posting order: a ring of reusable
+/// slots, so that a steady stream of exchanges posts without allocating (the ring grows only
+/// when more messages are outstanding on this pair than ever before). Message n lives in
+/// slot n mod capacity from its post until its copy ends.
+struct Channel {
+  /// One posted message.
+  struct Slot {
+    const std::byte* data = nullptr;
+    std::size_t bytes = 0;
+    bool withdrawn = false;  // its sender unwound: never to be read
+  };
+  std::vector<Slot> ring = std::vector<Slot>(2);  // two: a ring backward's hops in flight
+  std::uint64_t posted = 0;     // messages posted by the sender
+  std::uint64_t taken = 0;      // messages whose copy the receiver started (in order)
+  std::uint64_t delivered = 0;  // messages whose copy ended (or that were refused)
+
+  /// The slot of message `n`.
+  Slot& at(std::uint64_t n) { return ring[n % ring.size()]; }
+  /// True when the receiver can take the next message.
+  bool ready() { return taken < posted && !at(taken).withdrawn; }
+
+  /// Posts a message; returns its number.
+  std::uint64_t post(const std::byte* data, std::size_t bytes) {
+    if (posted - delivered == ring.size()) {
+      std::vector<Slot> bigger(2 * ring.size());
+      for (std::uint64_t n = delivered; n < posted; ++n) bigger[n % bigger.size()] = at(n);
+      ring.swap(bigger);
+    }
+    at(posted) = {data, bytes, false};
+    return posted++;
+  }
+
+  /// The sender gives message `n` up (its request dies unwaited): withdraws it if no copy
+  /// started, else waits until the copy under way has ended. Either way nothing reads the
+  /// buffer after this returns.
+  void give_up(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, std::uint64_t n) {
+    if (taken <= n) {
+      at(n) = {nullptr, 0, true};
+      return;
+    }
+    cv.wait(lock, [&] { return delivered > n; });
   }
 };
 
 /// One group of ranks (the world or one color of a split).
 struct ThreadGroup {
-  struct Message {
-    const std::byte* data = nullptr;
-    std::size_t bytes = 0;
-    bool done = false;
-  };
+  /// What one rank publishes for a collective.
   struct Slot {
     const std::byte* data = nullptr;
     const std::size_t* counts = nullptr;
@@ -119,18 +201,26 @@ struct ThreadGroup {
   };
 
   ThreadGroup(std::shared_ptr<ThreadFamily> f, int n)
-      : family(std::move(f)), size(n), slots(static_cast<std::size_t>(n)), mailbox(static_cast<std::size_t>(n * n)) {}
+      : family(std::move(f)), size(n), slots(static_cast<std::size_t>(n)),
+        channels(static_cast<std::size_t>(n) * static_cast<std::size_t>(n)) {}
 
   std::shared_ptr<ThreadFamily> family;
   int size;
   std::vector<Slot> slots;
   int arrived = 0;
   std::uint64_t generation = 0;
-  std::vector<std::deque<std::shared_ptr<Message>>> mailbox;  // [src * size + dst]
+  std::vector<Channel> channels;  // [src * size + dst]
   std::map<std::pair<std::uint64_t, int>, std::shared_ptr<ThreadGroup>> children;  // (split #, color)
 
+  /// The messages `src` posts to `dst`.
+  Channel& channel(int src, int dst) { return channels[static_cast<std::size_t>(src * size + dst)]; }
+
+  /// Waits until every rank of the group has arrived (see ThreadFamily::wait for `last`).
   void barrier_locked(std::unique_lock<std::mutex>& lock, const char* what, bool last = false) {
     const std::uint64_t gen = generation;
+    // A failed family completes no barrier: the ranks that arrived first may have been woken
+    // and have unwound the buffers they published, which the last one would then read.
+    if (family->aborted) family->wait(lock, [] { return false; }, what);
     if (++arrived == size) {
       arrived = 0;
       ++generation;
@@ -145,19 +235,70 @@ struct ThreadGroup {
 
 /// P ranks as threads of one process, over memory space `Space`. A handle: cheap to copy,
 /// every copy is the same rank. Create the ranks with run_ranks(). If any rank throws, the
-/// others are woken from whatever they wait on with CommAborted, so nothing hangs.
+/// others are woken from whatever they wait on with CommAborted, so nothing hangs, and no
+/// rank's buffers are freed while a peer still copies them (see request_type).
+///
+/// Fast paths allocate nothing: all_to_all_v, barrier and waits never do; start_exchange
+/// reuses per-pair message slots, so once a plan's first forward (and backward) has run, the
+/// later ones allocate nothing here.
 template <class Space = HostSpace>
 class BasicThreadCommunicator {
  public:
   static constexpr bool is_seqpar_communicator = true;  ///< opts in to the Communicator concept
   using memory_space = Space;                           ///< buffers live here
 
-  /// A started exchange.
-  struct request_type {
-    std::shared_ptr<detail::ThreadGroup::Message> sent;  ///< our posted send
-    std::byte* recv = nullptr;                           ///< where the receive lands
-    std::size_t recv_bytes = 0;                          ///< expected size
-    int source = -1;                                     ///< rank we receive from
+  /// A started exchange; complete it with wait(). Move-only, because it stands for a send
+  /// buffer the receiver may be copying. One destroyed unwaited (its rank is unwinding from
+  /// an exception, or dropped it) first withdraws its send, or waits out the copy already
+  /// under way, so its owner may free the buffer right after; the receiver then waits for
+  /// the failure, woken with CommAborted. Dropping one while no exception unwinds fails the
+  /// group itself (the receiver would wait forever); while one unwinds, run_ranks fails it
+  /// with that exception's message once it leaves the rank function.
+  class request_type {
+   public:
+    /// A request not started: wait() on it returns at once.
+    request_type() = default;
+    /// Takes over `other`'s exchange.
+    request_type(request_type&& other) noexcept { take(other); }
+    /// Gives up this exchange (see the class comment), then takes over `other`'s.
+    request_type& operator=(request_type&& other) noexcept {
+      if (this != &other) {
+        give_up();
+        take(other);
+      }
+      return *this;
+    }
+    /// Gives up an exchange that was started and not waited for (see the class comment).
+    ~request_type() { give_up(); }
+
+   private:
+    friend class BasicThreadCommunicator;
+    /// What a started exchange holds.
+    struct State {
+      std::shared_ptr<detail::ThreadGroup> group;  // null: not started, or complete
+      std::uint64_t seq = 0;                       // our message's number on (rank, dest)
+      int rank = 0, dest = 0, source = 0;
+      std::byte* recv = nullptr;
+      std::size_t recv_bytes = 0;
+      int unwinding = 0;  // exceptions in flight when it started (to tell unwinding from a drop)
+    };
+
+    explicit request_type(State s) : state_(std::move(s)) {}
+    void take(request_type& o) { state_ = std::move(o.state_); }  // leaves o.state_.group null
+    void give_up() noexcept {
+      if (!state_.group) return;
+      auto& fam = *state_.group->family;
+      {
+        std::unique_lock lock(fam.mu);
+        state_.group->channel(state_.rank, state_.dest).give_up(lock, fam.cv, state_.seq);
+        if (std::uncaught_exceptions() <= state_.unwinding)
+          fam.abort_locked("rank " + std::to_string(state_.rank) + " dropped an exchange (to rank " +
+                           std::to_string(state_.dest) + ") without waiting for it");
+      }
+      state_.group.reset();
+    }
+
+    State state_;
   };
 
   /// Rank `rank` of `group`; made by run_ranks() and split(), not by users.
@@ -185,25 +326,22 @@ class BasicThreadCommunicator {
     std::unique_lock lock(fam.mu);
     group_->slots[rank_] = {send, send_counts.data(), send_displs.data(), nullptr, 0};
     group_->barrier_locked(lock, "all_to_all_v");
-    std::string mismatch;
-    for (int j = 0; j < size() && mismatch.empty(); ++j) {
-      const auto& s = group_->slots[j];
-      if (s.counts[rank_] != recv_counts[j])
-        mismatch = "all_to_all_v: rank " + std::to_string(j) + " sends " + std::to_string(s.counts[rank_]) +
-                   " bytes to rank " + std::to_string(rank_) + ", which expects " + std::to_string(recv_counts[j]);
-    }
-    if (!mismatch.empty()) {
-      fam.fail(lock, mismatch);
-    }
-    ++fam.active_reads;
-    lock.unlock();
     for (int j = 0; j < size(); ++j) {
       const auto& s = group_->slots[j];
-      SpaceCopy<Space>::copy(recv + recv_displs[j], s.data + s.displs[rank_], recv_counts[j]);
+      if (s.counts[rank_] != recv_counts[j])
+        fam.fail(lock, "all_to_all_v: rank " + std::to_string(j) + " sends " + std::to_string(s.counts[rank_]) +
+                           " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                           std::to_string(recv_counts[j]));
     }
-    lock.lock();
-    --fam.active_reads;
-    fam.cv.notify_all();
+    fam.copy_unlocked(
+        lock,
+        [&] {
+          for (int j = 0; j < size(); ++j) {
+            const auto& s = group_->slots[j];
+            SpaceCopy<Space>::copy(recv + recv_displs[j], s.data + s.displs[rank_], recv_counts[j]);
+          }
+        },
+        [] {});
     stats_->count_all_to_all(send_counts, rank_);
     group_->barrier_locked(lock, "all_to_all_v", true);
   }
@@ -214,47 +352,46 @@ class BasicThreadCommunicator {
                               std::size_t recv_bytes, int source) {
     check_rank(dest, "dest");
     check_rank(source, "source");
-    auto msg = std::make_shared<detail::ThreadGroup::Message>();
-    msg->data = send;
-    msg->bytes = send_bytes;
+    std::uint64_t seq = 0;
     {
       std::lock_guard lock(group_->family->mu);
-      group_->mailbox[static_cast<std::size_t>(rank_ * size() + dest)].push_back(msg);
+      seq = group_->channel(rank_, dest).post(send, send_bytes);
       group_->family->cv.notify_all();
     }
+    request_type req({group_, seq, rank_, dest, source, recv, recv_bytes, std::uncaught_exceptions()});
     if (dest != rank_) {
       stats_->bytes_sent += send_bytes;
       ++stats_->messages_sent;
     }
     ++stats_->exchanges;
-    return {std::move(msg), recv, recv_bytes, source};
+    return req;
   }
 
-  /// Completes an exchange: copies the message from `source`, then waits until `dest` has
-  /// taken ours.
+  /// Completes an exchange: copies the next message from `source`, then waits until `dest`
+  /// has copied ours. A request not started returns at once.
   void wait(request_type& req) {
+    auto& st = req.state_;
+    if (!st.group) return;
+    SEQPAR_CHECK(st.group == group_ && st.rank == rank_, ConfigError,
+                 "ThreadCommunicator: wait: the request was started on another communicator");
     auto& fam = *group_->family;
     std::unique_lock lock(fam.mu);
-    auto& box = group_->mailbox[static_cast<std::size_t>(req.source * size() + rank_)];
-    fam.wait(lock, [&] { return !box.empty(); }, "exchange (receive)");
-    auto msg = box.front();
-    box.pop_front();
-    if (msg->bytes != req.recv_bytes) {
-      const std::string why = "exchange: rank " + std::to_string(req.source) + " sent " +
-                              std::to_string(msg->bytes) + " bytes to rank " + std::to_string(rank_) +
-                              ", which expects " + std::to_string(req.recv_bytes);
-      fam.fail(lock, why);
+    auto& in = group_->channel(st.source, rank_);
+    fam.wait(lock, [&] { return in.ready(); }, "exchange (receive)");
+    const detail::Channel::Slot msg = in.at(in.taken++);
+    if (msg.bytes != st.recv_bytes) {
+      ++in.delivered;  // refused: nothing will read it
+      fam.fail(lock, "exchange: rank " + std::to_string(st.source) + " sent " + std::to_string(msg.bytes) +
+                         " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                         std::to_string(st.recv_bytes));
     }
-    ++fam.active_reads;
+    fam.copy_unlocked(
+        lock, [&] { SpaceCopy<Space>::copy(st.recv, msg.data, msg.bytes); }, [&] { ++in.delivered; });
+    auto& out = group_->channel(rank_, st.dest);
+    fam.wait(lock, [&] { return out.delivered > st.seq; }, "exchange (send)");
     lock.unlock();
-    SpaceCopy<Space>::copy(req.recv, msg->data, msg->bytes);
-    lock.lock();
-    --fam.active_reads;
-    msg->done = true;
-    fam.cv.notify_all();
-    fam.wait(lock, [&] { return req.sent->done; }, "exchange (send)");
+    st.group.reset();  // complete: nothing left to give up
   }
-
   /// Metadata all-gather of host integers (every rank gives the same count).
   void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
     SEQPAR_CHECK(all.size() == mine.size() * static_cast<std::size_t>(size()), ConfigError,
@@ -336,12 +473,9 @@ void run_ranks(int ranks, Fn&& fn, ThreadRunOptions options = {}) {
       try {
         BasicThreadCommunicator<Space> comm(world, r);
         fn(comm);
-      } catch (const std::exception& e) {
-        errors[r] = std::current_exception();
-        family->abort("rank " + std::to_string(r) + " failed: " + e.what());
       } catch (...) {
         errors[r] = std::current_exception();
-        family->abort("rank " + std::to_string(r) + " failed");
+        family->abort("rank " + std::to_string(r) + " failed" + detail::current_what());
       }
     });
   for (auto& t : threads) t.join();
