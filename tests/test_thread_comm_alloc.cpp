@@ -1,0 +1,324 @@
+// ThreadCommunicator's fast paths allocate nothing: once warmed up, ring exchanges (several
+// in flight to one peer), all-to-alls and barriers on 2..5 ranks, and whole forward and
+// backward calls of every policy, perform no heap allocation inside the communicator. This
+// program replaces the global operator new to count allocations, so it is its own test
+// program; the results are still checked against exact references.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "support/backward_check.hpp"
+
+namespace {
+
+/// While set, allocations on every thread count in `allocations` (pool workers included).
+std::atomic<bool> count_everywhere{false};
+/// Allocations on any thread while count_everywhere was set.
+std::atomic<std::uint64_t> allocations{0};
+/// While positive, allocations on this thread count in `here`.
+thread_local int count_here = 0;
+/// This thread's allocations while count_here was positive.
+thread_local std::uint64_t here = 0;
+
+void* counted_alloc(std::size_t bytes, std::size_t align) {
+  if (count_here > 0) ++here;
+  if (count_everywhere.load(std::memory_order_relaxed)) ++allocations;
+  if (bytes == 0) bytes = 1;
+  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (bytes + align - 1) / align * align)
+                                              : std::malloc(bytes);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+void* operator new(std::size_t n) { return counted_alloc(n, 0); }
+void* operator new[](std::size_t n) { return counted_alloc(n, 0); }
+void* operator new(std::size_t n, std::align_val_t a) { return counted_alloc(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counted_alloc(n, static_cast<std::size_t>(a)); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+using namespace seqpar;
+
+namespace {
+
+/// Counts this thread's allocations while alive.
+struct CountHere {
+  CountHere() { ++count_here; }
+  ~CountHere() { --count_here; }
+  CountHere(const CountHere&) = delete;
+  CountHere& operator=(const CountHere&) = delete;
+};
+
+/// Byte `i` of the message `from` sends to `to` in round `round` (checkable without storage).
+std::byte payload(int round, int from, int to, std::size_t i) {
+  return static_cast<std::byte>((round * 131 + from * 37 + to * 11 + static_cast<int>(i) * 7 + 5) & 0xff);
+}
+
+/// Size of that message: varies with the round, zero now and then.
+std::size_t message_bytes(int round, int from, int to) {
+  return static_cast<std::size_t>((round * 977 + from * 613 + to * 389) % 1500);
+}
+
+/// Fills `buf` with the message `from` sends to `to`; returns its size.
+std::size_t fill(std::vector<std::byte>& buf, int round, int from, int to) {
+  const std::size_t n = message_bytes(round, from, to);
+  for (std::size_t i = 0; i < n; ++i) buf[i] = payload(round, from, to, i);
+  return n;
+}
+
+/// True when `buf` holds the message `from` sent to `to`.
+bool holds(const std::vector<std::byte>& buf, int round, int from, int to) {
+  for (std::size_t i = 0; i < message_bytes(round, from, to); ++i)
+    if (buf[i] != payload(round, from, to, i)) return false;
+  return true;
+}
+
+/// One round on `c`: three exchanges in flight to the next rank (and from the previous one)
+/// plus one the other way, waited in start order; an all-to-all of uneven pieces; a barrier.
+/// Round 0 posts every exchange before any rank waits, so that the message queues reach
+/// their deepest in the warm-up. Returns whether every byte arrived as sent.
+bool traffic_round(ThreadCommunicator& c, int round, std::vector<std::vector<std::byte>>& send,
+                   std::vector<std::vector<std::byte>>& recv, std::vector<std::byte>& a2a_send,
+                   std::vector<std::byte>& a2a_recv) {
+  const int P = c.size(), me = c.rank(), next = (me + 1) % P, prev = (me + P - 1) % P;
+  constexpr int forward_hops = 3;
+  ThreadCommunicator::request_type reqs[forward_hops + 1];
+  for (int h = 0; h <= forward_hops; ++h) {
+    const bool back = h == forward_hops;  // the last one runs the other way round the ring
+    const int to = back ? prev : next, from = back ? next : prev, r = round * 8 + h;
+    const std::size_t n = fill(send[h], r, me, to);
+    reqs[h] = c.start_exchange(send[h].data(), n, to, recv[h].data(), message_bytes(r, from, me), from);
+  }
+  if (round == 0) c.barrier();
+  bool ok = true;
+  for (int h = 0; h <= forward_hops; ++h) {
+    c.wait(reqs[h]);
+    ok = ok && holds(recv[h], round * 8 + h, h == forward_hops ? next : prev, me);
+  }
+  std::size_t sc[5], sd[5], rc[5], rd[5];
+  std::size_t off = 0, roff = 0;
+  for (int j = 0; j < P; ++j) {
+    sc[j] = message_bytes(round, me, j) / 4;
+    sd[j] = off;
+    for (std::size_t i = 0; i < sc[j]; ++i) a2a_send[off + i] = payload(round, me, j, i);
+    off += sc[j];
+    rc[j] = message_bytes(round, j, me) / 4;
+    rd[j] = roff;
+    roff += rc[j];
+  }
+  c.all_to_all_v(a2a_send.data(), {sc, sc + P}, {sd, sd + P}, a2a_recv.data(), {rc, rc + P}, {rd, rd + P});
+  for (int j = 0; j < P; ++j)
+    for (std::size_t i = 0; i < rc[j]; ++i) ok = ok && a2a_recv[rd[j] + i] == payload(round, j, me, i);
+  c.barrier();
+  return ok;
+}
+
+}  // namespace
+
+TEST_CASE("thread comm alloc: warmed-up exchanges, all-to-alls and barriers allocate nothing") {
+  for (int P = 2; P <= 5; ++P) {
+    CAPTURE(P);
+    std::atomic<std::uint64_t> warm_up{0}, steady{0};
+    std::atomic<bool> all_ok{true};
+    test::within(std::chrono::seconds(60), [&] {
+      run_ranks(P, [&](ThreadCommunicator& c) {
+        std::vector<std::vector<std::byte>> send(4, std::vector<std::byte>(1500)), recv = send;
+        std::vector<std::byte> a2a_send(5 * 1500), a2a_recv(5 * 1500);
+        bool ok = true;
+        const std::uint64_t before = here;
+        {
+          CountHere counting;
+          ok = traffic_round(c, 0, send, recv, a2a_send, a2a_recv);
+        }
+        warm_up += here - before;
+        const std::uint64_t start = here;
+        {
+          CountHere counting;
+          for (int round = 1; round <= 100; ++round) ok = traffic_round(c, round, send, recv, a2a_send, a2a_recv) && ok;
+        }
+        steady += here - start;
+        if (!ok) all_ok = false;
+      });
+    });
+    CHECK(all_ok);
+    MESSAGE("P = ", P, ": ", warm_up.load(), " allocations in the first round (all ranks), ", steady.load(),
+            " in the next 100");
+    CHECK(steady == 0);
+  }
+}
+
+namespace {
+
+/// ThreadCommunicator that counts the allocations made inside its calls on the calling
+/// thread: what the communicator itself allocates, apart from the kernel and the policy.
+struct CountingComm {
+  static constexpr bool is_seqpar_communicator = true;       ///< opts in to the Communicator concept
+  using memory_space = ThreadCommunicator::memory_space;   ///< host
+  using request_type = ThreadCommunicator::request_type;   ///< the inner request
+
+  ThreadCommunicator inner;  ///< the communicator measured
+
+  /// This rank.
+  int rank() const { return inner.rank(); }
+  /// Ranks in the group.
+  int size() const { return inner.size(); }
+  /// The inner all-to-all, counted.
+  void all_to_all_v(const std::byte* s, std::span<const std::size_t> sc, std::span<const std::size_t> sd, std::byte* r,
+                    std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    CountHere counting;
+    inner.all_to_all_v(s, sc, sd, r, rc, rd);
+  }
+  /// The inner start_exchange, counted.
+  request_type start_exchange(const std::byte* s, std::size_t sb, int dest, std::byte* r, std::size_t rb, int src) {
+    CountHere counting;
+    return inner.start_exchange(s, sb, dest, r, rb, src);
+  }
+  /// The inner wait, counted.
+  void wait(request_type& req) {
+    CountHere counting;
+    inner.wait(req);
+  }
+  /// The inner all-gather (made only when planning; counted all the same).
+  void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+    CountHere counting;
+    inner.all_gather_host(mine, all);
+  }
+  /// The inner barrier, counted.
+  void barrier() {
+    CountHere counting;
+    inner.barrier();
+  }
+  /// Splits the inner communicator (construction time: not counted).
+  CountingComm split(int color, int key) { return {inner.split(color, key)}; }
+  /// The inner counters.
+  const CommStats& stats() const { return inner.stats(); }
+  /// The inner counters.
+  CommStats& stats() { return inner.stats(); }
+};
+static_assert(Communicator<CountingComm>);
+
+/// Allocations of warmed-up calls, summed over the ranks.
+struct StepAllocations {
+  std::uint64_t in_comm = 0;   ///< inside communicator calls
+  std::uint64_t forward = 0;   ///< anywhere during the forward calls (kernel, policy, pool workers)
+  std::uint64_t backward = 0;  ///< anywhere during the backward calls
+};
+
+/// Counts every thread's allocations while `calls` runs on every rank of `world` (between
+/// barriers, so no rank counts another's work outside the window); returns them on rank 0.
+template <class Calls>
+std::uint64_t count_everywhere_during(ThreadCommunicator& world, Calls&& calls) {
+  world.barrier();
+  if (world.rank() == 0) count_everywhere = true;
+  world.barrier();
+  const std::uint64_t before = allocations;
+  calls();
+  world.barrier();
+  if (world.rank() == 0) count_everywhere = false;
+  world.barrier();
+  return allocations - before;
+}
+
+/// Runs `Policy` with `Kernel` on 4 ranks: a warm-up forward + backward, then three more of
+/// each, counted. Checks the last ones against the exact reference.
+template <class Policy, class Kernel>
+StepAllocations count_steps(Policy policy) {
+  using T = float;
+  const test::GlobalCase c = test::make_case(48, 4, 2, 16, true, 5);
+  const auto g = test::make_global_as<T>(c);
+  const auto gr = test::make_global_grads<T>(c, g);
+  StepAllocations res;
+  std::mutex mu;
+  test::GradErrors grad_err;
+  test::Errors out_err;
+  test::within(std::chrono::seconds(60), [&] {
+    run_ranks(4, [&](ThreadCommunicator& world) {
+      CountingComm comm{world};
+      const int w = comm.rank();
+      SequenceParallelAttention<Policy, CountingComm, Kernel> attn(comm, policy);
+      const Plan plan = attn.plan(test::problem_of<T>(c, true), {12, -1});
+      const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
+      const auto B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim, lq = qp.size(), lk = kp.size();
+      const auto q = test::scatter_rows<T>(g.q, B, c.seq_q, H, D, qp);
+      const auto k = test::scatter_rows<T>(g.k, B, c.kv_len(), K, D, kp);
+      const auto v = test::scatter_rows<T>(g.v, B, c.kv_len(), K, D, kp);
+      const auto dout = test::scatter_rows<T>(gr.dout, B, c.seq_q, H, D, qp);
+      std::vector<T> out(q.size()), dq(q.size()), dk(k.size()), dv(v.size());
+      std::vector<acc_t<T>> lse(static_cast<std::size_t>(B * lq * H));
+      std::vector<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+      using CV = TensorView<const T>;
+      using MV = TensorView<T>;
+      const auto lse_view = TensorView<acc_t<T>>::lse_bhs(lse.data(), B, lq, H);
+      auto forward = [&] {
+        attn.template forward<T>(plan, CV::bshd(q.data(), B, lq, H, D), CV::bshd(k.data(), B, lk, K, D),
+                                 CV::bshd(v.data(), B, lk, K, D), MV::bshd(out.data(), B, lq, H, D), lse_view, ws);
+      };
+      auto backward = [&] {
+        attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, D), CV::bshd(q.data(), B, lq, H, D),
+                                  CV::bshd(k.data(), B, lk, K, D), CV::bshd(v.data(), B, lk, K, D),
+                                  CV::bshd(out.data(), B, lq, H, D), lse_view, MV::bshd(dq.data(), B, lq, H, D),
+                                  MV::bshd(dk.data(), B, lk, K, D), MV::bshd(dv.data(), B, lk, K, D), ws);
+      };
+      forward();
+      backward();
+      const std::uint64_t comm_before = here;
+      const std::uint64_t fwd = count_everywhere_during(world, [&] {
+        for (int i = 0; i < 3; ++i) forward();
+      });
+      const std::uint64_t bwd = count_everywhere_during(world, [&] {
+        for (int i = 0; i < 3; ++i) backward();
+      });
+      std::lock_guard lock(mu);
+      res.in_comm += here - comm_before;
+      if (w == 0) {
+        res.forward = fwd;
+        res.backward = bwd;
+      }
+      out_err.merge(test::compare_rows(out, g.out, B, c.seq_q, H, D, qp));
+      grad_err.dq.merge(test::compare_rows(dq, gr.dq, B, c.seq_q, H, D, qp));
+      grad_err.dk.merge(test::compare_rows(dk, gr.dk, B, c.kv_len(), K, D, kp));
+      grad_err.dv.merge(test::compare_rows(dv, gr.dv, B, c.kv_len(), K, D, kp));
+    });
+  });
+  CHECK(out_err.rel() <= 1e-5);
+  CHECK(grad_err.worst() <= 1e-4);
+  CHECK_FALSE(grad_err.nan());
+  return res;
+}
+
+}  // namespace
+
+TEST_CASE("thread comm alloc: warmed-up forward and backward allocate nothing in the communicator") {
+  // The communicator must allocate nothing with any kernel. CpuFlashKernel and the policies
+  // promise the same for the whole call; ReferenceKernel (a plain exact reference) allocates
+  // its row buffers per call, which is only reported.
+  auto check = [](const std::string& what, StepAllocations a, bool whole_call) {
+    MESSAGE(what, ": over 3 calls on 4 ranks, ", a.in_comm, " allocations in the communicator; ", a.forward,
+            " in all during the forwards, ", a.backward, " during the backwards");
+    CHECK(a.in_comm == 0);
+    if (whole_call) {
+      CHECK(a.forward == 0);
+      CHECK(a.backward == 0);
+    }
+  };
+  check("Ring, CpuFlashKernel", count_steps<RingPolicy<Zigzag>, CpuFlashKernel>({}), true);
+  check("Ulysses, CpuFlashKernel", count_steps<UlyssesPolicy, CpuFlashKernel>({}), true);
+  check("Unified 2x2, CpuFlashKernel", count_steps<UnifiedPolicy<>, CpuFlashKernel>({2, 2}), true);
+  check("Ring, ReferenceKernel", count_steps<RingPolicy<>, ReferenceKernel>({}), false);
+  check("Ulysses, ReferenceKernel", count_steps<UlyssesPolicy, ReferenceKernel>({}), false);
+  check("Unified 2x2, ReferenceKernel", count_steps<UnifiedPolicy<>, ReferenceKernel>({2, 2}), false);
+}
