@@ -100,8 +100,7 @@ constexpr std::size_t simt_fwd_smem(int dim, int dc) {
 
 template <class T, class O, int DC>
 __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) {
-  extern __shared__ float4 smem_f4[];
-  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* smem = dynamic_smem<float>();
   const int D = a.dim, Dp = simt_padded_dim(D), Dv = 32 * DC;
   float* sQ = smem;
   float* sK = sQ + simt_bq * Dp;
@@ -252,6 +251,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+#elif defined(SEQPAR_CUDA_EMULATION)
+  ::seqpar_emu::mma_16816<T>(c, a, b0, b1);
 #else
   __trap();  // the host never picks this path below sm_80
 #endif
@@ -263,6 +264,8 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+#elif defined(SEQPAR_CUDA_EMULATION)
+  ::seqpar_emu::cp_async_16(smem, gmem, valid);
 #else
   __trap();
 #endif
@@ -270,6 +273,8 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif defined(SEQPAR_CUDA_EMULATION)
+  ::seqpar_emu::cp_async_commit();
 #endif
 }
 /// Waits until at most N committed groups of this thread are still in flight.
@@ -277,6 +282,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#elif defined(SEQPAR_CUDA_EMULATION)
+  ::seqpar_emu::cp_async_wait(N);
 #endif
 }
 
@@ -296,6 +303,8 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* s
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s)
                  : "memory");
+#elif defined(SEQPAR_CUDA_EMULATION)
+  ::seqpar_emu::ldmatrix_x4<trans>(r, smem);
 #else
   __trap();
 #endif
@@ -322,8 +331,8 @@ template <class T, class O, int D, bool ldsm>
 __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
   constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8;
-  __shared__ alignas(16) T sK[mma_bk * stride];
-  __shared__ alignas(16) T sV[mma_bk * stride];
+  __shared__ __align__(16) T sK[mma_bk * stride];
+  __shared__ __align__(16) T sV[mma_bk * stride];
 
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * mma_bq;
   const std::int64_t h = blockIdx.y, b = blockIdx.z;
@@ -529,8 +538,7 @@ constexpr std::size_t simt_bwd_smem(int dim) {
 
 template <class T, int DC>
 __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
-  extern __shared__ float4 smem_f4[];
-  float* smem = reinterpret_cast<float*>(smem_f4);
+  float* smem = dynamic_smem<float>();
   const int D = a.dim, Dp = simt_padded_dim(D), Ks = Dp + 1, Ps = bwd_bk + 1;
   float* sK = smem;
   float* sV = sK + bwd_bk * Ks;
@@ -679,7 +687,8 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
 template <class Kernel>
 void allow_smem(Kernel* kernel, std::size_t bytes) {
   if (bytes > 48 * 1024)
-    SEQPAR_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    SEQPAR_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 template <class T, class Space>
@@ -867,20 +876,16 @@ class CudaFlashKernel {
   template <class T, class O, int D>
   void launch_mma(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
     const dim3 grid = grid_of(q, cuda_detail::mma_bq);
-    if (ldmatrix_)
-      cuda_detail::flash_fwd_mma<T, O, D, true><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
-    else
-      cuda_detail::flash_fwd_mma<T, O, D, false><<<grid, cuda_detail::mma_threads, 0, stream_>>>(a);
-    SEQPAR_CUDA_CHECK(cudaGetLastError());
+    cuda_detail::launch(ldmatrix_ ? cuda_detail::flash_fwd_mma<T, O, D, true> : cuda_detail::flash_fwd_mma<T, O, D, false>,
+                        grid, cuda_detail::mma_threads, 0, stream_, a);
   }
 
   template <class T, class O, int DC>
   void launch_simt(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
     const std::size_t smem = cuda_detail::simt_fwd_smem(a.dim, DC);
     cuda_detail::allow_smem(cuda_detail::flash_fwd_simt<T, O, DC>, smem);
-    cuda_detail::flash_fwd_simt<T, O, DC>
-        <<<grid_of(q, cuda_detail::simt_bq), cuda_detail::simt_threads, smem, stream_>>>(a);
-    SEQPAR_CUDA_CHECK(cudaGetLastError());
+    cuda_detail::launch(cuda_detail::flash_fwd_simt<T, O, DC>, grid_of(q, cuda_detail::simt_bq),
+                        cuda_detail::simt_threads, smem, stream_, a);
   }
 
   template <class T, int DC>
@@ -890,9 +895,8 @@ class CudaFlashKernel {
     cuda_detail::allow_smem(cuda_detail::flash_bwd_simt<T, DC>, smem);
     // One block per key tile, per query head (it reads K/V head kv_head(h)), per batch.
     const dim3 grid = grid_of(k, cuda_detail::bwd_bk);
-    cuda_detail::flash_bwd_simt<T, DC>
-        <<<dim3(grid.x, static_cast<unsigned>(q.heads()), grid.z), cuda_detail::bwd_threads, smem, stream_>>>(a);
-    SEQPAR_CUDA_CHECK(cudaGetLastError());
+    cuda_detail::launch(cuda_detail::flash_bwd_simt<T, DC>, dim3(grid.x, static_cast<unsigned>(q.heads()), grid.z),
+                        cuda_detail::bwd_threads, smem, stream_, a);
   }
 
   cudaStream_t stream_ = nullptr;

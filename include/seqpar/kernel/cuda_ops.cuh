@@ -14,6 +14,7 @@
 #include "seqpar/core/cuda_error.hpp"
 #include "seqpar/core/cuda_types.hpp"
 #include "seqpar/core/tensor_view.hpp"
+#include "seqpar/kernel/cuda_launch.cuh"
 #include "seqpar/kernel/host_ops.hpp"
 
 namespace seqpar {
@@ -173,9 +174,8 @@ struct TensorOps<CudaSpace> {
     const std::int64_t total = dst.numel();
     if (total == 0) return;
     constexpr int threads = 256;
-    cuda_detail::fill_kernel<<<cuda_detail::grid_for(total, threads), threads, 0, stream_>>>(
-        cuda_detail::device_view(dst), value, total);
-    SEQPAR_CUDA_CHECK(cudaGetLastError());
+    cuda_detail::launch(cuda_detail::fill_kernel<D>, cuda_detail::grid_for(total, threads), threads, 0, stream_,
+                        cuda_detail::device_view(dst), value, total);
   }
   /// Merges (o2, l2) into (o1, l1) row by row with merge_row (float32 LSE rule).
   template <class A>
@@ -185,10 +185,9 @@ struct TensorOps<CudaSpace> {
     const std::int64_t rows = o1.batch() * o1.seq() * o1.heads();
     if (rows == 0) return;
     constexpr int threads = 256;
-    cuda_detail::merge_kernel<<<cuda_detail::grid_for(rows * 32, threads), threads, 0, stream_>>>(
-        cuda_detail::device_view(o1), cuda_detail::device_view(l1), cuda_detail::device_view(o2),
-        cuda_detail::device_view(l2), rows);
-    SEQPAR_CUDA_CHECK(cudaGetLastError());
+    cuda_detail::launch(cuda_detail::merge_kernel<A>, cuda_detail::grid_for(rows * 32, threads), threads, 0, stream_,
+                        cuda_detail::device_view(o1), cuda_detail::device_view(l1), cuda_detail::device_view(o2),
+                        cuda_detail::device_view(l2), rows);
   }
 
  private:
@@ -198,9 +197,8 @@ struct TensorOps<CudaSpace> {
     const std::int64_t total = src.numel();
     if (total == 0) return;
     constexpr int threads = 256;
-    cuda_detail::copy_kernel<mode><<<cuda_detail::grid_for(total, threads), threads, 0, stream_>>>(
-        cuda_detail::device_view(src), cuda_detail::device_view(dst), total);
-    SEQPAR_CUDA_CHECK(cudaGetLastError());
+    cuda_detail::launch(cuda_detail::copy_kernel<mode, S, D>, cuda_detail::grid_for(total, threads), threads, 0,
+                        stream_, cuda_detail::device_view(src), cuda_detail::device_view(dst), total);
   }
 
   cudaStream_t stream_ = nullptr;
