@@ -1,12 +1,111 @@
 #!/usr/bin/env bash
-# Backward time against forward time for each policy (issue 5), as a markdown table on stdout.
-# Runs build/examples/seqpar_demo over threads with and without --backward, in one go so the
-# ratios come from the same minutes of the same machine. Usage:
-#   bench/backward_vs_forward.sh [build-dir]      (default: build)
+# Backward time against forward time (issue 5), as markdown tables on stdout, in one go so the
+# ratios come from the same minutes of the same machine:
+#  1. CpuFlashKernel alone: forward and backward calls at seq 2048, D 64, 8 heads, float, causal
+#     and not, on 1 and 2 threads (or the thread counts given). A small timing program, written
+#     to the build directory and compiled with the flags the build used for seqpar_demo.
+#  2. Each policy: build/examples/seqpar_demo, forward alone, then forward + backward.
+# Usage:
+#   bench/backward_vs_forward.sh [build-dir] [threads...]     (default: build 1 2)
 set -euo pipefail
 build="${1:-build}"
+shift || true
+threads=("$@")
+[[ ${#threads[@]} -eq 0 ]] && threads=(1 2)
 demo="$build/examples/seqpar_demo"
 [[ -x "$demo" ]] || { echo "backward_vs_forward.sh: $demo not built" >&2; exit 1; }
+root="$(cd "$(dirname "$0")/.." && pwd)"
+
+# --- 1. The kernel alone -------------------------------------------------------------------
+flags_file="$build/examples/CMakeFiles/seqpar_demo.dir/flags.make"
+if [[ -f "$flags_file" ]]; then
+  read -r -a cxx_flags <<<"$(sed -n 's/^CXX_FLAGS = //p' "$flags_file")"
+else
+  cxx_flags=(-O3 -DNDEBUG -march=native -std=c++20)  # not a Makefile build: the Release defaults
+fi
+timer="$build/bench_backward_kernel"
+cat >"$timer.cpp" <<'CPP'
+// Best-of-7 wall time of CpuFlashKernel forward and backward calls (written by
+// bench/backward_vs_forward.sh). Args: threads causal [seq heads dim].
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "seqpar/seqpar.hpp"
+
+int main(int argc, char** argv) {
+  using namespace seqpar;
+  const int threads = std::atoi(argv[1]);
+  const bool causal = std::atoi(argv[2]) != 0;
+  const std::int64_t B = 1, S = argc > 3 ? std::atoll(argv[3]) : 2048, H = argc > 4 ? std::atoll(argv[4]) : 8,
+                     D = argc > 5 ? std::atoll(argv[5]) : 64;
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  auto random = [&](std::int64_t n) {
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = dist(rng);
+    return x;
+  };
+  const auto q = random(B * S * H * D), k = random(B * S * H * D), v = random(B * S * H * D),
+             dout = random(B * S * H * D);
+  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(B * S * H)), dq(q.size()), dk(k.size()), dv(v.size());
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(D));
+  p.causal = causal;
+  p.q_positions = PositionMap::run(S, 0);
+  p.k_positions = PositionMap::run(S, 0);
+  using C = TensorView<const float>;
+  using M = TensorView<float>;
+  CpuFlashKernel kernel(threads);
+  auto forward = [&] {
+    kernel.forward(C::bshd(q.data(), B, S, H, D), C::bshd(k.data(), B, S, H, D), C::bshd(v.data(), B, S, H, D),
+                   M::bshd(out.data(), B, S, H, D), M::lse_bhs(lse.data(), B, S, H), p);
+  };
+  auto backward = [&] {
+    kernel.backward(C::bshd(dout.data(), B, S, H, D), C::bshd(q.data(), B, S, H, D), C::bshd(k.data(), B, S, H, D),
+                    C::bshd(v.data(), B, S, H, D), C::bshd(out.data(), B, S, H, D), C::lse_bhs(lse.data(), B, S, H),
+                    M::bshd(dq.data(), B, S, H, D), M::bshd(dk.data(), B, S, H, D), M::bshd(dv.data(), B, S, H, D), p);
+  };
+  forward();
+  backward();  // warm-up: scratch, pool, caches
+  double best_f = 1e30, best_b = 1e30;
+  for (int r = 0; r < 7; ++r) {  // alternate, so that both see the same load
+    auto t0 = std::chrono::steady_clock::now();
+    forward();
+    auto t1 = std::chrono::steady_clock::now();
+    backward();
+    auto t2 = std::chrono::steady_clock::now();
+    best_f = std::min(best_f, std::chrono::duration<double, std::milli>(t1 - t0).count());
+    best_b = std::min(best_b, std::chrono::duration<double, std::milli>(t2 - t1).count());
+  }
+  // Forward FLOPs 4 S^2 D H (halved when causal); backward counted as 2.5x that (five products).
+  const double flops = 4.0 * double(S) * double(S) * double(D) * double(H * B) * (causal ? 0.5 : 1.0);
+  std::printf("%d %d %.2f %.2f %.1f %.1f\n", threads, causal ? 1 : 0, best_f, best_b, flops / best_f / 1e6,
+              2.5 * flops / best_b / 1e6);
+}
+CPP
+"${CXX:-c++}" "${cxx_flags[@]}" -I"$root/include" "$timer.cpp" -o "$timer" -pthread
+
+echo "CpuFlashKernel alone: batch 1, seq 2048, 8 heads, D 64, float; best of 7 calls each"
+echo
+echo "| causal | threads | forward ms | backward ms | backward / forward | forward GFLOP/s | backward GFLOP/s (2.5x forward's FLOPs) | backward speed-up over 1 thread |"
+echo "|---|---|---|---|---|---|---|---|"
+for causal in 0 1; do
+  one=""
+  for t in "${threads[@]}"; do
+    read -r _ _ tf tb gf gb < <("$timer" "$t" "$causal")
+    [[ -z "$one" ]] && one="$tb"
+    awk -v c="$causal" -v t="$t" -v tf="$tf" -v tb="$tb" -v gf="$gf" -v gb="$gb" -v one="$one" 'BEGIN {
+      printf "| %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", c ? "yes" : "no", t, tf, tb, tb / tf, gf, gb, one / tb }'
+  done
+done
+echo
+
+# --- 2. Each policy -------------------------------------------------------------------------
 shape=(--batch 1 --seq 2048 --heads 8 --head-dim 64 --causal --iters 3 --comm threads)
 
 field() { sed -n "s/.*[ ]$1=\([^ ]*\).*/\1/p" <<<"$2"; }
@@ -24,6 +123,7 @@ while IFS='|' read -r ranks label args; do
     printf "| %s | %d | %.1f | %.1f | %.1f | %.2f | %d | %d |\n", l, r, tf, tb, tb - tf, (tb - tf) / tf, bf, bb - bf }'
 done <<'CASES'
 1|single rank (no communication)|--policy ulysses
+1|single rank, kernel on 2 threads|--policy ulysses --threads 2
 2|Ulysses|--policy ulysses
 2|Ring contiguous|--policy ring --layout contiguous
 2|Ring zigzag|--policy ring --layout zigzag
