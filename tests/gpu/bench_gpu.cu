@@ -2,7 +2,10 @@
 // head dim 64/128, causal and not; and each policy's forward time on one GPU with 2-8 virtual
 // ranks (threads over CudaThreadCommunicator). Prints the results as markdown tables.
 //
-// Usage: seqpar_gpu_bench [--quick]   (--quick: fewer and shorter points, for a smoke run)
+// Usage: seqpar_gpu_bench [--quick | --smoke]
+//   --quick: fewer and shorter points (run.sh, when time runs short);
+//   --smoke: tiny shapes, one repetition: checks that every point runs (the CPU emulation of
+//            the device runs it as a ctest; its times mean nothing).
 // FLOPs counted as 4 B H Sq Sk D (halved for causal), the usual convention.
 
 #include <cuda_runtime.h>
@@ -50,8 +53,7 @@ struct Buffer {
     SEQPAR_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T) + 1));
     if constexpr (!std::is_same_v<T, std::byte>) {
       if (seed) {
-        fill_random<<<1024, 256>>>(p, n, seed);
-        SEQPAR_CUDA_CHECK(cudaGetLastError());
+        cuda_detail::launch(fill_random<T>, 1024, 256, 0, nullptr, p, n, seed);
       }
     }
   }
@@ -85,8 +87,9 @@ struct KernelRow {
 
 /// Times CudaFlashKernel forward on [1, seq, heads, dim] (median of `reps` after a warm-up).
 template <class T>
-KernelRow time_kernel(std::int64_t seq, std::int64_t dim, bool causal, bool tensor_cores, bool ldmatrix, int reps) {
-  const std::int64_t heads = dim == 64 ? 32 : 16, B = 1;
+KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bool causal, bool tensor_cores,
+                      bool ldmatrix, int reps) {
+  const std::int64_t B = 1;
   const std::size_t n = static_cast<std::size_t>(B * seq * heads * dim);
   Buffer<T> q(n, 1), k(n, 2), v(n, 3), out(n);
   Buffer<float> lse(static_cast<std::size_t>(B * seq * heads));
@@ -201,7 +204,12 @@ PolicyRow time_policy(const char* name, Policy policy, int ranks, std::int64_t s
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool smoke = argc > 1 && std::strcmp(argv[1], "--smoke") == 0;
+  const bool quick = smoke || (argc > 1 && std::strcmp(argv[1], "--quick") == 0);
+  const int reps = smoke ? 1 : quick ? 2 : 3;
+  // Shapes: seq 4K-32K (quick: 4K), heads 32 at D=64 and 16 at D=128; smoke: seq 256, 2 heads.
+  const std::int64_t short_seq = smoke ? 256 : 4096, long_seq = smoke ? 256 : quick ? 4096 : 16384;
+  auto kernel_heads = [&](std::int64_t dim) -> std::int64_t { return smoke ? 2 : dim == 64 ? 32 : 16; };
   const int count = detail::cuda_device_count();
   if (count == 0) {
     std::printf("SKIPPED: no CUDA device\n");
@@ -212,42 +220,48 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   std::fflush(stdout);
 
+  int failures = 0;  // points that threw or wrote non-finite output: the exit status says so
   std::vector<KernelRow> krows;
   auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc, bool ldsm = true) {
     using T = decltype(tag);
     try {
-      krows.push_back(time_kernel<T>(seq, dim, causal, tc, ldsm, quick ? 2 : 3));
+      krows.push_back(time_kernel<T>(seq, dim, kernel_heads(dim), causal, tc, ldsm, reps));
       const KernelRow& r = krows.back();
       std::printf("kernel %s %s seq %lld dim %lld %s: %.3f ms, %.1f TFLOP/s%s\n", r.type.c_str(), r.path.c_str(),
                   static_cast<long long>(seq), static_cast<long long>(dim), causal ? "causal" : "full", r.ms, r.tflops,
                   r.ok ? "" : " (NON-FINITE OUTPUT)");
+      failures += !r.ok;
     } catch (const std::exception& e) {
       std::printf("kernel %s seq %lld dim %lld: ERROR %s\n", type_name<T>(), static_cast<long long>(seq),
                   static_cast<long long>(dim), e.what());
+      ++failures;
     }
     std::fflush(stdout);
   };
-  const std::vector<std::int64_t> seqs = quick ? std::vector<std::int64_t>{4096} : std::vector<std::int64_t>{4096, 8192, 16384, 32768};
+  const std::vector<std::int64_t> seqs =
+      quick ? std::vector<std::int64_t>{short_seq} : std::vector<std::int64_t>{4096, 8192, 16384, 32768};
   for (std::int64_t dim : {128, 64})
     for (bool causal : {false, true})
       for (std::int64_t seq : seqs) kernel_point(__nv_bfloat16{}, seq, dim, causal, true);
-  kernel_point(__half{}, quick ? 4096 : 16384, 128, false, true);
-  kernel_point(__half{}, quick ? 4096 : 16384, 128, true, true);
-  kernel_point(__nv_bfloat16{}, quick ? 4096 : 16384, 128, false, true, false);  // without ldmatrix
-  kernel_point(__nv_bfloat16{}, 4096, 128, false, false);  // the SIMT path, for comparison
-  kernel_point(float{}, 4096, 128, false, true);
-  kernel_point(float{}, 4096, 64, true, true);
+  kernel_point(__half{}, long_seq, 128, false, true);
+  kernel_point(__half{}, long_seq, 128, true, true);
+  kernel_point(__nv_bfloat16{}, long_seq, 128, false, true, false);  // without ldmatrix
+  kernel_point(__nv_bfloat16{}, short_seq, 128, false, false);  // the SIMT path, for comparison
+  kernel_point(float{}, short_seq, 128, false, true);
+  kernel_point(float{}, short_seq, 64, true, true);
 
   std::vector<PolicyRow> prows;
-  const std::int64_t pseq = quick ? 4096 : 16384, pheads = 16, pdim = 128;
+  const std::int64_t pseq = smoke ? 512 : quick ? 4096 : 16384, pheads = smoke ? 8 : 16, pdim = smoke ? 64 : 128;
   auto policy_point = [&](const char* name, auto policy, int ranks) {
     try {
-      prows.push_back(time_policy<__nv_bfloat16>(name, policy, ranks, pseq, pheads, pdim, true, quick ? 2 : 3));
+      prows.push_back(time_policy<__nv_bfloat16>(name, policy, ranks, pseq, pheads, pdim, true, reps));
       const PolicyRow& r = prows.back();
       std::printf("policy %s P=%d seq %lld: %.3f ms%s\n", name, ranks, static_cast<long long>(pseq), r.ms,
                   r.ok ? "" : " (NON-FINITE OUTPUT)");
+      failures += !r.ok;
     } catch (const std::exception& e) {
       std::printf("policy %s P=%d: ERROR %s\n", name, ranks, e.what());
+      ++failures;
     }
     std::fflush(stdout);
   };
@@ -260,7 +274,8 @@ int main(int argc, char** argv) {
     if (P >= 4) policy_point("Unified<Zigzag> 2xR", UnifiedPolicy<Zigzag>{2, 0}, P);
   }
 
-  std::printf("\n## CudaFlashKernel forward on %s (B=1, H=32 for D=64, H=16 for D=128)\n\n", prop.name);
+  std::printf("\n## CudaFlashKernel forward on %s (B=1, H=%lld for D=64, H=%lld for D=128)\n\n", prop.name,
+              static_cast<long long>(kernel_heads(64)), static_cast<long long>(kernel_heads(128)));
   std::printf("| type | path | seq | head dim | mask | ms | TFLOP/s |\n|---|---|---|---|---|---|---|\n");
   for (const KernelRow& r : krows)
     std::printf("| %s | %s | %lld | %lld | %s | %.3f | %.1f%s |\n", r.type.c_str(), r.path.c_str(),
@@ -271,5 +286,6 @@ int main(int argc, char** argv) {
   std::printf("| policy | P | ms / forward |\n|---|---|---|\n");
   for (const PolicyRow& r : prows)
     std::printf("| %s | %d | %.3f%s |\n", r.policy.c_str(), r.ranks, r.ms, r.ok ? "" : " (non-finite!)");
-  return 0;
+  if (failures) std::printf("\n%d point(s) failed (see ERROR / NON-FINITE above)\n", failures);
+  return failures ? 1 : 0;
 }
