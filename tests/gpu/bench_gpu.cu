@@ -88,7 +88,7 @@ struct KernelRow {
 /// Times CudaFlashKernel forward on [1, seq, heads, dim] (median of `reps` after a warm-up).
 template <class T>
 KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bool causal, bool tensor_cores,
-                      bool ldmatrix, int reps) {
+                      bool ldmatrix, int query_tile, int reps) {
   const std::int64_t B = 1;
   const std::size_t n = static_cast<std::size_t>(B * seq * heads * dim);
   Buffer<T> q(n, 1), k(n, 2), v(n, 3), out(n);
@@ -98,6 +98,7 @@ KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bo
   CudaFlashKernel kernel(s);
   kernel.set_tensor_cores(tensor_cores);
   kernel.set_ldmatrix(ldmatrix);
+  kernel.set_query_tile(query_tile);
   KernelParams p;
   p.scale = 1.0 / std::sqrt(double(dim));
   p.causal = causal;
@@ -127,7 +128,8 @@ KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bo
   const double ms = times[times.size() / 2];
   const double flops = 4.0 * B * heads * double(seq) * double(seq) * dim * (causal ? 0.5 : 1.0);
   std::string path = kernel.forward_path<T>(qv, kv, vv);
-  if (path == "mma" && !ldmatrix) path += " (no ldmatrix)";
+  if (path == "mma" && query_tile != 64) path += " q" + std::to_string(query_tile);
+  if (path.rfind("mma", 0) == 0 && !ldmatrix) path += " (no ldmatrix)";
   KernelRow row{type_name<T>(), path, seq, dim, heads, causal, ms,
                 flops / (ms * 1e-3) / 1e12, finite_prefix(out.p, n)};
   cudaEventDestroy(e0);
@@ -222,10 +224,11 @@ int main(int argc, char** argv) {
 
   int failures = 0;  // points that threw or wrote non-finite output: the exit status says so
   std::vector<KernelRow> krows;
-  auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc, bool ldsm = true) {
+  auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc, bool ldsm = true,
+                          int query_tile = 64) {
     using T = decltype(tag);
     try {
-      krows.push_back(time_kernel<T>(seq, dim, kernel_heads(dim), causal, tc, ldsm, reps));
+      krows.push_back(time_kernel<T>(seq, dim, kernel_heads(dim), causal, tc, ldsm, query_tile, reps));
       const KernelRow& r = krows.back();
       std::printf("kernel %s %s seq %lld dim %lld %s: %.3f ms, %.1f TFLOP/s%s\n", r.type.c_str(), r.path.c_str(),
                   static_cast<long long>(seq), static_cast<long long>(dim), causal ? "causal" : "full", r.ms, r.tflops,
@@ -242,7 +245,8 @@ int main(int argc, char** argv) {
       quick ? std::vector<std::int64_t>{short_seq} : std::vector<std::int64_t>{4096, 8192, 16384, 32768};
   for (std::int64_t dim : {128, 64})
     for (bool causal : {false, true})
-      for (std::int64_t seq : seqs) kernel_point(__nv_bfloat16{}, seq, dim, causal, true);
+      for (int query_tile : {64, 128})
+        for (std::int64_t seq : seqs) kernel_point(__nv_bfloat16{}, seq, dim, causal, true, true, query_tile);
   kernel_point(__half{}, long_seq, 128, false, true);
   kernel_point(__half{}, long_seq, 128, true, true);
   kernel_point(__nv_bfloat16{}, long_seq, 128, false, true, false);  // without ldmatrix

@@ -97,7 +97,7 @@ KernelParams params_of(const KernelCase& c) {
 /// Runs the forward of one case with output type O and compares with the reference.
 template <class T, class O>
 void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, bool with_lse, const char* want_path,
-                   bool ldmatrix = true) {
+                   bool ldmatrix = true, int query_tile = 64) {
   CAPTURE(type_name<T>());
   CAPTURE(c.sq);
   CAPTURE(c.sk);
@@ -108,6 +108,7 @@ void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, boo
   CAPTURE(tensor_cores);
   CAPTURE(with_lse);
   CAPTURE(ldmatrix);
+  CAPTURE(query_tile);
   std::mt19937_64 rng(static_cast<std::uint64_t>(c.sq * 131 + c.sk * 7 + c.dim + pad));
   Tensor<T> q(c.batch, c.sq, c.heads, c.dim, pad, rng), k(c.batch, c.sk, c.kv_heads, c.dim, pad, rng),
       v(c.batch, c.sk, c.kv_heads, c.dim, pad, rng);
@@ -120,6 +121,7 @@ void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, boo
   CudaFlashKernel kernel(stream);
   kernel.set_tensor_cores(tensor_cores);
   kernel.set_ldmatrix(ldmatrix);
+  kernel.set_query_tile(query_tile);
   CHECK(std::string(kernel.forward_path<T>(q.view(), k.view(), v.view())) == want_path);
   const auto lv = with_lse ? TensorView<float, CudaSpace>::lse_bhs(lse.data(), c.batch, c.sq, c.heads)
                            : TensorView<float, CudaSpace>{};
@@ -160,15 +162,19 @@ void forward_suite() {
         check_forward<T, float>(c, true, 0, causal, mma ? "mma" : "simt");
         if (mma) {
           check_forward<T, T>(c, true, 8, true, "mma", false);  // plain shared loads, no ldmatrix
+          check_forward<T, T>(c, true, 8, true, "mma", true, 128);  // two m-tiles per warp
+          check_forward<T, float>(c, true, 0, causal, "mma", false, 128);
           check_forward<T, T>(c, false, 8, true, "simt");  // the SIMT path for the same shape
           check_forward<T, T>(c, true, 3, true, "simt");   // rows not 16-byte aligned
         }
       }
   // Long enough for many tiles and for the cp.async pipeline to run several rounds.
-  for (std::int64_t dim : {64, 128}) {
-    check_forward<T, T>({1, 700, 1000, 2, 1, dim, true, 1}, true, 0, true, low && tc_capable ? "mma" : "simt");
-    check_forward<T, T>({1, 513, 257, 2, 2, dim, false, 0}, true, 0, true, low && tc_capable ? "mma" : "simt");
-  }
+  for (std::int64_t dim : {64, 128})
+    for (int query_tile : {64, 128}) {
+      const char* path = low && tc_capable ? "mma" : "simt";
+      check_forward<T, T>({1, 700, 1000, 2, 1, dim, true, 1}, true, 0, true, path, true, query_tile);
+      check_forward<T, T>({1, 513, 257, 2, 2, dim, false, 0}, true, 0, true, path, true, query_tile);
+    }
   // Single rows and keys, and tiles cut to one element.
   check_forward<T, T>({1, 1, 1, 1, 1, 64, false, 0}, true, 0, true, low && tc_capable ? "mma" : "simt");
   check_forward<T, T>({3, 65, 1, 3, 1, 128, true, 1}, true, 0, true, low && tc_capable ? "mma" : "simt");
@@ -242,6 +248,8 @@ TEST_CASE("CudaFlashKernel smoke: one small case per path, forward and backward"
   check_forward<__half, __half>({1, 70, 130, 2, 1, 64, true, 2}, true, 0, true, tc ? "mma" : "simt");
   check_forward<__half, float>({1, 70, 130, 2, 1, 128, true, 2}, true, 0, true, tc ? "mma" : "simt", false);
   check_forward<__nv_bfloat16, float>({1, 65, 66, 2, 2, 128, false, 0}, true, 8, true, tc ? "mma" : "simt");
+  check_forward<__nv_bfloat16, __nv_bfloat16>({1, 150, 140, 2, 1, 128, true, 2}, true, 0, true, tc ? "mma" : "simt",
+                                             true, 128);
   check_forward<float, float>({1, 40, 50, 2, 1, 72, true, 1}, true, 0, true, "simt");
   check_backward<__half>({1, 40, 45, 2, 1, 64, true, 2});
 }

@@ -5,8 +5,9 @@
 /// positions and GQA through KernelParams. It models LocalAttentionKernel in CudaSpace.
 ///
 /// Two forward paths, chosen per call:
-/// - tensor cores (sm_80+, half/bf16, head_dim 64 or 128, 16-byte aligned rows): 64 x 64
-///   tiles, four warps of 16 query rows, mma.sync m16n8k16 for Q K^T and P V with P kept in
+/// - tensor cores (sm_80+, half/bf16, head_dim 64 or 128, 16-byte aligned rows): 64 query
+///   rows x 64 keys per tile, four warps of 16 query rows (or, with set_query_tile(128), 128
+///   rows: two m-tiles per warp), mma.sync m16n8k16 for Q K^T and P V with P kept in
 ///   registers, K/V fragments by ldmatrix, K/V tiles streamed into shared memory with cp.async
 ///   (the V load overlaps Q K^T, the next K load overlaps softmax and P V);
 /// - SIMT (every type, any head_dim <= 256, any strides): 32 x 32 tiles, one warp per eight
@@ -204,7 +205,6 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
 // ---------------------------------------------------------------------------------------
 // Tensor-core forward: half / bf16, head_dim 64 or 128.
 
-inline constexpr int mma_bq = 64;  // query rows per block (16 per warp)
 inline constexpr int mma_bk = 64;  // keys per tile
 inline constexpr int mma_threads = 128;
 
@@ -310,13 +310,13 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* s
 #endif
 }
 
-/// Starts loading rows [j0, j0 + 64) of one head of `x` into a [64][D + 8] shared tile; rows
-/// past `n` become zeros (a zero V row keeps 0 * garbage from turning into NaN).
-template <class T, int D>
+/// Starts loading rows [j0, j0 + ROWS) of one head of `x` into a [ROWS][D + 8] shared tile;
+/// rows past `n` become zeros (a zero V row keeps 0 * garbage from turning into NaN).
+template <class T, int D, int ROWS = mma_bk>
 __device__ __forceinline__ void load_tile_async(T* tile, const DeviceView<const T>& x, std::int64_t b,
                                                 std::int64_t j0, std::int64_t head, int n) {
   constexpr int stride = D + 8, chunks = D / 8;
-  for (int c = threadIdx.x; c < mma_bk * chunks; c += mma_threads) {
+  for (int c = threadIdx.x; c < ROWS * chunks; c += mma_threads) {
     const int r = c / chunks, col = (c - r * chunks) * 8;
     const bool valid = r < n;
     const T* src = valid ? x.row(b, j0 + r, head) + col : x.data;
@@ -324,52 +324,110 @@ __device__ __forceinline__ void load_tile_async(T* tile, const DeviceView<const 
   }
 }
 
-/// The tensor-core forward. `ldsm`: K and V fragments come from ldmatrix (four registers per
-/// instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant, kept
-/// as a cross-check and fallback).
-template <class T, class O, int D, bool ldsm>
-__global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
-  constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
-  constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8;
-  __shared__ __align__(16) T sK[mma_bk * stride];
-  __shared__ __align__(16) T sV[mma_bk * stride];
+/// Query rows per block of the tensor-core forward with MT m-tiles (16 rows each) per warp.
+template <int MT>
+inline constexpr int mma_block_rows = 16 * MT * (mma_threads / 32);
 
-  const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * mma_bq;
+/// Dynamic shared memory of the tensor-core forward: none with one m-tile per warp (K and V
+/// are static, Q lives in registers); with two, Q [128][D + 8], K and V [64][D + 8].
+template <class T, int D, int MT>
+constexpr std::size_t mma_fwd_smem() {
+  return MT == 1 ? 0 : sizeof(T) * static_cast<std::size_t>(mma_block_rows<MT> + 2 * mma_bk) * (D + 8);
+}
+
+/// The tensor-core forward. `ldsm`: K, V (and Q) fragments come from ldmatrix (four registers
+/// per instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant,
+/// kept as a cross-check and fallback). MT m-tiles of 16 query rows per warp: MT = 1 keeps Q
+/// in registers (64-row blocks, no dynamic shared memory); MT = 2 is FlashAttention-2's tile
+/// for H100 (128-row blocks): each K and V fragment feeds two m-tiles, halving shared-memory
+/// traffic per FLOP, and Q stays in shared memory to leave registers to the two accumulators.
+template <class T, class O, int D, bool ldsm, int MT>
+__global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
+  static_assert(MT == 1 || MT == 2, "flash_fwd_mma: one or two m-tiles per warp");
+  constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
+  constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8, bq = mma_block_rows<MT>;
+  T* sK;
+  T* sV;
+  T* sQ;
+  if constexpr (MT == 1) {
+    __shared__ __align__(16) T sK1[mma_bk * stride];
+    __shared__ __align__(16) T sV1[mma_bk * stride];
+    sK = sK1;
+    sV = sV1;
+    sQ = sK1;  // Q is staged through sK on its way to registers
+  } else {
+    sQ = dynamic_smem<T>();
+    sK = sQ + bq * stride;
+    sV = sK + mma_bk * stride;
+  }
+
+  const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * bq;
   const std::int64_t h = blockIdx.y, b = blockIdx.z;
-  const int nq = static_cast<int>(a.sq - i0 < mma_bq ? a.sq - i0 : mma_bq);
+  const int nq = static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq);
   const std::int64_t kh = a.heads.kv_head(h);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp_row = warp * 16 * MT;  // first query row of this warp in the block
 
-  // Q: staged through sK, then kept in registers as A fragments for the whole block.
-  load_tile_async<T, D>(sK, a.q, b, i0, h, nq);
+  load_tile_async<T, D, bq>(sQ, a.q, b, i0, h, nq);
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  std::uint32_t qf[kc_steps][4];
+  // MT = 1: Q as A fragments in registers for the whole block. MT = 2: Q stays in shared
+  // memory; its group completes with the first K tile's wait below.
+  std::uint32_t qf[MT == 1 ? kc_steps : 1][4];
+  if constexpr (MT == 1) {
+    cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
-  for (int kc = 0; kc < kc_steps; ++kc)
+    for (int kc = 0; kc < kc_steps; ++kc)
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
-      qf[kc][r] = *reinterpret_cast<const std::uint32_t*>(sK + warp * 16 * stride + kc * 16 +
-                                                          tile::mma_a_offset(lane, r, stride));
-  __syncthreads();
+      for (int r = 0; r < 4; ++r)
+        qf[kc][r] = *reinterpret_cast<const std::uint32_t*>(sQ + warp_row * stride + kc * 16 +
+                                                            tile::mma_a_offset(lane, r, stride));
+    __syncthreads();
+  }
+  // The A fragment of m-tile mt, k-chunk kc.
+  auto q_fragment = [&](std::uint32_t(&qa)[4], int mt, int kc) {
+    if constexpr (MT == 1) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) qa[r] = qf[kc][r];
+    } else {
+      const T* base = sQ + (warp_row + 16 * mt) * stride + kc * 16;
+      if constexpr (ldsm) {
+        ldmatrix_x4<false>(qa, base + tile::ldmatrix_a_offset(lane, stride));
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          qa[r] = *reinterpret_cast<const std::uint32_t*>(base + tile::mma_a_offset(lane, r, stride));
+      }
+    }
+  };
 
-  // This thread's two query rows (C fragment rows g and g + 8 of the warp's 16).
-  const int row0 = warp * 16 + tile::mma_c_coord(lane, 0).row, row1 = row0 + 8;
-  const std::int64_t qp0 = (a.causal && row0 < nq) ? a.qpos(i0 + row0) : no_position;
-  const std::int64_t qp1 = (a.causal && row1 < nq) ? a.qpos(i0 + row1) : no_position;
+  // This thread's query rows: C fragment rows g and g + 8 of each of its warp's m-tiles.
+  std::int64_t qp[MT][2];
+  int rows[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      rows[mt][hf] = warp_row + 16 * mt + tile::mma_c_coord(lane, 2 * hf).row;
+      qp[mt][hf] = (a.causal && rows[mt][hf] < nq) ? a.qpos(i0 + rows[mt][hf]) : no_position;
+    }
   const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
   auto tile_mask = [&](std::int64_t j0) {
     const std::int64_t last = (a.sk - j0 < mma_bk ? a.sk : j0 + mma_bk) - 1;
     return tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(last));
   };
 
-  float oacc[nt_o][4];
+  float oacc[MT][nt_o][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int n = 0; n < nt_o; ++n)
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) oacc[n][i] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) oacc[mt][n][i] = 0.0f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
 
   bool tile_ok = a.sk > 0 && tile_mask(0) != tile::TileMask::hidden;
   if (tile_ok) load_tile_async<T, D>(sK, a.k, b, 0, kh, static_cast<int>(a.sk < mma_bk ? a.sk : mma_bk));
@@ -380,36 +438,45 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     const tile::TileMask mask = tile_mask(j0);
     load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
     cp_async_commit();
-    cp_async_wait<1>();  // K(j0) has landed (V may still be in flight)
+    cp_async_wait<1>();  // K(j0) (and Q) have landed; V may still be in flight
     __syncthreads();
 
-    float sacc[nt_s][4];
+    float sacc[MT][nt_s][4];
 #pragma unroll
-    for (int nt = 0; nt < nt_s; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sacc[nt][i] = 0.0f;
+      for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sacc[mt][nt][i] = 0.0f;
     // B = K^T: element (k = dim, n = key) is K[key][dim]; a register holds two adjacent dims.
-    if constexpr (ldsm) {
-      const int koff = tile::ldmatrix_k_offset(lane, stride);
 #pragma unroll
-      for (int kc = 0; kc < kc_steps; ++kc)
+    for (int kc = 0; kc < kc_steps; ++kc) {
+      std::uint32_t qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) q_fragment(qa[mt], mt, kc);
+      if constexpr (ldsm) {
+        const int koff = tile::ldmatrix_k_offset(lane, stride);
 #pragma unroll
         for (int nt = 0; nt < nt_s; nt += 2) {
           std::uint32_t kb[4];
           ldmatrix_x4<false>(kb, sK + nt * 8 * stride + kc * 16 + koff);
-          mma_16816<T>(sacc[nt], qf[kc], kb[0], kb[1]);
-          mma_16816<T>(sacc[nt + 1], qf[kc], kb[2], kb[3]);
-        }
-    } else {
-      const int kb0 = tile::mma_b_offset_nk(lane, 0, stride), kb1 = tile::mma_b_offset_nk(lane, 1, stride);
 #pragma unroll
-      for (int kc = 0; kc < kc_steps; ++kc)
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(sacc[mt][nt], qa[mt], kb[0], kb[1]);
+            mma_16816<T>(sacc[mt][nt + 1], qa[mt], kb[2], kb[3]);
+          }
+        }
+      } else {
+        const int kb0 = tile::mma_b_offset_nk(lane, 0, stride), kb1 = tile::mma_b_offset_nk(lane, 1, stride);
 #pragma unroll
         for (int nt = 0; nt < nt_s; ++nt) {
           const T* kr = sK + nt * 8 * stride + kc * 16;
-          mma_16816<T>(sacc[nt], qf[kc], *reinterpret_cast<const std::uint32_t*>(kr + kb0),
-                       *reinterpret_cast<const std::uint32_t*>(kr + kb1));
+          const std::uint32_t b0 = *reinterpret_cast<const std::uint32_t*>(kr + kb0);
+          const std::uint32_t b1 = *reinterpret_cast<const std::uint32_t*>(kr + kb1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(sacc[mt][nt], qa[mt], b0, b1);
         }
+      }
     }
     __syncthreads();  // every warp is done with sK: prefetch the next K tile into it
     const std::int64_t j1 = j0 + mma_bk;
@@ -417,50 +484,47 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     if (next_ok) load_tile_async<T, D>(sK, a.k, b, j1, kh, static_cast<int>(a.sk - j1 < mma_bk ? a.sk - j1 : mma_bk));
     cp_async_commit();
 
-    // Online softmax on the S fragments (rows row0: elements 0, 1; row1: elements 2, 3).
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    // Online softmax on the S fragments (row half 0: elements 0, 1; half 1: elements 2, 3).
 #pragma unroll
-    for (int nt = 0; nt < nt_s; ++nt)
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
-        bool visible = col < nk;
-        if (visible && mask == tile::TileMask::partial) visible = a.kpos(j0 + col) <= (i < 2 ? qp0 : qp1);
-        const float x = visible ? sacc[nt][i] * a.scale_log2 : -INFINITY;
-        sacc[nt][i] = x;
-        if (i < 2)
-          mx0 = fmaxf(mx0, x);
-        else
-          mx1 = fmaxf(mx1, x);
+      for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
+          bool visible = col < nk;
+          if (visible && mask == tile::TileMask::partial) visible = a.kpos(j0 + col) <= qp[mt][i >> 1];
+          const float x = visible ? sacc[mt][nt][i] * a.scale_log2 : -INFINITY;
+          sacc[mt][nt][i] = x;
+          mx[i >> 1] = fmaxf(mx[i >> 1], x);
+        }
+      float alpha[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        // A row lives in the four lanes of a quad.
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const float mn = fmaxf(m[mt][hf], mx[hf]);
+        alpha[hf] = tile::rescale_factor(m[mt][hf], mn);
+        m[mt][hf] = mn;
       }
-    // A row lives in the four lanes of a quad.
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float alpha0 = tile::rescale_factor(m0, mn0), alpha1 = tile::rescale_factor(m1, mn1);
-    m0 = mn0;
-    m1 = mn1;
-    float sum0 = 0.0f, sum1 = 0.0f;
+      float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int nt = 0; nt < nt_s; ++nt) {
-      sacc[nt][0] = tile::softmax_weight(sacc[nt][0], mn0);
-      sacc[nt][1] = tile::softmax_weight(sacc[nt][1], mn0);
-      sacc[nt][2] = tile::softmax_weight(sacc[nt][2], mn1);
-      sacc[nt][3] = tile::softmax_weight(sacc[nt][3], mn1);
-      sum0 += sacc[nt][0] + sacc[nt][1];
-      sum1 += sacc[nt][2] + sacc[nt][3];
-    }
-    // Partial sums stay per lane (alpha is the same in the four lanes); the quad adds them at the end.
-    l0 = l0 * alpha0 + sum0;
-    l1 = l1 * alpha1 + sum1;
+      for (int nt = 0; nt < nt_s; ++nt)
 #pragma unroll
-    for (int n = 0; n < nt_o; ++n) {
-      oacc[n][0] *= alpha0;
-      oacc[n][1] *= alpha0;
-      oacc[n][2] *= alpha1;
-      oacc[n][3] *= alpha1;
+        for (int i = 0; i < 4; ++i) {
+          sacc[mt][nt][i] = tile::softmax_weight(sacc[mt][nt][i], m[mt][i >> 1]);
+          sum[i >> 1] += sacc[mt][nt][i];
+        }
+      // Partial sums stay per lane (alpha is the same in the four lanes); the quad adds them
+      // at the end.
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) l[mt][hf] = l[mt][hf] * alpha[hf] + sum[hf];
+#pragma unroll
+      for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oacc[mt][n][i] *= alpha[i >> 1];
     }
 
     cp_async_wait<1>();  // V(j0) has landed (the next K may still be in flight)
@@ -472,13 +536,15 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
 #pragma unroll
     for (int kc = 0; kc < mma_bk / 16; ++kc) {
       // P's accumulator fragments of n-tiles 2kc, 2kc + 1 are exactly A's fragment of k-chunk kc.
-      std::uint32_t pa[4];
+      std::uint32_t pa[MT][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float* c = sacc[2 * kc + tile::a_from_c_tile(2 * r)];
-        const int e = tile::a_from_c_elem(2 * r);
-        pa[r] = pack_pair<T>(c[e], c[e + 1]);
-      }
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float* c = sacc[mt][2 * kc + tile::a_from_c_tile(2 * r)];
+          const int e = tile::a_from_c_elem(2 * r);
+          pa[mt][r] = pack_pair<T>(c[e], c[e + 1]);
+        }
       // B = V: element (k = key, n = dim); a register holds two adjacent keys of one dim.
       const T* vk = sV + kc * 16 * stride;
       if constexpr (ldsm) {
@@ -486,8 +552,11 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
         for (int n = 0; n < nt_o; n += 2) {
           std::uint32_t vb4[4];
           ldmatrix_x4<true>(vb4, vk + n * 8 + voff);
-          mma_16816<T>(oacc[n], pa, vb4[0], vb4[1]);
-          mma_16816<T>(oacc[n + 1], pa, vb4[2], vb4[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(oacc[mt][n], pa[mt], vb4[0], vb4[1]);
+            mma_16816<T>(oacc[mt][n + 1], pa[mt], vb4[2], vb4[3]);
+          }
         }
       } else {
 #pragma unroll
@@ -495,7 +564,8 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
           const T* vc = vk + n * 8;
           const std::uint32_t b0 = pack_bits(vc[vb[0]], vc[vb[1]]);
           const std::uint32_t b1 = pack_bits(vc[vb[2]], vc[vb[3]]);
-          mma_16816<T>(oacc[n], pa, b0, b1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(oacc[mt][n], pa[mt], b0, b1);
         }
       }
     }
@@ -504,22 +574,28 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   }
   cp_async_wait<0>();
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const tile::RowFinish f0 = tile::finish_row(m0, l0), f1 = tile::finish_row(m1, l1);
 #pragma unroll
-  for (int n = 0; n < nt_o; ++n)
+  for (int mt = 0; mt < MT; ++mt) {
+    tile::RowFinish f[2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const tile::FragCoord c = tile::mma_c_coord(lane, i);
-      const int row = warp * 16 + c.row;
-      if (row < nq) a.out.row(b, i0 + row, h)[n * 8 + c.col] = convert<O>(oacc[n][i] * (i < 2 ? f0.inv_sum : f1.inv_sum));
+    for (int hf = 0; hf < 2; ++hf) {
+      l[mt][hf] += __shfl_xor_sync(0xffffffffu, l[mt][hf], 1);
+      l[mt][hf] += __shfl_xor_sync(0xffffffffu, l[mt][hf], 2);
+      f[hf] = tile::finish_row(m[mt][hf], l[mt][hf]);
     }
-  if ((lane & 3) == 0 && a.lse.data) {
-    if (row0 < nq) *a.lse.row(b, i0 + row0, h) = f0.lse;
-    if (row1 < nq) *a.lse.row(b, i0 + row1, h) = f1.lse;
+#pragma unroll
+    for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = rows[mt][i >> 1];
+        if (row < nq)
+          a.out.row(b, i0 + row, h)[n * 8 + tile::mma_c_coord(lane, i).col] = convert<O>(oacc[mt][n][i] * f[i >> 1].inv_sum);
+      }
+    if ((lane & 3) == 0 && a.lse.data) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        if (rows[mt][hf] < nq) *a.lse.row(b, i0 + rows[mt][hf], h) = f[hf].lse;
+    }
   }
 }
 
@@ -726,6 +802,16 @@ class CudaFlashKernel {
   void set_ldmatrix(bool on) { ldmatrix_ = on; }
   /// Whether the tensor-core path uses ldmatrix.
   bool ldmatrix() const { return ldmatrix_; }
+  /// Tensor-core path: query rows per block, 64 (default: one 16-row m-tile per warp, Q in
+  /// registers) or 128 (two m-tiles per warp sharing every K and V fragment, Q in shared
+  /// memory: FlashAttention-2's H100 tile). tests/gpu/run.sh times both.
+  void set_query_tile(int rows) {
+    SEQPAR_CHECK(rows == 64 || rows == 128, ConfigError, "CudaFlashKernel::set_query_tile: expected 64 or 128, got ",
+                 rows);
+    query_tile_ = rows;
+  }
+  /// Query rows per block of the tensor-core path.
+  int query_tile() const { return query_tile_; }
 
   /// Called when a plan is made: rejects head dims the kernels do not cover, before any forward.
   void prepare(std::int64_t head_dim) const {
@@ -875,9 +961,18 @@ class CudaFlashKernel {
 
   template <class T, class O, int D>
   void launch_mma(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
-    const dim3 grid = grid_of(q, cuda_detail::mma_bq);
-    cuda_detail::launch(ldmatrix_ ? cuda_detail::flash_fwd_mma<T, O, D, true> : cuda_detail::flash_fwd_mma<T, O, D, false>,
-                        grid, cuda_detail::mma_threads, 0, stream_, a);
+    if (query_tile_ == 128)
+      launch_mma_tiles<T, O, D, 2>(a, q);
+    else
+      launch_mma_tiles<T, O, D, 1>(a, q);
+  }
+
+  template <class T, class O, int D, int MT>
+  void launch_mma_tiles(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
+    auto* kernel = ldmatrix_ ? cuda_detail::flash_fwd_mma<T, O, D, true, MT> : cuda_detail::flash_fwd_mma<T, O, D, false, MT>;
+    constexpr std::size_t smem = cuda_detail::mma_fwd_smem<T, D, MT>();
+    cuda_detail::allow_smem(kernel, smem);
+    cuda_detail::launch(kernel, grid_of(q, cuda_detail::mma_block_rows<MT>), cuda_detail::mma_threads, smem, stream_, a);
   }
 
   template <class T, class O, int DC>
@@ -902,6 +997,7 @@ class CudaFlashKernel {
   cudaStream_t stream_ = nullptr;
   bool tensor_cores_ = true;
   bool ldmatrix_ = true;
+  int query_tile_ = 64;
   mutable int cached_device_ = -1;
   mutable int cached_major_ = 0;
 };

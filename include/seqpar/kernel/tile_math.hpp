@@ -187,6 +187,11 @@ SEQPAR_HOST_DEVICE constexpr int ldmatrix_k_offset(int lane, int stride) {
 SEQPAR_HOST_DEVICE constexpr int ldmatrix_v_offset(int lane, int stride) {
   return (((lane >> 3) & 1) * 8 + (lane & 7)) * stride + (lane >> 4) * 8;
 }
+/// Offset of the row `lane` passes to ldmatrix.x4 (no transpose) to load operand A of one
+/// 16 x 16 block of a row-major tile (the base points at its top-left element): matrices
+/// (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are registers a0..a3. The
+/// addressing is that of ldmatrix_v_offset: the same four 8 x 8 blocks, here not transposed.
+SEQPAR_HOST_DEVICE constexpr int ldmatrix_a_offset(int lane, int stride) { return ldmatrix_v_offset(lane, stride); }
 /// The accumulator element that becomes A-element i when a 16 x 16 block of C (two n-tiles of
 /// 8 columns) is fed back as operand A: n-tile (i >> 2) of the pair, element (i & 3). This is
 /// what lets the kernel keep P = softmax(S) in registers between the two products.
