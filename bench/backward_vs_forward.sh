@@ -3,7 +3,8 @@
 # ratios come from the same minutes of the same machine:
 #  1. CpuFlashKernel alone: forward and backward calls at seq 2048, D 64, 8 heads, float, causal
 #     and not, on 1 and 2 threads (or the thread counts given). A small timing program, written
-#     to the build directory and compiled with the flags the build used for seqpar_demo.
+#     to the build directory and compiled with the flags the build used for seqpar_demo; the
+#     thread counts alternate call by call in one process.
 #  2. Each policy: build/examples/seqpar_demo, forward alone, then forward + backward.
 # Usage:
 #   bench/backward_vs_forward.sh [build-dir] [threads...]     (default: build 1 2)
@@ -25,8 +26,10 @@ else
 fi
 timer="$build/bench_backward_kernel"
 cat >"$timer.cpp" <<'CPP'
-// Best-of-7 wall time of CpuFlashKernel forward and backward calls (written by
-// bench/backward_vs_forward.sh). Args: threads causal [seq heads dim].
+// Best-of-15 wall time of CpuFlashKernel forward and backward calls (written by
+// bench/backward_vs_forward.sh). Args: causal threads... One kernel per thread count; their
+// calls alternate round by round, so that every count gets the same chances at an idle moment.
+// Prints "threads forward_ms backward_ms forward_GFLOP/s backward_GFLOP/s" per count.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -39,10 +42,8 @@ cat >"$timer.cpp" <<'CPP'
 
 int main(int argc, char** argv) {
   using namespace seqpar;
-  const int threads = std::atoi(argv[1]);
-  const bool causal = std::atoi(argv[2]) != 0;
-  const std::int64_t B = 1, S = argc > 3 ? std::atoll(argv[3]) : 2048, H = argc > 4 ? std::atoll(argv[4]) : 8,
-                     D = argc > 5 ? std::atoll(argv[5]) : 64;
+  const bool causal = std::atoi(argv[1]) != 0;
+  const std::int64_t B = 1, S = 2048, H = 8, D = 64;
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> dist(-1.f, 1.f);
   auto random = [&](std::int64_t n) {
@@ -60,48 +61,53 @@ int main(int argc, char** argv) {
   p.k_positions = PositionMap::run(S, 0);
   using C = TensorView<const float>;
   using M = TensorView<float>;
-  CpuFlashKernel kernel(threads);
-  auto forward = [&] {
+  struct Run {
+    int threads;
+    CpuFlashKernel kernel;
+    double forward_ms = 1e30, backward_ms = 1e30;
+  };
+  std::vector<Run> runs;
+  for (int i = 2; i < argc; ++i) runs.push_back({std::atoi(argv[i]), CpuFlashKernel(std::atoi(argv[i]))});
+  auto forward = [&](CpuFlashKernel& kernel) {
     kernel.forward(C::bshd(q.data(), B, S, H, D), C::bshd(k.data(), B, S, H, D), C::bshd(v.data(), B, S, H, D),
                    M::bshd(out.data(), B, S, H, D), M::lse_bhs(lse.data(), B, S, H), p);
   };
-  auto backward = [&] {
+  auto backward = [&](CpuFlashKernel& kernel) {
     kernel.backward(C::bshd(dout.data(), B, S, H, D), C::bshd(q.data(), B, S, H, D), C::bshd(k.data(), B, S, H, D),
                     C::bshd(v.data(), B, S, H, D), C::bshd(out.data(), B, S, H, D), C::lse_bhs(lse.data(), B, S, H),
                     M::bshd(dq.data(), B, S, H, D), M::bshd(dk.data(), B, S, H, D), M::bshd(dv.data(), B, S, H, D), p);
   };
-  forward();
-  backward();  // warm-up: scratch, pool, caches
-  double best_f = 1e30, best_b = 1e30;
-  for (int r = 0; r < 7; ++r) {  // alternate, so that both see the same load
-    auto t0 = std::chrono::steady_clock::now();
-    forward();
-    auto t1 = std::chrono::steady_clock::now();
-    backward();
-    auto t2 = std::chrono::steady_clock::now();
-    best_f = std::min(best_f, std::chrono::duration<double, std::milli>(t1 - t0).count());
-    best_b = std::min(best_b, std::chrono::duration<double, std::milli>(t2 - t1).count());
+  for (Run& r : runs) {  // warm-up: scratch, pool, caches
+    forward(r.kernel);
+    backward(r.kernel);
   }
+  using ms = std::chrono::duration<double, std::milli>;
+  for (int round = 0; round < 15; ++round)
+    for (Run& r : runs) {
+      const auto t0 = std::chrono::steady_clock::now();
+      forward(r.kernel);
+      const auto t1 = std::chrono::steady_clock::now();
+      backward(r.kernel);
+      const auto t2 = std::chrono::steady_clock::now();
+      r.forward_ms = std::min(r.forward_ms, ms(t1 - t0).count());
+      r.backward_ms = std::min(r.backward_ms, ms(t2 - t1).count());
+    }
   // Forward FLOPs 4 S^2 D H (halved when causal); backward counted as 2.5x that (five products).
   const double flops = 4.0 * double(S) * double(S) * double(D) * double(H * B) * (causal ? 0.5 : 1.0);
-  std::printf("%d %d %.2f %.2f %.1f %.1f\n", threads, causal ? 1 : 0, best_f, best_b, flops / best_f / 1e6,
-              2.5 * flops / best_b / 1e6);
+  for (const Run& r : runs)
+    std::printf("%d %.2f %.2f %.1f %.1f\n", r.threads, r.forward_ms, r.backward_ms, flops / r.forward_ms / 1e6,
+                2.5 * flops / r.backward_ms / 1e6);
 }
 CPP
 "${CXX:-c++}" "${cxx_flags[@]}" -I"$root/include" "$timer.cpp" -o "$timer" -pthread
 
-echo "CpuFlashKernel alone: batch 1, seq 2048, 8 heads, D 64, float; best of 7 calls each"
+echo "CpuFlashKernel alone: batch 1, seq 2048, 8 heads, D 64, float; best of 15 calls each, thread counts alternating"
 echo
-echo "| causal | threads | forward ms | backward ms | backward / forward | forward GFLOP/s | backward GFLOP/s (2.5x forward's FLOPs) | backward speed-up over 1 thread |"
+echo "| causal | threads | forward ms | backward ms | backward / forward | forward GFLOP/s | backward GFLOP/s (2.5x forward's FLOPs) | backward speed-up over ${threads[0]} thread(s) |"
 echo "|---|---|---|---|---|---|---|---|"
 for causal in 0 1; do
-  one=""
-  for t in "${threads[@]}"; do
-    read -r _ _ tf tb gf gb < <("$timer" "$t" "$causal")
-    [[ -z "$one" ]] && one="$tb"
-    awk -v c="$causal" -v t="$t" -v tf="$tf" -v tb="$tb" -v gf="$gf" -v gb="$gb" -v one="$one" 'BEGIN {
-      printf "| %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", c ? "yes" : "no", t, tf, tb, tb / tf, gf, gb, one / tb }'
-  done
+  "$timer" "$causal" "${threads[@]}" | awk -v c="$causal" 'NR == 1 { one = $3 } {
+    printf "| %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", c ? "yes" : "no", $1, $2, $3, $3 / $2, $4, $5, one / $3 }'
 done
 echo
 
