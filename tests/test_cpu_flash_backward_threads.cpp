@@ -4,12 +4,28 @@
 // with no keys or no queries. Gradients start from random values: backward adds to them.
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <new>
 #include <random>
 #include <vector>
 
 #include "support/attention_check.hpp"
 
 using namespace seqpar;
+
+namespace {
+/// Every operator new of this program, so that a test can see a call allocate.
+std::atomic<long> allocations{0};
+}  // namespace
+
+void* operator new(std::size_t n) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -152,4 +168,32 @@ TEST_CASE_TEMPLATE("threaded flash backward: tiny and odd tiles, head_dim 1..64,
 TEST_CASE_TEMPLATE("threaded flash backward: a rank with no keys or no queries adds nothing", T, float, double) {
   check_threads<T>(shape(333, 0, true), 21);
   check_threads<T>(shape(0, 333, false), 22);
+}
+
+TEST_CASE("threaded flash backward: a warmed-up call allocates nothing") {
+  const Shape s = shape(333, 520, true);
+  std::mt19937_64 rng(31);
+  const auto q = test::random_tensor(s.b * s.sq * s.h * s.d, rng), k = test::random_tensor(s.b * s.sk * s.kh * s.d, rng);
+  const auto lse = test::random_tensor(s.b * s.sq * s.h, rng);
+  std::vector<double> dq(q.size()), dk(k.size()), dv(k.size());
+  KernelParams p;
+  p.causal = true;
+  p.q_positions = s.qpos;
+  p.k_positions = s.kpos;
+  p.group_size = s.h / s.kh;
+  using V = TensorView<const double>;
+  using G = TensorView<double>;
+  CpuFlashKernel kernel(3);
+  auto call = [&] {
+    kernel.backward(V::bshd(q.data(), s.b, s.sq, s.h, s.d), V::bshd(q.data(), s.b, s.sq, s.h, s.d),
+                    V::bshd(k.data(), s.b, s.sk, s.kh, s.d), V::bshd(k.data(), s.b, s.sk, s.kh, s.d),
+                    V::bshd(q.data(), s.b, s.sq, s.h, s.d), V::bshd(lse.data(), s.b, s.sq, s.h, 1),
+                    G::bshd(dq.data(), s.b, s.sq, s.h, s.d), G::bshd(dk.data(), s.b, s.sk, s.kh, s.d),
+                    G::bshd(dv.data(), s.b, s.sk, s.kh, s.d), p);
+  };
+  call();  // sizes the turn counters for this query shape
+  const long before = allocations.load();
+  call();
+  const long after = allocations.load();
+  CHECK(after == before);
 }
