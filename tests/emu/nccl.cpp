@@ -1,19 +1,25 @@
 // The NCCL subset NcclCommunicator calls, emulated for ranks that are threads of one process
 // on the emulated device (runtime.cpp), so NcclCommunicator runs and is tested without GPUs.
 //
-// Model: emulated streams complete work before the call returns, so ncclGroupEnd does the
-// group's transfers itself: it posts every send to its peer's mailbox, then takes each receive
-// from the mailbox its peer posts to (in order, as NCCL matches a pair of ranks), copies, and
-// returns once its own sends have been taken. A receive whose byte count differs from the
-// matching send, or a peer that never posts one within SEQPAR_EMU_NCCL_TIMEOUT_S (default 60),
-// fails the call with an explanation in ncclGetLastError instead of hanging.
+// Model: like the emulated CUDA work (streams.hpp), transfers are queued on their stream and
+// run when something synchronises with it. ncclGroupEnd pairs each send with the receive its
+// peer posts for it (in posting order per pair of ranks, as NCCL matches them) and queues
+// both: the send's work copies the send buffer aside when the sender's stream reaches it, the
+// receive's work, when the receiver's stream reaches it, first runs the sender's stream up to
+// that send, then copies. A receive whose byte count differs from its send fails the group
+// end that pairs them (ncclInvalidUsage, explained by ncclGetLastError); one whose send never
+// comes fails its stream's synchronisation after SEQPAR_EMU_NCCL_TIMEOUT_S (default 60)
+// instead of hanging.
 
 #include <nccl.h>
+
+#include "streams.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -25,20 +31,31 @@
 
 namespace {
 
-/// A posted send, waiting for its receive.
+/// A send: its bytes, set aside when the sender's stream runs it.
 struct Message {
-  const void* data;
   std::size_t bytes;
-  bool taken = false;
+  std::vector<std::byte> staging;
+  seqpar_emu::Stream* stream = nullptr;  // the sender's stream ...
+  std::uint64_t count = 0;               // ... has copied the bytes aside once it has run this much
 };
 
-/// The ranks of one communicator: their mailboxes and the split in progress.
+/// A receive, and the send paired with it (null until the peer posts it).
+struct Slot {
+  std::shared_ptr<Message> send;
+  std::size_t bytes;
+  int from, to;
+};
+
+/// The ranks of one communicator: unpaired sends and receives per pair of ranks (under
+/// seqpar_emu::queue_mutex), and the split in progress (under mu).
 struct World {
-  explicit World(int n) : size(n), boxes(static_cast<std::size_t>(n) * n) {}
+  explicit World(int n)
+      : size(n), sends(static_cast<std::size_t>(n) * n), recvs(static_cast<std::size_t>(n) * n) {}
   int size;
+  std::vector<std::deque<std::shared_ptr<Message>>> sends;  // [dest * size + source]
+  std::vector<std::deque<std::shared_ptr<Slot>>> recvs;     // [dest * size + source]
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<std::deque<std::shared_ptr<Message>>> boxes;  // [dest * size + source]
 
   /// One ncclCommSplit call across the ranks.
   struct Split {
@@ -68,6 +85,7 @@ struct Op {
   std::size_t bytes;
   int peer;
   ncclComm_t comm;
+  cudaStream_t stream;
 };
 thread_local int tls_group_depth = 0;
 thread_local std::vector<Op> tls_ops;
@@ -91,49 +109,80 @@ std::size_t type_size(ncclDataType_t t) {
   }
 }
 
-/// Runs the queued group (see the file comment).
+/// Pairs a receive with its send (under queue_mutex); the error when their sizes differ.
+std::string pair_up(Slot& slot, std::shared_ptr<Message> send) {
+  std::string error;
+  if (send->bytes != slot.bytes)
+    error = "rank " + std::to_string(slot.to) + " receives " + std::to_string(slot.bytes) + " bytes from rank " +
+            std::to_string(slot.from) + ", which sends " + std::to_string(send->bytes);
+  slot.send = std::move(send);
+  seqpar_emu::queue_cv().notify_all();
+  return error;
+}
+
+/// Queues the group's sends, then its receives (see the file comment).
 ncclResult_t run_group(std::vector<Op> ops) {
-  std::vector<std::pair<World*, std::shared_ptr<Message>>> posted;
-  for (const Op& op : ops) {
+  std::string error;
+  auto note = [&](std::string e) {
+    if (error.empty()) error = std::move(e);
+  };
+  for (const Op& op : ops) {  // sends first: they never wait
     if (!op.send) continue;
     World& w = *op.comm->world;
-    auto m = std::make_shared<Message>(Message{op.buf, op.bytes});
-    {
-      std::lock_guard lock(w.mu);
-      w.boxes[static_cast<std::size_t>(op.peer * w.size + op.comm->rank)].push_back(m);
+    auto m = std::make_shared<Message>();
+    m->bytes = op.bytes;
+    seqpar_emu::Stream* s = seqpar_emu::stream_of(op.stream);
+    const void* buf = op.buf;
+    const std::uint64_t n = seqpar_emu::enqueue(s, [m, buf] {
+      const auto* p = static_cast<const std::byte*>(buf);
+      m->staging.assign(p, p + m->bytes);
+      return cudaSuccess;
+    });
+    std::lock_guard lock(seqpar_emu::queue_mutex());
+    m->stream = s;
+    m->count = n;
+    const auto pair = static_cast<std::size_t>(op.peer * w.size + op.comm->rank);
+    if (!w.recvs[pair].empty()) {
+      note(pair_up(*w.recvs[pair].front(), m));
+      w.recvs[pair].pop_front();
+    } else {
+      w.sends[pair].push_back(m);
     }
-    w.cv.notify_all();
-    posted.emplace_back(&w, std::move(m));
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout();
   for (const Op& op : ops) {
     if (op.send) continue;
     World& w = *op.comm->world;
-    std::unique_lock lock(w.mu);
-    auto& box = w.boxes[static_cast<std::size_t>(op.comm->rank * w.size + op.peer)];
-    if (!w.cv.wait_until(lock, deadline, [&] { return !box.empty(); }))
-      return fail(ncclSystemError, "rank " + std::to_string(op.comm->rank) + " timed out waiting for a send from rank " +
-                                       std::to_string(op.peer));
-    std::shared_ptr<Message> m = box.front();
-    box.pop_front();
-    if (m->bytes != op.bytes) {
-      m->taken = true;  // release the sender; it reports nothing, as NCCL would not
-      w.cv.notify_all();
-      return fail(ncclInvalidUsage, "rank " + std::to_string(op.comm->rank) + " receives " + std::to_string(op.bytes) +
-                                        " bytes from rank " + std::to_string(op.peer) + ", which sends " +
-                                        std::to_string(m->bytes));
+    auto slot = std::make_shared<Slot>(Slot{nullptr, op.bytes, op.peer, op.comm->rank});
+    {
+      std::lock_guard lock(seqpar_emu::queue_mutex());
+      const auto pair = static_cast<std::size_t>(op.comm->rank * w.size + op.peer);
+      if (!w.sends[pair].empty()) {
+        note(pair_up(*slot, w.sends[pair].front()));
+        w.sends[pair].pop_front();
+      } else {
+        w.recvs[pair].push_back(slot);
+      }
     }
-    if (op.bytes) std::memcpy(op.buf, m->data, op.bytes);
-    m->taken = true;
-    lock.unlock();
-    w.cv.notify_all();
+    void* buf = op.buf;
+    seqpar_emu::enqueue(seqpar_emu::stream_of(op.stream), [slot, buf]() -> cudaError_t {
+      std::shared_ptr<Message> m;
+      {
+        std::unique_lock lock(seqpar_emu::queue_mutex());
+        if (!seqpar_emu::queue_cv().wait_until(lock, std::chrono::steady_clock::now() + timeout(),
+                                               [&] { return slot->send != nullptr; })) {
+          std::fprintf(stderr, "seqpar_emu: NCCL: rank %d waited %lld s for a send from rank %d that never came\n",
+                       slot->to, static_cast<long long>(timeout().count()), slot->from);
+          return cudaErrorLaunchTimeout;
+        }
+        m = slot->send;
+      }
+      if (m->bytes != slot->bytes) return cudaErrorInvalidValue;  // reported when paired
+      if (const cudaError_t rc = seqpar_emu::run_until(m->stream, m->count); rc != cudaSuccess) return rc;
+      if (slot->bytes) std::memcpy(buf, m->staging.data(), slot->bytes);
+      return cudaSuccess;
+    });
   }
-  for (auto& [w, m] : posted) {
-    std::unique_lock lock(w->mu);
-    if (!w->cv.wait_until(lock, deadline, [&] { return m->taken; }))
-      return fail(ncclSystemError, "a send was never received");
-  }
-  return ncclSuccess;
+  return error.empty() ? ncclSuccess : fail(ncclInvalidUsage, error);
 }
 
 ncclResult_t enqueue(Op op) {
@@ -245,11 +294,13 @@ ncclResult_t ncclGroupEnd() {
   return run_group(std::move(ops));
 }
 
-ncclResult_t ncclSend(const void* buf, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t) {
-  return enqueue({true, const_cast<void*>(buf), count * type_size(type), peer, comm});
+ncclResult_t ncclSend(const void* buf, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return enqueue({true, const_cast<void*>(buf), count * type_size(type), peer, comm, stream});
 }
-ncclResult_t ncclRecv(void* buf, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t) {
-  return enqueue({false, buf, count * type_size(type), peer, comm});
+ncclResult_t ncclRecv(void* buf, std::size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return enqueue({false, buf, count * type_size(type), peer, comm, stream});
 }
 
 const char* ncclGetErrorString(ncclResult_t rc) {

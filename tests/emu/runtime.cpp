@@ -4,12 +4,12 @@
 // emulated programs link without libcudart.
 //
 // Runtime model: SEQPAR_EMU_DEVICES devices (default 1) of compute capability 9.0
-// (SEQPAR_EMU_CC=80 makes it 8.0);
-// device memory is host memory from aligned_alloc, filled with 0xff on allocation so that
-// a kernel reading what nobody wrote sees NaN; every copy, memset and launch completes before
-// the call returns, so streams and events only keep their handles and times. Copies are
-// checked against the allocations they name (a copy past the end of a buffer fails with
-// cudaErrorInvalidValue, as an out-of-bounds access on a GPU would fault).
+// (SEQPAR_EMU_CC=80 makes it 8.0); device memory is host memory from aligned_alloc, filled
+// with 0xff on allocation so that a kernel reading what nobody wrote sees NaN; launches,
+// asynchronous copies and memsets are queued on their stream and run when something
+// synchronises with them (streams.hpp). Copies are checked against the allocations they name
+// (a copy past the end of a buffer fails with cudaErrorInvalidValue, as an out-of-bounds
+// access on a GPU would fault).
 
 #include <ucontext.h>
 #include <sys/mman.h>
@@ -17,17 +17,23 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "seqpar_emu/prelude.hpp"
+#include "streams.hpp"
 
 // Fiber switch. On x86-64 a minimal switch of the callee-saved registers (a few ns; ucontext's
 // swapcontext also saves the signal mask with a system call, which made the emulation spend
@@ -159,8 +165,7 @@ class Stack {
 
 /// The launch running on this OS thread.
 struct Grid {
-  void (*body)(void*) = nullptr;
-  void* ctx = nullptr;
+  std::function<void()> body;
   dim3 grid, block;
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
@@ -244,7 +249,7 @@ void fiber_main() {
   Grid& g = *tls_grid;
   Fiber& f = *g.current;
   try {
-    g.body(g.ctx);
+    g.body();
     for (auto& c : f.copies) c.group = std::max(c.group, 0);
     deliver_copies(f, f.next_group);  // copies still in flight land when the thread ends
   } catch (const Abort&) {
@@ -293,10 +298,10 @@ std::string deadlock_report(const Grid& g, const dim3& b) {
   std::map<std::string, std::vector<int>> at;
   for (const Fiber& f : g.fibers)
     if (!f.done) at[f.waiting ? f.waiting : "?"].push_back(f.linear);
-  std::string s = "deadlock in block (" + std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + "):";
-  for (const auto& [what, who] : at)
-    s += " " + std::to_string(who.size()) + " thread(s) (first " + std::to_string(who.front()) + ") at " + what + ";";
-  return s;
+  std::ostringstream s;  // (string operator+ chains trip GCC 12's -Wrestrict false positive)
+  s << "deadlock in block (" << b.x << "," << b.y << "," << b.z << "):";
+  for (const auto& [what, who] : at) s << " " << who.size() << " thread(s) (first " << who.front() << ") at " << what << ";";
+  return s.str();
 }
 
 /// Runs one block to completion; returns false (with g.error set) when it fails.
@@ -404,10 +409,9 @@ int compute_capability() {
 }
 
 struct Event {
-  std::chrono::steady_clock::time_point t;
-};
-struct StreamObj {
-  unsigned flags;
+  std::chrono::steady_clock::time_point t;  // when its work ran
+  Stream* stream = nullptr;                 // recorded on (null: never recorded)
+  std::uint64_t count = 0;                  // complete once `stream` has run this much
 };
 
 /// Checks a copy's ranges against the allocations its kind names.
@@ -504,31 +508,16 @@ void cp_async_wait(int n) {
   deliver_copies(f, f.next_group - 1 - n);
 }
 
-void launch_grid(const void* kernel, dim3 grid_dim, dim3 block, std::size_t smem, cudaStream_t, void (*body)(void*),
-                 void* ctx) {
-  const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
-  if (threads == 0 || threads > 1024 || block.z > 64 || grid_dim.x == 0 || grid_dim.y == 0 || grid_dim.z == 0 ||
-      grid_dim.y > 65535 || grid_dim.z > 65535) {
-    set_error(cudaErrorInvalidConfiguration);
-    return;
-  }
-  std::size_t limit = default_smem;
-  {
-    KernelLimits& k = kernel_limits();
-    std::lock_guard lock(k.mu);
-    if (auto it = k.max_dynamic_smem.find(kernel); it != k.max_dynamic_smem.end()) limit = it->second;
-  }
-  if (smem > limit) {
-    set_error(cudaErrorInvalidValue);
-    return;
-  }
+namespace {
+
+/// Runs every block of a launch on this thread; the failure, or "".
+std::string run_grid(dim3 grid_dim, dim3 block, std::size_t smem, const std::function<void()>& body) {
   if (tls_grid) {
     std::fprintf(stderr, "seqpar_emu: a kernel launched another kernel (not emulated)\n");
     std::abort();
   }
   Grid g;
   g.body = body;
-  g.ctx = ctx;
   g.grid = grid_dim;
   g.block = block;
   std::unique_ptr<std::byte[], void (*)(void*)> smem_buf(
@@ -540,10 +529,169 @@ void launch_grid(const void* kernel, dim3 grid_dim, dim3 block, std::size_t smem
     for (unsigned y = 0; y < grid_dim.y && ok; ++y)
       for (unsigned x = 0; x < grid_dim.x && ok; ++x) ok = run_block(g, dim3(x, y, z), smem);
   tls_grid = nullptr;
-  if (!ok) {
-    std::fprintf(stderr, "seqpar_emu: kernel failed: %s\n", g.error.c_str());
-    set_error(cudaErrorLaunchFailure);
+  return g.error;
+}
+
+/// The launch checks a GPU makes before it starts anything.
+cudaError_t check_launch(const void* kernel, dim3 grid_dim, dim3 block, std::size_t smem) {
+  const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || threads > 1024 || block.z > 64 || grid_dim.x == 0 || grid_dim.y == 0 || grid_dim.z == 0 ||
+      grid_dim.y > 65535 || grid_dim.z > 65535)
+    return cudaErrorInvalidConfiguration;
+  std::size_t limit = default_smem;
+  KernelLimits& k = kernel_limits();
+  std::lock_guard lock(k.mu);
+  if (auto it = k.max_dynamic_smem.find(kernel); it != k.max_dynamic_smem.end()) limit = it->second;
+  return smem > limit ? cudaErrorInvalidValue : cudaSuccess;
+}
+
+}  // namespace
+
+void launch_grid(const void* kernel, dim3 grid_dim, dim3 block, std::size_t smem, cudaStream_t stream,
+                 std::function<void()> body) {
+  if (const cudaError_t rc = check_launch(kernel, grid_dim, block, smem); rc != cudaSuccess) {
+    set_error(rc);
+    return;
   }
+  enqueue(stream_of(stream), [grid_dim, block, smem, body = std::move(body)]() -> cudaError_t {
+    const std::string error = run_grid(grid_dim, block, smem, body);
+    if (error.empty()) return cudaSuccess;
+    std::fprintf(stderr, "seqpar_emu: kernel failed: %s\n", error.c_str());
+    return cudaErrorLaunchFailure;
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Streams (streams.hpp).
+
+struct Stream {
+  int device = 0;
+  bool blocking = true;  // waits for, and is waited for by, the device's legacy stream
+  struct Item {
+    Work work;
+    std::vector<Dep> deps;
+  };
+  std::deque<Item> queue;
+  std::uint64_t queued = 0, done = 0;
+  bool busy = false;  // a thread is running the front item
+};
+
+namespace {
+
+std::mutex g_queue_mutex;
+std::condition_variable g_queue_cv;
+std::vector<Stream*> g_streams;                     // every stream, under g_queue_mutex
+std::map<int, Stream*> g_legacy;                    // per device
+thread_local std::map<int, Stream*> tls_per_thread;  // per device
+
+/// A fault in queued work that no synchronisation has reported yet (CUDA's errors from
+/// asynchronous work are sticky too); cudaGetLastError reads and clears it.
+std::atomic<int> g_pending_fault{cudaSuccess};
+
+Stream* new_stream(int device, bool blocking) {
+  auto* s = new Stream;
+  s->device = device;
+  s->blocking = blocking;
+  g_streams.push_back(s);
+  return s;
+}
+
+std::chrono::steady_clock::time_point wait_deadline() {
+  return std::chrono::steady_clock::now() + std::chrono::seconds(120);
+}
+
+/// Runs all queued work of `device`'s streams; the first error.
+cudaError_t run_device(int device) {
+  std::vector<std::pair<Stream*, std::uint64_t>> todo;
+  {
+    std::lock_guard lock(g_queue_mutex);
+    for (Stream* s : g_streams)
+      if (s->device == device) todo.emplace_back(s, s->queued);
+  }
+  cudaError_t first = cudaSuccess;
+  for (auto [s, n] : todo)
+    if (const cudaError_t rc = run_until(s, n); first == cudaSuccess) first = rc;
+  return first;
+}
+
+/// The result of a synchronisation: its own error, or a fault still unreported.
+cudaError_t synced(cudaError_t rc) {
+  if (rc == cudaSuccess) rc = static_cast<cudaError_t>(g_pending_fault.load());
+  return set_error(rc);
+}
+
+}  // namespace
+
+std::mutex& queue_mutex() { return g_queue_mutex; }
+std::condition_variable& queue_cv() { return g_queue_cv; }
+
+Stream* stream_of(cudaStream_t handle) {
+  const int dev = tls_device;
+  std::lock_guard lock(g_queue_mutex);
+  if (handle == nullptr || handle == cudaStreamLegacy) {
+    Stream*& s = g_legacy[dev];
+    if (!s) s = new_stream(dev, true);
+    return s;
+  }
+  if (handle == cudaStreamPerThread) {
+    Stream*& s = tls_per_thread[dev];
+    if (!s) s = new_stream(dev, true);
+    return s;
+  }
+  return reinterpret_cast<Stream*>(handle);
+}
+
+std::uint64_t enqueue(Stream* s, Work work, std::vector<Dep> deps) {
+  std::lock_guard lock(g_queue_mutex);
+  // The legacy stream and a device's blocking streams wait for each other's earlier work.
+  Stream* legacy = g_legacy.count(s->device) ? g_legacy[s->device] : nullptr;
+  if (s == legacy) {
+    for (Stream* o : g_streams)
+      if (o != s && o->device == s->device && o->blocking && o->queued > o->done) deps.push_back({o, o->queued});
+  } else if (s->blocking && legacy && legacy->queued > legacy->done) {
+    deps.push_back({legacy, legacy->queued});
+  }
+  s->queue.push_back({std::move(work), std::move(deps)});
+  return ++s->queued;
+}
+
+cudaError_t run_until(Stream* s, std::uint64_t count) {
+  cudaError_t first = cudaSuccess;
+  std::unique_lock lock(g_queue_mutex);
+  const auto deadline = wait_deadline();
+  while (s->done < count) {
+    if (s->busy) {  // another thread runs the front item: wait for it
+      if (g_queue_cv.wait_until(lock, deadline) == std::cv_status::timeout) return cudaErrorLaunchTimeout;
+      continue;
+    }
+    Stream::Item& item = s->queue.front();
+    bool waited = false;
+    for (const Dep d : item.deps)  // a copy: once unlocked, another thread may pop `item`
+      if (d.stream->done < d.count) {
+        lock.unlock();
+        const cudaError_t rc = run_until(d.stream, d.count);
+        if (first == cudaSuccess) first = rc;
+        lock.lock();
+        waited = true;
+        break;
+      }
+    if (waited) continue;  // the queue may have moved meanwhile: look again
+    s->busy = true;
+    Work work = std::move(item.work);
+    lock.unlock();
+    const cudaError_t rc = work();
+    lock.lock();
+    s->queue.pop_front();
+    ++s->done;
+    s->busy = false;
+    g_queue_cv.notify_all();
+    if (rc != cudaSuccess) {
+      int none = cudaSuccess;
+      g_pending_fault.compare_exchange_strong(none, rc);
+      if (first == cudaSuccess) first = rc;
+    }
+  }
+  return first;
 }
 
 }  // namespace seqpar_emu
@@ -557,8 +705,10 @@ using seqpar_emu::set_error;
 extern "C" {
 
 cudaError_t cudaGetLastError() {
-  const cudaError_t rc = seqpar_emu::tls_last_error;
+  cudaError_t rc = seqpar_emu::tls_last_error;
   seqpar_emu::tls_last_error = cudaSuccess;
+  const int fault = seqpar_emu::g_pending_fault.exchange(cudaSuccess);
+  if (rc == cudaSuccess) rc = static_cast<cudaError_t>(fault);
   return rc;
 }
 cudaError_t cudaPeekAtLastError() { return seqpar_emu::tls_last_error; }
@@ -625,7 +775,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->unifiedAddressing = 1;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { return seqpar_emu::synced(seqpar_emu::run_device(seqpar_emu::tls_device)); }
 
 cudaError_t cudaMalloc(void** ptr, std::size_t bytes) {
   *ptr = nullptr;
@@ -641,6 +791,7 @@ cudaError_t cudaMalloc(void** ptr, std::size_t bytes) {
 }
 cudaError_t cudaFree(void* ptr) {
   if (!ptr) return cudaSuccess;
+  (void)seqpar_emu::run_device(seqpar_emu::tls_device);  // cudaFree synchronises the device
   auto& a = allocations();
   {
     std::lock_guard lock(a.mu);
@@ -650,34 +801,75 @@ cudaError_t cudaFree(void* ptr) {
   return cudaSuccess;
 }
 
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+  if (const cudaError_t rc = seqpar_emu::check_copy(dst, src, bytes, kind); rc != cudaSuccess) return set_error(rc);
+  if (bytes == 0) return cudaSuccess;
+  seqpar_emu::enqueue(seqpar_emu::stream_of(stream), [dst, src, bytes] {
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  });
+  return cudaSuccess;
+}
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
   if (const cudaError_t rc = seqpar_emu::check_copy(dst, src, bytes, kind); rc != cudaSuccess) return set_error(rc);
-  if (bytes) std::memmove(dst, src, bytes);
-  return cudaSuccess;
+  if (bytes == 0) return cudaSuccess;
+  // On the legacy stream; returns when the bytes have landed (device-to-device copies are
+  // asynchronous in CUDA, and stay queued here).
+  seqpar_emu::Stream* legacy = seqpar_emu::stream_of(nullptr);
+  const std::uint64_t n = seqpar_emu::enqueue(legacy, [dst, src, bytes] {
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  });
+  if (kind == cudaMemcpyDeviceToDevice) return cudaSuccess;
+  return seqpar_emu::synced(seqpar_emu::run_until(legacy, n));
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
-}
-cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
+cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t stream) {
   if (bytes && !allocations().contains(dst, bytes)) return set_error(cudaErrorInvalidValue);
-  if (bytes) std::memset(dst, value, bytes);
+  if (bytes == 0) return cudaSuccess;
+  seqpar_emu::enqueue(seqpar_emu::stream_of(stream), [dst, value, bytes] {
+    std::memset(dst, value, bytes);
+    return cudaSuccess;
+  });
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t) {
-  return cudaMemset(dst, value, bytes);
-}
+cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) { return cudaMemsetAsync(dst, value, bytes, nullptr); }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
-  *stream = reinterpret_cast<cudaStream_t>(new seqpar_emu::StreamObj{flags});
+  std::lock_guard lock(seqpar_emu::queue_mutex());
+  *stream = reinterpret_cast<cudaStream_t>(
+      seqpar_emu::new_stream(seqpar_emu::tls_device, (flags & cudaStreamNonBlocking) == 0));
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  delete reinterpret_cast<seqpar_emu::StreamObj*>(stream);
+  // CUDA lets queued work finish first; here it runs now.
+  seqpar_emu::Stream* s = seqpar_emu::stream_of(stream);
+  const cudaError_t rc = seqpar_emu::run_until(s, s->queued);
+  std::lock_guard lock(seqpar_emu::queue_mutex());
+  auto& all = seqpar_emu::g_streams;
+  all.erase(std::remove(all.begin(), all.end(), s), all.end());
+  // Not deleted: work queued elsewhere may still name it in a Dep (satisfied, as it has run).
+  return set_error(rc);
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  seqpar_emu::Stream* s = seqpar_emu::stream_of(stream);
+  std::uint64_t n;
+  {
+    std::lock_guard lock(seqpar_emu::queue_mutex());
+    n = s->queued;
+  }
+  return seqpar_emu::synced(seqpar_emu::run_until(s, n));
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  auto* e = reinterpret_cast<seqpar_emu::Event*>(event);
+  std::vector<seqpar_emu::Dep> deps;
+  {
+    std::lock_guard lock(seqpar_emu::queue_mutex());
+    if (e->stream) deps.push_back({e->stream, e->count});  // the event as recorded now
+  }
+  seqpar_emu::enqueue(seqpar_emu::stream_of(stream), [] { return cudaSuccess; }, std::move(deps));
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
   *event = reinterpret_cast<cudaEvent_t>(new seqpar_emu::Event{std::chrono::steady_clock::now()});
@@ -688,11 +880,22 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   delete reinterpret_cast<seqpar_emu::Event*>(event);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
-  reinterpret_cast<seqpar_emu::Event*>(event)->t = std::chrono::steady_clock::now();
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  auto* e = reinterpret_cast<seqpar_emu::Event*>(event);
+  seqpar_emu::Stream* s = seqpar_emu::stream_of(stream);
+  const std::uint64_t n = seqpar_emu::enqueue(s, [e] {
+    e->t = std::chrono::steady_clock::now();
+    return cudaSuccess;
+  });
+  std::lock_guard lock(seqpar_emu::queue_mutex());
+  e->stream = s;
+  e->count = n;
   return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  auto* e = reinterpret_cast<seqpar_emu::Event*>(event);
+  return e->stream ? seqpar_emu::synced(seqpar_emu::run_until(e->stream, e->count)) : cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   *ms = std::chrono::duration<float, std::milli>(reinterpret_cast<seqpar_emu::Event*>(end)->t -
                                                  reinterpret_cast<seqpar_emu::Event*>(start)->t)

@@ -16,6 +16,8 @@ namespace {
 using seqpar::cuda_detail::launch;
 
 /// Launches and returns the launch's error instead of throwing it.
+/// Launches on the legacy stream and runs it: a launch the GPU refuses or a kernel that fails
+/// gives cudaErrorLaunchFailure (and the fault is cleared for the next case).
 template <class... P, class... A>
 cudaError_t try_launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t smem, A... args) {
   try {
@@ -23,7 +25,9 @@ cudaError_t try_launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t 
   } catch (const seqpar::CudaError&) {
     return cudaErrorLaunchFailure;
   }
-  return cudaSuccess;
+  const cudaError_t rc = cudaDeviceSynchronize();
+  (void)cudaGetLastError();
+  return rc == cudaSuccess ? cudaSuccess : cudaErrorLaunchFailure;
 }
 
 float* device_floats(std::size_t n, float value) {
@@ -88,6 +92,9 @@ __global__ void async_copy(const float* in, float* out, bool wait) {
   __syncthreads();
   out[threadIdx.x] = tile[4 * threadIdx.x];
 }
+
+/// out[i] = value, one thread per element.
+__global__ void fill(float* out, float value) { out[blockIdx.x * blockDim.x + threadIdx.x] = value; }
 
 __global__ void big_smem(float* out) { out[0] = seqpar::cuda_detail::dynamic_smem<float>()[0] = 2.0f; }
 
@@ -154,4 +161,47 @@ TEST_CASE("emulated runtime: copies stay inside allocations, launches inside lim
   CHECK(cudaFree(d) == cudaSuccess);
   CHECK(cudaFree(d) == cudaErrorInvalidValue);  // double free
   (void)cudaGetLastError();
+}
+
+TEST_CASE("emulated streams run work only when synchronised: a missing wait reads stale data") {
+  float* a = device_floats(64, 1.0f);
+  float* b = device_floats(64, 1.0f);
+  cudaStream_t s1, s2;
+  REQUIRE(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) == cudaSuccess);
+  cudaEvent_t filled;
+  REQUIRE(cudaEventCreate(&filled) == cudaSuccess);
+
+  // The legacy stream does not wait for a non-blocking stream: the host copy runs first.
+  launch(fill, 2, 32, 0, s1, a, 2.0f);
+  CHECK(host_copy(a, 64)[5] == 1.0f);
+  REQUIRE(cudaStreamSynchronize(s1) == cudaSuccess);
+  CHECK(host_copy(a, 64)[5] == 2.0f);
+
+  // s2 copies what s1 fills: right with the event, stale without it.
+  launch(fill, 2, 32, 0, s1, a, 3.0f);
+  REQUIRE(cudaEventRecord(filled, s1) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s2, filled, 0) == cudaSuccess);
+  REQUIRE(cudaMemcpyAsync(b, a, 64 * sizeof(float), cudaMemcpyDeviceToDevice, s2) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s2) == cudaSuccess);
+  CHECK(host_copy(b, 64)[7] == 3.0f);
+  launch(fill, 2, 32, 0, s1, a, 4.0f);
+  REQUIRE(cudaMemcpyAsync(b, a, 64 * sizeof(float), cudaMemcpyDeviceToDevice, s2) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s2) == cudaSuccess);
+  CHECK(host_copy(b, 64)[7] == 3.0f);  // s1's fill has not run
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(host_copy(a, 64)[7] == 4.0f);
+
+  // A blocking stream and the legacy stream wait for each other.
+  cudaStream_t s3;
+  REQUIRE(cudaStreamCreate(&s3) == cudaSuccess);
+  launch(fill, 2, 32, 0, s3, a, 5.0f);
+  CHECK(host_copy(a, 64)[9] == 5.0f);
+
+  cudaEventDestroy(filled);
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+  cudaStreamDestroy(s3);
+  cudaFree(a);
+  cudaFree(b);
 }

@@ -18,8 +18,10 @@
 ///   shared memory without the barrier it needs sees, or leaves, the wrong data;
 /// - bad launches (block size, dynamic shared memory over the kernel's limit) and device
 ///   copies outside an allocation (runtime.cpp).
-/// What it cannot see: stream-ordering mistakes (every launch and copy completes before the
-/// call returns), memory-model races between blocks, and speed.
+/// - stream-ordering mistakes: launches and copies are queued and run only when something
+///   synchronises with them, so a missing synchronisation reads data that is not there yet
+///   (streams.hpp).
+/// What it cannot see: memory-model races between blocks, and speed.
 ///
 /// The fragment layouts of mma and ldmatrix are written here from the PTX ISA, independently
 /// of the library's kernel/tile_math.hpp, so that the emulation checks the library's layouts
@@ -33,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -72,34 +75,36 @@ void cp_async_commit();
 /// cp.async.wait_group n: delivers every committed group but the newest n.
 void cp_async_wait(int n);
 
-/// Runs body(ctx) as every thread of a grid (see the file comment); errors go to
-/// cudaGetLastError, like a failed launch.
+/// Queues a launch on `stream` (see streams.hpp): when it runs, body() runs as every thread of
+/// the grid (see the file comment). A bad configuration fails at once, through
+/// cudaGetLastError; a kernel that fails when run fails the synchronisation that ran it.
 void launch_grid(const void* kernel, dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
-                 void (*body)(void*), void* ctx);
+                 std::function<void()> body);
 
 /// kernel<<<grid, block, smem, stream>>>(args...): the arguments are copied once, as CUDA
 /// copies them to the parameter space, and every thread calls the kernel with them.
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
             Args&&... args) {
-  struct Call {
-    void (*kernel)(Params...);
-    std::tuple<std::decay_t<Params>...> params;
-  } call{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
   launch_grid(reinterpret_cast<const void*>(kernel), grid, block, smem, stream,
-              [](void* c) { std::apply(static_cast<Call*>(c)->kernel, static_cast<Call*>(c)->params); }, &call);
+              [kernel, params = std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)] {
+                std::apply(kernel, params);
+              });
 }
 
 /// One 16-bit element of a packed register as float.
 template <class T>
 float element(std::uint32_t reg, int half) {
-  const std::uint16_t bits = static_cast<std::uint16_t>(reg >> (16 * half));
-  T x;
-  std::memcpy(&x, &bits, sizeof bits);
-  if constexpr (std::is_same_v<T, __half>)
-    return __half2float(x);
-  else
-    return __bfloat162float(x);
+  const auto bits = static_cast<unsigned short>(reg >> (16 * half));
+  if constexpr (std::is_same_v<T, __half>) {
+    __half_raw r;
+    r.x = bits;
+    return __half2float(__half(r));
+  } else {
+    __nv_bfloat16_raw r;
+    r.x = bits;
+    return __bfloat162float(__nv_bfloat16(r));
+  }
 }
 
 /// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16} of a whole warp, in place over the 32
