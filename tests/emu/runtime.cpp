@@ -66,29 +66,75 @@ seqpar_emu_switch:
 )");
 #endif
 
+#if defined(__SANITIZE_ADDRESS__)
+#define SEQPAR_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SEQPAR_EMU_ASAN 1
+#endif
+#endif
+#if SEQPAR_EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace seqpar_emu {
 namespace {
 
-/// A saved execution context: where a fiber (or the scheduler) resumes.
+/// A saved execution context: where a fiber (or the scheduler) resumes, and its stack (for
+/// AddressSanitizer, which must be told about every stack switch).
 struct Context {
 #if defined(__x86_64__)
   void* sp = nullptr;
 #else
   ucontext_t uc{};
 #endif
+  const void* stack = nullptr;
+  std::size_t stack_size = 0;
 };
 
-/// Saves the running context into `from` and resumes `to`.
-inline void switch_to(Context& from, Context& to) {
+#if SEQPAR_EMU_ASAN
+/// Called first thing on the stack just switched to: completes ASan's switch and learns the
+/// bounds of the stack switched from (so the scheduler's own stack becomes known).
+inline void asan_arrived(void* fake_stack, Context* from) {
+  const void* bottom = nullptr;
+  std::size_t size = 0;
+  __sanitizer_finish_switch_fiber(fake_stack, &bottom, &size);
+  if (from) {
+    from->stack = bottom;
+    from->stack_size = size;
+  }
+}
+#endif
+
+/// Saves the running context into `from` and resumes `to`. `leaving`: `from` will never be
+/// resumed (a finished fiber), so ASan may drop its fake stack.
+inline void switch_to(Context& from, Context& to, bool leaving = false) {
+#if SEQPAR_EMU_ASAN
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(leaving ? nullptr : &fake_stack, to.stack, to.stack_size);
+#else
+  (void)leaving;
+#endif
 #if defined(__x86_64__)
   seqpar_emu_switch(&from.sp, to.sp);
 #else
   swapcontext(&from.uc, &to.uc);
 #endif
+#if SEQPAR_EMU_ASAN
+  asan_arrived(fake_stack, nullptr);
+#endif
 }
 
 /// Prepares `c` to start `entry` (which must never return) on the stack [base, base + size).
 inline void start_context(Context& c, char* base, std::size_t size, void (*entry)()) {
+  c.stack = base;
+  c.stack_size = size;
+#if SEQPAR_EMU_ASAN
+  // A reused stack keeps the redzones of frames that never returned (a fiber ends by
+  // switching away, or is abandoned when its launch fails): clear them.
+  __asan_unpoison_memory_region(base, size);
+#endif
 #if defined(__x86_64__)
   auto top = reinterpret_cast<std::uintptr_t>(base + size) & ~std::uintptr_t{15};
   auto* sp = reinterpret_cast<void**>(top);
@@ -248,6 +294,9 @@ void release_warp_if_complete(Warp& w) {
 void fiber_main() {
   Grid& g = *tls_grid;
   Fiber& f = *g.current;
+#if SEQPAR_EMU_ASAN
+  asan_arrived(nullptr, &g.scheduler);
+#endif
   try {
     g.body();
     for (auto& c : f.copies) c.group = std::max(c.group, 0);
@@ -270,7 +319,7 @@ void fiber_main() {
       g.error = std::string("thread ") + std::to_string(f.linear) + " exited while other threads wait at __syncthreads";
     release_warp_if_complete(w);
   }
-  switch_to(f.ctx, g.scheduler);  // never resumed
+  switch_to(f.ctx, g.scheduler, true);  // never resumed
   std::abort();
 }
 
@@ -589,7 +638,9 @@ thread_local std::map<int, Stream*> tls_per_thread;  // per device
 std::atomic<int> g_pending_fault{cudaSuccess};
 
 Stream* new_stream(int device, bool blocking) {
-  auto* s = new Stream;
+  // Owned until exit, also once destroyed: queued work elsewhere may still name it in a Dep.
+  static std::deque<std::unique_ptr<Stream>> owned;
+  auto* s = owned.emplace_back(std::make_unique<Stream>()).get();
   s->device = device;
   s->blocking = blocking;
   g_streams.push_back(s);
@@ -848,7 +899,6 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   std::lock_guard lock(seqpar_emu::queue_mutex());
   auto& all = seqpar_emu::g_streams;
   all.erase(std::remove(all.begin(), all.end(), s), all.end());
-  // Not deleted: work queued elsewhere may still name it in a Dep (satisfied, as it has run).
   return set_error(rc);
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
