@@ -862,17 +862,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
-  if (const cudaError_t rc = seqpar_emu::check_copy(dst, src, bytes, kind); rc != cudaSuccess) return set_error(rc);
-  if (bytes == 0) return cudaSuccess;
   // On the legacy stream; returns when the bytes have landed (device-to-device copies are
   // asynchronous in CUDA, and stay queued here).
-  seqpar_emu::Stream* legacy = seqpar_emu::stream_of(nullptr);
-  const std::uint64_t n = seqpar_emu::enqueue(legacy, [dst, src, bytes] {
-    std::memmove(dst, src, bytes);
-    return cudaSuccess;
-  });
-  if (kind == cudaMemcpyDeviceToDevice) return cudaSuccess;
-  return seqpar_emu::synced(seqpar_emu::run_until(legacy, n));
+  if (const cudaError_t rc = cudaMemcpyAsync(dst, src, bytes, kind, nullptr); rc != cudaSuccess || bytes == 0 ||
+                                                                            kind == cudaMemcpyDeviceToDevice)
+    return rc;
+  return cudaStreamSynchronize(nullptr);
 }
 cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t stream) {
   if (bytes && !allocations().contains(dst, bytes)) return set_error(cudaErrorInvalidValue);
