@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the tests that exercise ThreadCommunicator (threads, communication, policies, faults,
-# bad input) under the `asan` (ASan + UBSan) and `tsan` presets of CMakePresets.json and runs
-# them; any sanitizer report fails. Sized for CI on 2 cores: only these targets, at -O1.
+# bad input), and the CPU emulation of the CUDA device's self-test (fibers, fiber stacks reused
+# and unmapped, kernels on several threads; only where the CUDA headers are), under the `asan`
+# (ASan + UBSan) and `tsan` presets of CMakePresets.json and runs them; any sanitizer report
+# fails. Sized for CI on 2 cores: only these targets, at -O1.
 #
 # Usage: tests/sanitizers.sh [asan] [tsan]     (default: both)
 # Env:   SEQPAR_SANITIZER_TESTS  space-separated test names (default below)
@@ -9,12 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-read -r -a tests <<<"${SEQPAR_SANITIZER_TESTS:-test_thread_communicator test_faults test_errors test_policies test_thread_comm_alloc test_cpu_flash_backward_threads}"
+read -r -a tests <<<"${SEQPAR_SANITIZER_TESTS:-test_thread_communicator test_faults test_errors test_policies test_thread_comm_alloc test_cpu_flash_backward_threads emu_test_device}"
 jobs="${SEQPAR_SANITIZER_JOBS:-$(nproc)}"
 presets=("$@")
 [[ ${#presets[@]} -eq 0 ]] && presets=(asan tsan)
 
-regex="^($(IFS='|'; echo "${tests[*]}"))\$"
 for preset in "${presets[@]}"; do
   case "$preset" in asan | tsan) ;; *) echo "sanitizers.sh: unknown preset '$preset' (asan or tsan)" >&2; exit 2 ;; esac
   start=$SECONDS
@@ -23,8 +24,16 @@ for preset in "${presets[@]}"; do
   generator=()
   if [[ ! -f "build-$preset/CMakeCache.txt" ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
   cmake --preset "$preset" "${generator[@]}" >/dev/null
-  echo "== $preset: build ${tests[*]}"
-  cmake --build --preset "$preset" -j "$jobs" --target "${tests[@]}"
+  no_emu=""  # without the CUDA headers, tests/emu defines no targets
+  if grep -q '^SEQPAR_EMU_CUDA_INCLUDE:.*-NOTFOUND$' "build-$preset/CMakeCache.txt"; then
+    no_emu=1
+    echo "== $preset: no CUDA headers: the emu_* tests are skipped"
+  fi
+  targets=()
+  for t in "${tests[@]}"; do [[ -n $no_emu && $t == emu_* ]] || targets+=("$t"); done
+  regex="^($(IFS='|'; echo "${targets[*]}"))\$"
+  echo "== $preset: build ${targets[*]}"
+  cmake --build --preset "$preset" -j "$jobs" --target "${targets[@]}"
   echo "== $preset: run"
   ctest --preset "$preset" -R "$regex" --no-tests=error
   echo "== $preset: passed in $((SECONDS - start)) s"

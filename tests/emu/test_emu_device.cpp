@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #include "seqpar/kernel/cuda_launch.cuh"
@@ -93,6 +94,22 @@ __global__ void async_copy(const float* in, float* out, bool wait) {
   out[threadIdx.x] = tile[4 * threadIdx.x];
 }
 
+/// Bytes of stage_static's static shared memory: more than a GPU allows (48 KiB), so that the
+/// array spans a whole fiber stack (256 KiB and a guard page) wherever it lies.
+constexpr int stage_bytes = 264 * 1024;
+
+/// Stages `in` (stage_bytes) through static shared memory with cp.async; thread t writes the
+/// tile's element 4 t + 1 to out[t].
+__global__ void stage_static(const float* in, float* out) {
+  constexpr int chunks = stage_bytes / 16;
+  __shared__ __align__(16) float tile[4 * chunks];
+  for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x) ::seqpar_emu::cp_async_16(tile + 4 * c, in + 4 * c, true);
+  ::seqpar_emu::cp_async_commit();
+  ::seqpar_emu::cp_async_wait(0);
+  __syncthreads();
+  out[threadIdx.x] = tile[4 * threadIdx.x + 1];
+}
+
 /// out[i] = value, one thread per element.
 __global__ void fill(float* out, float value) { out[blockIdx.x * blockDim.x + threadIdx.x] = value; }
 
@@ -139,6 +156,42 @@ TEST_CASE("emulation exposes a missing __syncthreads and a missing cp.async wait
     CHECK(landed == 0);  // delivered at the wait that never came (after the read)
   cudaFree(in);
   cudaFree(out);
+}
+
+TEST_CASE("emulated kernels on several OS threads: each its own static shared memory") {
+  // Rounds of 2, then 8 threads, each launching on its own stream: thread stacks and TLS get
+  // mapped where the fiber stacks of threads that ended were (under ASan, their shadow must
+  // have been cleared, or the new threads' __shared__ arrays start out "poisoned").
+  constexpr int floats = stage_bytes / 4, block = 128;
+  for (int round = 0; round < 6; ++round) {
+    const int n = round % 2 ? 8 : 2;
+    std::vector<int> wrong(static_cast<std::size_t>(n), -1);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < n; ++t)
+      threads.emplace_back([&wrong, t] {
+        std::vector<float> h(floats);
+        for (int i = 0; i < floats; ++i) h[i] = static_cast<float>(t * floats + i);
+        void* in = nullptr;
+        void* out = nullptr;
+        cudaStream_t s = nullptr;
+        for (const cudaError_t rc : {cudaMalloc(&in, floats * sizeof(float)), cudaMalloc(&out, block * sizeof(float)),
+                                     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)})
+          if (rc != cudaSuccess) return;
+        if (cudaMemcpy(in, h.data(), floats * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return;
+        launch(stage_static, 1, block, 0, s, static_cast<const float*>(in), static_cast<float*>(out));
+        std::vector<float> got(block);
+        if (cudaStreamSynchronize(s) == cudaSuccess &&
+            cudaMemcpy(got.data(), out, block * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess) {
+          wrong[static_cast<std::size_t>(t)] = 0;
+          for (int i = 0; i < block; ++i) wrong[static_cast<std::size_t>(t)] += got[i] != h[4 * i + 1];
+        }
+        cudaStreamDestroy(s);
+        cudaFree(in);
+        cudaFree(out);
+      });
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < n; ++t) CHECK(wrong[static_cast<std::size_t>(t)] == 0);
+  }
 }
 
 TEST_CASE("emulated runtime: copies stay inside allocations, launches inside limits") {
