@@ -1,6 +1,7 @@
 // GPU benchmark (run by tests/gpu/run.sh): CudaFlashKernel forward TFLOP/s at 4K-32K tokens,
-// head dim 64/128, causal and not; and each policy's forward time on one GPU with 2-8 virtual
-// ranks (threads over CudaThreadCommunicator). Prints the results as markdown tables.
+// head dim 64/128, causal and not, and backward TFLOP/s at 4K and 16K; and each policy's
+// forward time on one GPU with 2-8 virtual ranks (threads over CudaThreadCommunicator). Prints
+// the results as markdown tables.
 //
 // Usage: seqpar_gpu_bench [--quick | --smoke]
 //   --quick: fewer and shorter points (run.sh, when time runs short);
@@ -78,21 +79,23 @@ const char* type_name() {
 }
 
 struct KernelRow {
-  std::string type, path;
+  std::string pass, type, path;
   std::int64_t seq, dim, heads;
   bool causal;
   double ms, tflops;
   bool ok;
 };
 
-/// Times CudaFlashKernel forward on [1, seq, heads, dim] (median of `reps` after a warm-up).
+/// Times CudaFlashKernel forward, or with `backward` its backward (after one forward for out and
+/// LSE), on [1, seq, heads, dim] (median of `reps` after a warm-up).
 template <class T>
-KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bool causal, bool tensor_cores,
-                      bool ldmatrix, int query_tile, int reps) {
+KernelRow time_kernel(bool backward, std::int64_t seq, std::int64_t dim, std::int64_t heads, bool causal,
+                      bool tensor_cores, bool ldmatrix, int query_tile, int reps) {
   const std::int64_t B = 1;
   const std::size_t n = static_cast<std::size_t>(B * seq * heads * dim);
-  Buffer<T> q(n, 1), k(n, 2), v(n, 3), out(n);
-  Buffer<float> lse(static_cast<std::size_t>(B * seq * heads));
+  Buffer<T> q(n, 1), k(n, 2), v(n, 3), out(n), dout(backward ? n : 0, 4);
+  Buffer<float> lse(static_cast<std::size_t>(B * seq * heads)), dq(backward ? n : 0), dk(backward ? n : 0),
+      dv(backward ? n : 0);
   cudaStream_t s;
   SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CudaFlashKernel kernel(s);
@@ -109,15 +112,30 @@ KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bo
            vv = CV::bshd(v.p, B, seq, heads, dim);
   const auto ov = TensorView<T, CudaSpace>::bshd(out.p, B, seq, heads, dim);
   const auto lv = TensorView<float, CudaSpace>::lse_bhs(lse.p, B, seq, heads);
+  using GV = TensorView<float, CudaSpace>;
+  auto run = [&] {
+    if (backward)
+      kernel.backward(CV::bshd(dout.p, B, seq, heads, dim), qv, kv, vv, CV(ov), TensorView<const float, CudaSpace>(lv),
+                      GV::bshd(dq.p, B, seq, heads, dim), GV::bshd(dk.p, B, seq, heads, dim),
+                      GV::bshd(dv.p, B, seq, heads, dim), p);
+    else
+      kernel.forward(qv, kv, vv, ov, lv, p);
+  };
+  if (backward) {
+    SEQPAR_CUDA_CHECK(cudaMemset(dq.p, 0, n * sizeof(float)));
+    SEQPAR_CUDA_CHECK(cudaMemset(dk.p, 0, n * sizeof(float)));
+    SEQPAR_CUDA_CHECK(cudaMemset(dv.p, 0, n * sizeof(float)));
+    kernel.forward(qv, kv, vv, ov, lv, p);
+  }
   SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
-  kernel.forward(qv, kv, vv, ov, lv, p);  // warm-up
+  run();  // warm-up
   cudaEvent_t e0, e1;
   SEQPAR_CUDA_CHECK(cudaEventCreate(&e0));
   SEQPAR_CUDA_CHECK(cudaEventCreate(&e1));
   std::vector<float> times;
   for (int r = 0; r < reps; ++r) {
     SEQPAR_CUDA_CHECK(cudaEventRecord(e0, s));
-    kernel.forward(qv, kv, vv, ov, lv, p);
+    run();
     SEQPAR_CUDA_CHECK(cudaEventRecord(e1, s));
     SEQPAR_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
@@ -126,12 +144,15 @@ KernelRow time_kernel(std::int64_t seq, std::int64_t dim, std::int64_t heads, bo
   }
   std::sort(times.begin(), times.end());
   const double ms = times[times.size() / 2];
-  const double flops = 4.0 * B * heads * double(seq) * double(seq) * dim * (causal ? 0.5 : 1.0);
-  std::string path = kernel.forward_path<T>(qv, kv, vv);
+  // Backward: five products (S, dP, dV, dK, dQ) to the forward's two, 2.5 times its FLOPs.
+  const double flops =
+      (backward ? 10.0 : 4.0) * B * heads * double(seq) * double(seq) * dim * (causal ? 0.5 : 1.0);
+  std::string path = backward ? kernel.backward_path<T>(CV::bshd(dout.p, B, seq, heads, dim), qv, kv, vv)
+                              : kernel.forward_path<T>(qv, kv, vv);
   if (path == "mma" && query_tile != 64) path += " q" + std::to_string(query_tile);
   if (path.rfind("mma", 0) == 0 && !ldmatrix) path += " (no ldmatrix)";
-  KernelRow row{type_name<T>(), path, seq, dim, heads, causal, ms,
-                flops / (ms * 1e-3) / 1e12, finite_prefix(out.p, n)};
+  KernelRow row{backward ? "bwd" : "fwd", type_name<T>(), path, seq, dim, heads, causal, ms,
+                flops / (ms * 1e-3) / 1e12, backward ? finite_prefix(dq.p, n) : finite_prefix(out.p, n)};
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(s);
@@ -225,12 +246,13 @@ int main(int argc, char** argv) {
   int failures = 0;  // points that threw or wrote non-finite output: the exit status says so
   std::vector<KernelRow> krows;
   auto kernel_point = [&](auto tag, std::int64_t seq, std::int64_t dim, bool causal, bool tc, bool ldsm = true,
-                          int query_tile = 64) {
+                          int query_tile = 64, bool backward = false) {
     using T = decltype(tag);
     try {
-      krows.push_back(time_kernel<T>(seq, dim, kernel_heads(dim), causal, tc, ldsm, query_tile, reps));
+      krows.push_back(time_kernel<T>(backward, seq, dim, kernel_heads(dim), causal, tc, ldsm, query_tile, reps));
       const KernelRow& r = krows.back();
-      std::printf("kernel %s %s seq %lld dim %lld %s: %.3f ms, %.1f TFLOP/s%s\n", r.type.c_str(), r.path.c_str(),
+      std::printf("kernel %s %s %s seq %lld dim %lld %s: %.3f ms, %.1f TFLOP/s%s\n", r.pass.c_str(), r.type.c_str(),
+                  r.path.c_str(),
                   static_cast<long long>(seq), static_cast<long long>(dim), causal ? "causal" : "full", r.ms, r.tflops,
                   r.ok ? "" : " (NON-FINITE OUTPUT)");
       failures += !r.ok;
@@ -253,6 +275,12 @@ int main(int argc, char** argv) {
   kernel_point(__nv_bfloat16{}, short_seq, 128, false, false);  // the SIMT path, for comparison
   kernel_point(float{}, short_seq, 128, false, true);
   kernel_point(float{}, short_seq, 64, true, true);
+  // Backward: the tensor-core path at both head dims, causal and not, and the SIMT path once.
+  for (std::int64_t dim : {128, 64})
+    for (bool causal : {false, true})
+      for (std::int64_t seq : quick ? std::vector<std::int64_t>{short_seq} : std::vector<std::int64_t>{4096, 16384})
+        kernel_point(__nv_bfloat16{}, seq, dim, causal, true, true, 64, true);
+  kernel_point(__nv_bfloat16{}, short_seq, 128, false, false, true, 64, true);
 
   std::vector<PolicyRow> prows;
   const std::int64_t pseq = smoke ? 512 : quick ? 4096 : 16384, pheads = smoke ? 8 : 16, pdim = smoke ? 64 : 128;
@@ -278,11 +306,12 @@ int main(int argc, char** argv) {
     if (P >= 4) policy_point("Unified<Zigzag> 2xR", UnifiedPolicy<Zigzag>{2, 0}, P);
   }
 
-  std::printf("\n## CudaFlashKernel forward on %s (B=1, H=%lld for D=64, H=%lld for D=128)\n\n", prop.name,
+  std::printf("\n## CudaFlashKernel on %s (B=1, H=%lld for D=64, H=%lld for D=128; bwd FLOPs = 2.5 x fwd)\n\n",
+              prop.name,
               static_cast<long long>(kernel_heads(64)), static_cast<long long>(kernel_heads(128)));
-  std::printf("| type | path | seq | head dim | mask | ms | TFLOP/s |\n|---|---|---|---|---|---|---|\n");
+  std::printf("| pass | type | path | seq | head dim | mask | ms | TFLOP/s |\n|---|---|---|---|---|---|---|---|\n");
   for (const KernelRow& r : krows)
-    std::printf("| %s | %s | %lld | %lld | %s | %.3f | %.1f%s |\n", r.type.c_str(), r.path.c_str(),
+    std::printf("| %s | %s | %s | %lld | %lld | %s | %.3f | %.1f%s |\n", r.pass.c_str(), r.type.c_str(), r.path.c_str(),
                 static_cast<long long>(r.seq), static_cast<long long>(r.dim), r.causal ? "causal" : "none", r.ms,
                 r.tflops, r.ok ? "" : " (non-finite!)");
   std::printf("\n## Policy forward on one GPU, P virtual ranks (bf16, causal, seq %lld, H=%lld, D=%lld)\n\n",

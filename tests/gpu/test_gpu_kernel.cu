@@ -67,6 +67,14 @@ double rel_error(const std::vector<double>& got, const std::vector<double>& want
   return ref > 0 ? err / ref : err;
 }
 
+/// Whether the current device has the tensor-core paths (sm_80 and later).
+bool tensor_core_device() {
+  int dev = 0, major = 0;
+  SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
+  SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return major >= 8;
+}
+
 /// Shapes of a kernel check.
 struct KernelCase {
   std::int64_t batch, sq, sk, heads, kv_heads, dim;
@@ -145,12 +153,7 @@ void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, boo
 
 template <class T>
 void forward_suite() {
-  const bool tc_capable = [] {
-    int dev = 0, major = 0;
-    SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
-    SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    return major >= 8;
-  }();
+  const bool tc_capable = tensor_core_device();
   const bool low = !std::is_same_v<T, float>;
   for (std::int64_t dim : {64, 128, 40, 96, 256, 8})
     for (bool causal : {false, true})
@@ -182,13 +185,17 @@ void forward_suite() {
 }
 
 /// Backward: dq, dk, dv start at random values, the kernel must add its gradients to them.
+/// `want_path`: the path the kernel must take ("mma" or "simt").
 template <class T>
-void check_backward(const KernelCase& c) {
+void check_backward(const KernelCase& c, bool tensor_cores, const char* want_path) {
   CAPTURE(type_name<T>());
+  CAPTURE(c.sq);
+  CAPTURE(c.sk);
   CAPTURE(c.dim);
   CAPTURE(c.causal);
   CAPTURE(c.positions);
-  std::mt19937_64 rng(static_cast<std::uint64_t>(c.dim * 31 + c.causal));
+  CAPTURE(tensor_cores);
+  std::mt19937_64 rng(static_cast<std::uint64_t>(c.dim * 31 + c.causal + c.sq * 7));
   Tensor<T> q(c.batch, c.sq, c.heads, c.dim, 0, rng), k(c.batch, c.sk, c.kv_heads, c.dim, 0, rng),
       v(c.batch, c.sk, c.kv_heads, c.dim, 0, rng), dout(c.batch, c.sq, c.heads, c.dim, 0, rng);
   const KernelParams p = params_of(c);
@@ -206,6 +213,8 @@ void check_backward(const KernelCase& c) {
       dv(c.batch, c.sk, c.kv_heads, c.dim, 0, rng);
   Stream stream;
   CudaFlashKernel kernel(stream);
+  kernel.set_tensor_cores(tensor_cores);
+  CHECK(std::string(kernel.backward_path<T>(dout.view(), q.view(), k.view(), v.view())) == want_path);
   kernel.backward(dout.view(), q.view(), k.view(), v.view(),
                   TensorView<const T, CudaSpace>::bshd(out_d.data(), c.batch, c.sq, c.heads, c.dim),
                   TensorView<const float, CudaSpace>::bshd(lse_d.data(), c.batch, c.sq, c.heads, 1), dq.mut_view(),
@@ -219,16 +228,36 @@ void check_backward(const KernelCase& c) {
                              G::bshd(want_dq.data(), c.batch, c.sq, c.heads, c.dim),
                              G::bshd(want_dk.data(), c.batch, c.sk, c.kv_heads, c.dim),
                              G::bshd(want_dv.data(), c.batch, c.sk, c.kv_heads, c.dim), p);
-  // Every term is formed in float from T inputs: float-level errors whatever T is.
-  CHECK(rel_error(dq.values(), want_dq) <= 1e-4);
-  CHECK(rel_error(dk.values(), want_dk) <= 1e-4);
-  CHECK(rel_error(dv.values(), want_dv) <= 1e-4);
+  // SIMT: every term is formed in float from T inputs, float-level errors whatever T is.
+  // Tensor cores: P and dS are rounded to T once each as mma operands; twice T's unit
+  // roundoff (half 4.9e-4, bf16 3.9e-3), where the emulated device measures up to a third.
+  const double unit_roundoff = std::is_same_v<T, __half> ? 0x1p-11 : 0x1p-8;
+  const double tol = std::string(want_path) == "mma" ? 2 * unit_roundoff : 1e-4;
+  CHECK(rel_error(dq.values(), want_dq) <= tol);
+  CHECK(rel_error(dk.values(), want_dk) <= tol);
+  CHECK(rel_error(dv.values(), want_dv) <= tol);
 }
 
 template <class T>
 void backward_suite() {
+  const bool mma_capable = !std::is_same_v<T, float> && tensor_core_device();
   for (std::int64_t dim : {64, 40, 128, 256})
-    for (bool causal : {false, true}) check_backward<T>({2, 70, 90, 4, 2, dim, causal, causal ? 2 : 0});
+    for (bool causal : {false, true}) {
+      const KernelCase c{2, 70, 90, 4, 2, dim, causal, causal ? 2 : 0};
+      const bool mma = mma_capable && (dim == 64 || dim == 128);
+      check_backward<T>(c, true, mma ? "mma" : "simt");
+      if (mma) check_backward<T>(c, false, "simt");  // the SIMT path for the same shape
+    }
+  // Tensor cores: several key blocks and query tiles, queries late or in two runs (rows that
+  // see no key), tiles cut short on both sides, MQA.
+  if constexpr (!std::is_same_v<T, float>) {
+    if (mma_capable)
+      for (std::int64_t dim : {64, 128}) {
+        check_backward<T>({1, 150, 200, 2, 1, dim, true, 1}, true, "mma");
+        check_backward<T>({1, 131, 70, 3, 1, dim, true, 2}, true, "mma");
+        check_backward<T>({1, 97, 129, 2, 2, dim, false, 0}, true, "mma");
+      }
+  }
 }
 
 }  // namespace
@@ -239,19 +268,16 @@ TEST_CASE("CudaFlashKernel forward matches the exact reference: bf16") { forward
 
 // Small: run under compute-sanitizer (memcheck, racecheck) by run.sh, one case per path.
 TEST_CASE("CudaFlashKernel smoke: one small case per path, forward and backward") {
-  const bool tc = [] {
-    int dev = 0, major = 0;
-    SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
-    SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    return major >= 8;
-  }();
+  const bool tc = tensor_core_device();
   check_forward<__half, __half>({1, 70, 130, 2, 1, 64, true, 2}, true, 0, true, tc ? "mma" : "simt");
   check_forward<__half, float>({1, 70, 130, 2, 1, 128, true, 2}, true, 0, true, tc ? "mma" : "simt", false);
   check_forward<__nv_bfloat16, float>({1, 65, 66, 2, 2, 128, false, 0}, true, 8, true, tc ? "mma" : "simt");
   check_forward<__nv_bfloat16, __nv_bfloat16>({1, 150, 140, 2, 1, 128, true, 2}, true, 0, true, tc ? "mma" : "simt",
                                              true, 128);
   check_forward<float, float>({1, 40, 50, 2, 1, 72, true, 1}, true, 0, true, "simt");
-  check_backward<__half>({1, 40, 45, 2, 1, 64, true, 2});
+  check_backward<__half>({1, 40, 45, 2, 1, 64, true, 2}, true, tc ? "mma" : "simt");
+  check_backward<__nv_bfloat16>({1, 70, 80, 2, 1, 128, true, 2}, true, tc ? "mma" : "simt");
+  check_backward<__half>({1, 40, 45, 2, 1, 72, true, 2}, true, "simt");
 }
 
 TEST_CASE("CudaFlashKernel: empty inputs and rows that see no key give O = 0, LSE = -inf") {

@@ -17,17 +17,24 @@
 /// only on tiles it cuts. Query tiles are launched last-first so the heaviest causal tiles
 /// start early.
 ///
-/// Backward (SIMT, any type and head_dim <= 256) follows the LocalAttentionKernel contract: it
-/// recomputes P from the saved LSE and ADDS into float dq, dk, dv with atomics, so ring steps
-/// and query heads sharing a K/V head accumulate. It needs no scratch: each block recomputes
-/// rowsum(dO * O) for the query tiles it visits.
+/// Backward follows the LocalAttentionKernel contract: it recomputes P from the saved LSE and
+/// ADDS into float dq, dk, dv with atomics, so ring steps and query heads sharing a K/V head
+/// accumulate. One block per 64-key (SIMT: 32-key) tile keeps that tile's dK, dV in registers
+/// while the query tiles stream past, and adds its share of dQ to global memory. It needs no
+/// scratch: each block recomputes rowsum(dO * O) for the query tiles it visits. Two paths, on
+/// the forward's conditions (and dout's rows 16-byte aligned):
+/// - tensor cores (half/bf16, head_dim 64 or 128): all five products (S, dP, dV, dK, dQ) by
+///   mma.sync with ldmatrix operands, P and dS fed back from the accumulators as A operands;
+/// - SIMT (every type, any head_dim <= 256): float in shared memory.
 ///
 /// Every launch goes on `stream()`; nothing synchronises the host and nothing is allocated.
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 
 #include "seqpar/core/cuda_error.hpp"
@@ -308,6 +315,16 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* s
 #else
   __trap();
 #endif
+}
+
+/// c0 += a B0 and c1 += a B1 for two adjacent n-tiles whose B fragments one ldmatrix.x4 loads
+/// from `smem` (the row address of this lane: see tile::ldmatrix_k_offset, ldmatrix_v_offset).
+template <bool trans, class T>
+__device__ __forceinline__ void mma_x2(float (&c0)[4], float (&c1)[4], const std::uint32_t (&a)[4], const T* smem) {
+  std::uint32_t b[4];
+  ldmatrix_x4<trans>(b, smem);
+  mma_16816<T>(c0, a, b[0], b[1]);
+  mma_16816<T>(c1, a, b[2], b[3]);
 }
 
 /// Starts loading rows [j0, j0 + ROWS) of one head of `x` into a [ROWS][D + 8] shared tile;
@@ -612,6 +629,31 @@ constexpr std::size_t simt_bwd_smem(int dim) {
   return sizeof(float) * (2 * bwd_bk * (dp + 1) + 2 * bwd_bq * dp + 2 * bwd_bq * (bwd_bk + 1) + 2 * bwd_bq);
 }
 
+/// What the backward needs per query row besides Q and dO: D_i = rowsum(dO * O) into sD and
+/// the LSE in log2 units into sL, for query rows i0 .. i0 + nq of head h; each warp fills ROWS
+/// consecutive rows. Rows past nq get D = 0 and LSE = -inf, the marker of a row that
+/// contributes nothing (so does a row that saw no key in the forward).
+template <int ROWS, class T>
+__device__ __forceinline__ void backward_row_stats(const BwdArgs<T>& a, std::int64_t b, std::int64_t h,
+                                                   std::int64_t i0, int nq, float* sD, float* sL) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rr = 0; rr < ROWS; ++rr) {
+    const int r = warp * ROWS + rr;
+    float acc = 0.0f;
+    if (r < nq) {
+      const T* orow = a.out.row(b, i0 + r, h);
+      const T* grow = a.dout.row(b, i0 + r, h);
+      for (int d = lane; d < a.dim; d += 32) acc += to_float(orow[d]) * to_float(grow[d]);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) {
+      sD[r] = acc;
+      sL[r] = r < nq ? *a.lse.row(b, i0 + r, h) * tile::log2e : -INFINITY;
+    }
+  }
+}
+
 template <class T, int DC>
 __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
   float* smem = dynamic_smem<float>();
@@ -658,21 +700,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
       sQ[idx] = ok ? to_float(a.q.row(b, i0 + r, h)[d]) : 0.0f;
       sO[idx] = ok ? to_float(a.dout.row(b, i0 + r, h)[d]) : 0.0f;
     }
-#pragma unroll
-    for (int rr = 0; rr < bwd_rows; ++rr) {
-      const int r = warp * bwd_rows + rr;
-      float acc = 0.0f;
-      if (r < nq) {
-        const T* orow = a.out.row(b, i0 + r, h);
-        const T* grow = a.dout.row(b, i0 + r, h);
-        for (int d = lane; d < D; d += 32) acc += to_float(orow[d]) * to_float(grow[d]);
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) {
-        sD[r] = acc;
-        sL[r] = r < nq ? *a.lse.row(b, i0 + r, h) * tile::log2e : -INFINITY;
-      }
-    }
+    backward_row_stats<bwd_rows>(a, b, h, i0, nq, sD, sL);
     __syncthreads();
 
     // P and dS: lane = key, warp rows.
@@ -759,12 +787,230 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Tensor-core backward: half / bf16, head_dim 64 or 128. One block per (key tile, query head,
+// batch); each of the four warps owns 16 keys of the tile and keeps their dK, dV in registers
+// while the query tiles stream past (FlashAttention-2's backward loop order).
+
+inline constexpr int mma_bwd_bk = 64;  // keys per block: 16 per warp
+
+/// Query rows per tile of the tensor-core backward: 64 at head_dim 64; 32 at 128, where the
+/// dK and dV accumulators take 64 registers each and 64-query S and dP tiles would take the
+/// rest (ptxas, sm_90: 255 registers with 64 query rows, 240 with 32).
+template <int D>
+inline constexpr int mma_bwd_bq = D <= 64 ? 64 : 32;
+
+/// Dynamic shared memory of the tensor-core backward: K, V [64][D + 8] for the whole block;
+/// Q, dO [BQ][D + 8] and dS [BQ][64 + 8] (T) per query tile; D_i and LSE [BQ] (float).
+template <class T, int D>
+constexpr std::size_t mma_bwd_smem() {
+  constexpr std::size_t bq = mma_bwd_bq<D>;
+  return sizeof(T) * ((2 * mma_bwd_bk + 2 * bq) * (D + 8) + bq * (mma_bwd_bk + 8)) + 2 * sizeof(float) * bq;
+}
+
+/// The tensor-core backward. Per query tile, warp w (keys 16w .. 16w + 15):
+///   S^T = K Q^T and dP^T = V dO^T (mma, B operands by ldmatrix exactly as K^T in the forward);
+///   P^T = exp2(S^T scale log2e - LSE), dS^T = P^T (dP^T - D) on the accumulators;
+///   dV += P^T dO and dK += dS^T Q, with P^T and dS^T fed back as A operands from registers;
+///   dS^T goes to shared memory as dS, and after one barrier each warp adds its share of
+///   dQ = scale dS K into global memory (float atomics: other key blocks add to the same rows),
+///   while the next query tile's Q and dO load.
+/// P and dS are rounded to T as mma inputs (FlashAttention-2 does the same); every product
+/// accumulates in float.
+template <class T, int D>
+__global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
+  constexpr int bk = mma_bwd_bk, bq = mma_bwd_bq<D>, stride = D + 8, ds_stride = bk + 8;
+  constexpr int nt_q = bq / 8, nt_d = D / 8;
+  // dQ: the tile's bq / 16 row blocks times column groups make four warp tasks.
+  constexpr int row_blocks = bq / 16, col_groups = (mma_threads / 32) / row_blocks, nt_per_group = nt_d / col_groups;
+  static_assert(row_blocks * col_groups == mma_threads / 32 && nt_per_group % 2 == 0, "flash_bwd_mma: dQ split");
+  T* sK = dynamic_smem<T>();
+  T* sV = sK + bk * stride;
+  T* sQ = sV + bk * stride;
+  T* sG = sQ + bq * stride;  // dO
+  T* sS = sG + bq * stride;  // dS, [query][key]
+  float* sL = reinterpret_cast<float*>(sS + bq * ds_stride);
+  float* sD = sL + bq;
+
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * bk;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nk = static_cast<int>(a.sk - j0 < bk ? a.sk - j0 : bk);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int key0 = warp * 16;  // this warp's first key in the tile
+
+  load_tile_async<T, D>(sK, a.k, b, j0, kh, nk);
+  load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
+  cp_async_commit();
+
+  const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
+  auto rows_of = [&](std::int64_t i0) { return static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq); };
+  auto tile_mask = [&](std::int64_t i0) {
+    return tile::classify_tile(a.causal, a.qpos(i0), a.qpos(i0 + rows_of(i0) - 1), k_first, k_last);
+  };
+  // The first query tile at or after i0 that sees a key of this block (positions increase, so
+  // the hidden tiles of a causal mask come first), or sq.
+  auto next_tile = [&](std::int64_t i0) {
+    while (i0 < a.sq && tile_mask(i0) == tile::TileMask::hidden) i0 += bq;
+    return i0;
+  };
+  auto start_tile = [&](std::int64_t i0) {
+    const int nq = rows_of(i0);
+    load_tile_async<T, D, bq>(sQ, a.q, b, i0, h, nq);
+    load_tile_async<T, D, bq>(sG, a.dout, b, i0, h, nq);
+    cp_async_commit();
+    backward_row_stats<bq / 4>(a, b, h, i0, nq, sD, sL);
+  };
+
+  // This lane's keys: accumulator rows g and g + 8 of the warp's 16.
+  bool key_ok[2];
+  std::int64_t kp[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int kr = key0 + tile::mma_c_coord(lane, 2 * hf).row;
+    key_ok[hf] = kr < nk;
+    kp[hf] = key_ok[hf] ? a.kpos(j0 + kr) : 0;
+  }
+  float dk[nt_d][4], dv[nt_d][4];
+#pragma unroll
+  for (int n = 0; n < nt_d; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.0f;
+
+  const int off_b = tile::ldmatrix_k_offset(lane, stride);   // B = X^T from a row-major X tile
+  const int off_t = tile::ldmatrix_v_offset(lane, stride);   // B = X, loaded transposed
+  std::int64_t i0 = next_tile(0);
+  if (i0 < a.sq) start_tile(i0);
+  cp_async_wait<0>();
+  __syncthreads();
+  while (i0 < a.sq) {
+    const int nq = rows_of(i0);
+    const tile::TileMask mask = tile_mask(i0);
+
+    float s[nt_q][4], dp[nt_q][4];
+#pragma unroll
+    for (int nt = 0; nt < nt_q; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      std::uint32_t ka[4], va[4];
+      ldmatrix_x4<false>(ka, sK + key0 * stride + kc * 16 + tile::ldmatrix_a_offset(lane, stride));
+      ldmatrix_x4<false>(va, sV + key0 * stride + kc * 16 + tile::ldmatrix_a_offset(lane, stride));
+#pragma unroll
+      for (int nt = 0; nt < nt_q; nt += 2) {
+        mma_x2<false>(s[nt], s[nt + 1], ka, sQ + nt * 8 * stride + kc * 16 + off_b);
+        mma_x2<false>(dp[nt], dp[nt + 1], va, sG + nt * 8 * stride + kc * 16 + off_b);
+      }
+    }
+    // P^T and dS^T: row = key, column = query (a column past nq has LSE = -inf). dS^T also
+    // goes to shared memory as dS, for dQ = dS K, which needs every warp's keys.
+#pragma unroll
+    for (int nt = 0; nt < nt_q; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const tile::FragCoord c = tile::mma_c_coord(lane, i);
+        const int col = nt * 8 + c.col;
+        const float lse = sL[col];
+        bool visible = key_ok[i >> 1] && lse != -INFINITY;
+        if (visible && mask == tile::TileMask::partial) visible = kp[i >> 1] <= a.qpos(i0 + col);
+        const float p = visible ? tile::exp2_fast(s[nt][i] * a.scale_log2 - lse) : 0.0f;
+        s[nt][i] = p;
+        dp[nt][i] = p * (dp[nt][i] - sD[col]);
+        sS[col * ds_stride + key0 + c.row] = convert<T>(dp[nt][i]);
+      }
+#pragma unroll
+    for (int kc = 0; kc < bq / 16; ++kc) {
+      std::uint32_t pa[4], da[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int t = 2 * kc + tile::a_from_c_tile(2 * r), e = tile::a_from_c_elem(2 * r);
+        pa[r] = pack_pair<T>(s[t][e], s[t][e + 1]);
+        da[r] = pack_pair<T>(dp[t][e], dp[t][e + 1]);
+      }
+#pragma unroll
+      for (int n = 0; n < nt_d; n += 2) {
+        mma_x2<true>(dv[n], dv[n + 1], pa, sG + kc * 16 * stride + n * 8 + off_t);
+        mma_x2<true>(dk[n], dk[n + 1], da, sQ + kc * 16 * stride + n * 8 + off_t);
+      }
+    }
+    __syncthreads();  // dS is complete; every warp is done with sQ, sG, sL, sD
+    const std::int64_t i1 = next_tile(i0 + bq);
+    if (i1 < a.sq) start_tile(i1);  // lands while dQ is computed
+
+    // dQ rows 16 rb .. 16 rb + 15, head-dim n-tiles of column group cg: A = dS rows, B = K.
+    const int rb = warp % row_blocks, cg = warp / row_blocks;
+    if (16 * rb < nq) {
+      std::uint32_t sa[bk / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < bk / 16; ++kc)
+        ldmatrix_x4<false>(sa[kc], sS + 16 * rb * ds_stride + kc * 16 + tile::ldmatrix_a_offset(lane, ds_stride));
+#pragma unroll
+      for (int n = cg * nt_per_group; n < (cg + 1) * nt_per_group; n += 2) {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int kc = 0; kc < bk / 16; ++kc)
+          mma_x2<true>(acc[0], acc[1], sa[kc], sK + kc * 16 * stride + n * 8 + off_t);
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const tile::FragCoord c = tile::mma_c_coord(lane, i);
+            const int row = 16 * rb + c.row;
+            if (row < nq) atomicAdd(a.dq.row(b, i0 + row, h) + (n + t) * 8 + c.col, acc[t][i] * a.scale);
+          }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next tile is in; every warp is done with sS
+    i0 = i1;
+  }
+
+#pragma unroll
+  for (int n = 0; n < nt_d; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const tile::FragCoord c = tile::mma_c_coord(lane, i);
+      const int kr = key0 + c.row;
+      if (kr < nk) {
+        atomicAdd(a.dk.row(b, j0 + kr, kh) + n * 8 + c.col, dk[n][i] * a.scale);
+        atomicAdd(a.dv.row(b, j0 + kr, kh) + n * 8 + c.col, dv[n][i]);
+      }
+    }
+}
+
 /// Raises a kernel's dynamic shared memory limit when it needs more than the default 48 KiB.
+/// The opt-in (cudaFuncSetAttribute, per kernel and device) is a host call into the driver, so
+/// it is made once per kernel, device and size rather than on every launch; the record is
+/// process-wide (a cudaDeviceReset, which forgets the opt-in, is not seen).
+inline void allow_smem(const void* kernel, std::size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  int device = 0;
+  SEQPAR_CUDA_CHECK(cudaGetDevice(&device));
+  struct Grant {
+    const void* kernel;
+    int device;
+    std::size_t bytes;
+  };
+  static std::mutex mu;
+  static std::array<Grant, 128> grants{};  // more kernels x devices than this: no record, a call each time
+  static std::size_t used = 0;
+  std::lock_guard lock(mu);
+  Grant* grant = nullptr;
+  for (std::size_t i = 0; i < used; ++i)
+    if (grants[i].kernel == kernel && grants[i].device == device) grant = &grants[i];
+  if (grant && grant->bytes >= bytes) return;
+  SEQPAR_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (grant)
+    grant->bytes = bytes;
+  else if (used < grants.size())
+    grants[used++] = {kernel, device, bytes};
+}
+/// allow_smem for a typed kernel pointer.
 template <class Kernel>
 void allow_smem(Kernel* kernel, std::size_t bytes) {
-  if (bytes > 48 * 1024)
-    SEQPAR_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allow_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 
 template <class T, class Space>
@@ -824,6 +1070,14 @@ class CudaFlashKernel {
   const char* forward_path(TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k,
                            TensorView<const T, CudaSpace> v) const {
     return uses_mma(q, k, v) ? "mma" : "simt";
+  }
+
+  /// Which backward path these arguments take: "mma" (tensor cores: the forward's conditions,
+  /// dout's rows 16-byte aligned too) or "simt".
+  template <class T>
+  const char* backward_path(TensorView<const T, CudaSpace> dout, TensorView<const T, CudaSpace> q,
+                            TensorView<const T, CudaSpace> k, TensorView<const T, CudaSpace> v) const {
+    return uses_mma_backward(dout, q, k, v) ? "mma" : "simt";
   }
 
   /// See LocalAttentionKernel. `out` may be T or float (ring partial results); `lse` may be
@@ -889,13 +1143,22 @@ class CudaFlashKernel {
                               static_cast<float>(p.scale) * tile::log2e, p.causal,
                               tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
                               tile::HeadMap::from(p)};
+    if constexpr (!std::is_same_v<T, float>) {
+      if (uses_mma_backward(dout, q, k, v)) {
+        if (q.dim() == 64)
+          launch_bwd_mma<T, 64>(a, k, q);
+        else
+          launch_bwd_mma<T, 128>(a, k, q);
+        return;
+      }
+    }
     const int dim = static_cast<int>(q.dim());
     if (dim <= 64)
-      launch_bwd<T, 2>(a, k, q);
+      launch_bwd_simt<T, 2>(a, k, q);
     else if (dim <= 128)
-      launch_bwd<T, 4>(a, k, q);
+      launch_bwd_simt<T, 4>(a, k, q);
     else
-      launch_bwd<T, 8>(a, k, q);
+      launch_bwd_simt<T, 8>(a, k, q);
   }
 
  private:
@@ -946,6 +1209,15 @@ class CudaFlashKernel {
     }
   }
 
+  template <class T>
+  bool uses_mma_backward(const TensorView<const T, CudaSpace>& dout, const TensorView<const T, CudaSpace>& q,
+                         const TensorView<const T, CudaSpace>& k, const TensorView<const T, CudaSpace>& v) const {
+    if constexpr (std::is_same_v<T, float>)
+      return false;
+    else
+      return cuda_detail::rows_aligned_16(dout) && uses_mma(q, k, v);
+  }
+
   /// Compute capability (major) of the current device, remembered per device.
   int device_major() const {
     int dev = 0;
@@ -983,15 +1255,27 @@ class CudaFlashKernel {
                         cuda_detail::simt_threads, smem, stream_, a);
   }
 
-  template <class T, int DC>
-  void launch_bwd(const cuda_detail::BwdArgs<T>& a, const TensorView<const T, CudaSpace>& k,
+  /// Launches a backward kernel: one block per `key_tile` keys, per query head (it reads K/V
+  /// head kv_head(h)), per batch.
+  template <class T>
+  void launch_bwd(void (*kernel)(cuda_detail::BwdArgs<T>), const cuda_detail::BwdArgs<T>& a, int key_tile,
+                  int threads, std::size_t smem, const TensorView<const T, CudaSpace>& k,
                   const TensorView<const T, CudaSpace>& q) const {
-    const std::size_t smem = cuda_detail::simt_bwd_smem(a.dim);
-    cuda_detail::allow_smem(cuda_detail::flash_bwd_simt<T, DC>, smem);
-    // One block per key tile, per query head (it reads K/V head kv_head(h)), per batch.
-    const dim3 grid = grid_of(k, cuda_detail::bwd_bk);
-    cuda_detail::launch(cuda_detail::flash_bwd_simt<T, DC>, dim3(grid.x, static_cast<unsigned>(q.heads()), grid.z),
-                        cuda_detail::bwd_threads, smem, stream_, a);
+    cuda_detail::allow_smem(kernel, smem);
+    const dim3 grid = grid_of(k, key_tile);
+    cuda_detail::launch(kernel, dim3(grid.x, static_cast<unsigned>(q.heads()), grid.z), threads, smem, stream_, a);
+  }
+  template <class T, int DC>
+  void launch_bwd_simt(const cuda_detail::BwdArgs<T>& a, const TensorView<const T, CudaSpace>& k,
+                       const TensorView<const T, CudaSpace>& q) const {
+    launch_bwd<T>(cuda_detail::flash_bwd_simt<T, DC>, a, cuda_detail::bwd_bk, cuda_detail::bwd_threads,
+                  cuda_detail::simt_bwd_smem(a.dim), k, q);
+  }
+  template <class T, int D>
+  void launch_bwd_mma(const cuda_detail::BwdArgs<T>& a, const TensorView<const T, CudaSpace>& k,
+                      const TensorView<const T, CudaSpace>& q) const {
+    launch_bwd<T>(cuda_detail::flash_bwd_mma<T, D>, a, cuda_detail::mma_bwd_bk, cuda_detail::mma_threads,
+                  cuda_detail::mma_bwd_smem<T, D>(), k, q);
   }
 
   cudaStream_t stream_ = nullptr;
