@@ -1,7 +1,7 @@
 // GPU benchmark (run by tests/gpu/run.sh): CudaFlashKernel forward TFLOP/s at 4K-32K tokens,
 // head dim 64/128, causal and not, and backward TFLOP/s at 4K and 16K; and each policy's
-// forward time on one GPU with 2-8 virtual ranks (threads over CudaThreadCommunicator). Prints
-// the results as markdown tables.
+// forward and backward time on one GPU with 2-8 virtual ranks (threads over
+// CudaThreadCommunicator). Prints the results as markdown tables.
 //
 // Usage: seqpar_gpu_bench [--quick | --smoke]
 //   --quick: fewer and shorter points (run.sh, when time runs short);
@@ -128,7 +128,7 @@ KernelRow time_kernel(bool backward, std::int64_t seq, std::int64_t dim, std::in
     kernel.forward(qv, kv, vv, ov, lv, p);
   }
   SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
-  run();  // warm-up
+  if (reps > 1) run();  // warm-up (not for a one-shot smoke run)
   cudaEvent_t e0, e1;
   SEQPAR_CUDA_CHECK(cudaEventCreate(&e0));
   SEQPAR_CUDA_CHECK(cudaEventCreate(&e1));
@@ -163,17 +163,17 @@ struct PolicyRow {
   std::string policy;
   int ranks;
   std::int64_t seq;
-  double ms;
+  double ms, bwd_ms;  // forward; backward after it
   bool ok;
 };
 
-/// Times one forward of `policy` over `ranks` virtual ranks on this GPU (median of reps). The
-/// device-memory thread communicator synchronises the device around every copy, so this
-/// measures the policy's whole work and traffic serialised on one GPU.
+/// Times one forward, and one backward, of `policy` over `ranks` virtual ranks on this GPU
+/// (median of reps each). The device-memory thread communicator synchronises the device around
+/// every copy, so this measures the policy's whole work and traffic serialised on one GPU.
 template <class T, class Policy>
 PolicyRow time_policy(const char* name, Policy policy, int ranks, std::int64_t seq, std::int64_t heads,
                       std::int64_t dim, bool causal, int reps) {
-  std::vector<double> times;
+  std::vector<double> times, bwd_times;
   std::mutex mu;
   bool ok = true;
   run_ranks<CudaSpace>(ranks, [&](CudaThreadCommunicator& comm) {
@@ -187,33 +187,53 @@ PolicyRow time_policy(const char* name, Policy policy, int ranks, std::int64_t s
     prob.head_dim = dim;
     prob.causal = causal;
     prob.dtype = dtype_v<T>;
+    prob.with_lse = true;  // backward needs it
     const MeshConfig mesh = attn.mesh();
     const auto lengths = split_mesh(seq, mesh.ring, mesh.ulysses);
     const std::int64_t mine = lengths[static_cast<std::size_t>(mesh.ring_rank(comm.rank()) * mesh.ulysses +
                                                                mesh.ulysses_rank(comm.rank()))];
     const Plan plan = attn.plan(prob, {mine, mine});
     const std::size_t n = static_cast<std::size_t>(mine * heads * dim);
-    Buffer<T> q(n, 11 + comm.rank()), k(n, 23 + comm.rank()), v(n, 37 + comm.rank()), out(n);
-    Buffer<std::byte> ws(plan.workspace_bytes());
+    Buffer<T> q(n, 11 + comm.rank()), k(n, 23 + comm.rank()), v(n, 37 + comm.rank()), out(n),
+        dout(n, 41 + comm.rank()), dq(n), dk(n), dv(n);
+    Buffer<float> lse(static_cast<std::size_t>(mine * heads));
+    Buffer<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
     using CV = TensorView<const T, CudaSpace>;
-    auto run = [&] {
-      attn.template forward<T>(plan, CV::bshd(q.p, 1, mine, heads, dim), CV::bshd(k.p, 1, mine, heads, dim),
-                               CV::bshd(v.p, 1, mine, heads, dim),
-                               TensorView<T, CudaSpace>::bshd(out.p, 1, mine, heads, dim),
-                               std::span<std::byte>(ws.p, ws.n));
+    using V = TensorView<T, CudaSpace>;
+    const CV qv = CV::bshd(q.p, 1, mine, heads, dim), kv = CV::bshd(k.p, 1, mine, heads, dim),
+             vv = CV::bshd(v.p, 1, mine, heads, dim);
+    const auto lv = TensorView<float, CudaSpace>::lse_bhs(lse.p, 1, mine, heads);
+    const std::span<std::byte> wsv(ws.p, ws.n);
+    auto forward = [&] {
+      attn.template forward<T>(plan, qv, kv, vv, V::bshd(out.p, 1, mine, heads, dim), lv, wsv);
       SEQPAR_CUDA_CHECK(cudaStreamSynchronize(s));
     };
-    SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
-    run();  // warm-up
-    for (int r = 0; r < reps; ++r) {
+    auto backward = [&] {
+      attn.template backward<T>(plan, CV::bshd(dout.p, 1, mine, heads, dim), qv, kv, vv,
+                                CV::bshd(out.p, 1, mine, heads, dim), TensorView<const float, CudaSpace>(lv),
+                                V::bshd(dq.p, 1, mine, heads, dim), V::bshd(dk.p, 1, mine, heads, dim),
+                                V::bshd(dv.p, 1, mine, heads, dim), wsv);
+      SEQPAR_CUDA_CHECK(cudaStreamSynchronize(s));
+    };
+    // Rank 0's wall time of `call` between two barriers.
+    auto timed = [&](auto call, std::vector<double>& into) {
       comm.barrier();
       const auto t0 = std::chrono::steady_clock::now();
-      run();
+      call();
       comm.barrier();
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      if (comm.rank() == 0) times.push_back(ms);
+      if (comm.rank() == 0) into.push_back(ms);
+    };
+    SEQPAR_CUDA_CHECK(cudaDeviceSynchronize());
+    if (reps > 1) {  // warm-up (not for a one-shot smoke run)
+      forward();
+      backward();
     }
-    const bool finite = finite_prefix(out.p, n);
+    for (int r = 0; r < reps; ++r) {
+      timed(forward, times);
+      timed(backward, bwd_times);
+    }
+    const bool finite = finite_prefix(out.p, n) && finite_prefix(dq.p, n) && finite_prefix(dk.p, n);
     {
       std::lock_guard lock(mu);
       ok = ok && finite;
@@ -221,7 +241,8 @@ PolicyRow time_policy(const char* name, Policy policy, int ranks, std::int64_t s
     cudaStreamDestroy(s);
   });
   std::sort(times.begin(), times.end());
-  return {name, ranks, seq, times[times.size() / 2], ok};
+  std::sort(bwd_times.begin(), bwd_times.end());
+  return {name, ranks, seq, times[times.size() / 2], bwd_times[bwd_times.size() / 2], ok};
 }
 
 }  // namespace
@@ -283,13 +304,13 @@ int main(int argc, char** argv) {
   kernel_point(__nv_bfloat16{}, short_seq, 128, false, false, true, 64, true);
 
   std::vector<PolicyRow> prows;
-  const std::int64_t pseq = smoke ? 512 : quick ? 4096 : 16384, pheads = smoke ? 8 : 16, pdim = smoke ? 64 : 128;
+  const std::int64_t pseq = smoke ? 256 : quick ? 4096 : 16384, pheads = smoke ? 8 : 16, pdim = smoke ? 64 : 128;
   auto policy_point = [&](const char* name, auto policy, int ranks) {
     try {
       prows.push_back(time_policy<__nv_bfloat16>(name, policy, ranks, pseq, pheads, pdim, true, reps));
       const PolicyRow& r = prows.back();
-      std::printf("policy %s P=%d seq %lld: %.3f ms%s\n", name, ranks, static_cast<long long>(pseq), r.ms,
-                  r.ok ? "" : " (NON-FINITE OUTPUT)");
+      std::printf("policy %s P=%d seq %lld: forward %.3f ms, backward %.3f ms%s\n", name, ranks,
+                  static_cast<long long>(pseq), r.ms, r.bwd_ms, r.ok ? "" : " (NON-FINITE OUTPUT)");
       failures += !r.ok;
     } catch (const std::exception& e) {
       std::printf("policy %s P=%d: ERROR %s\n", name, ranks, e.what());
@@ -314,11 +335,12 @@ int main(int argc, char** argv) {
     std::printf("| %s | %s | %s | %lld | %lld | %s | %.3f | %.1f%s |\n", r.pass.c_str(), r.type.c_str(), r.path.c_str(),
                 static_cast<long long>(r.seq), static_cast<long long>(r.dim), r.causal ? "causal" : "none", r.ms,
                 r.tflops, r.ok ? "" : " (non-finite!)");
-  std::printf("\n## Policy forward on one GPU, P virtual ranks (bf16, causal, seq %lld, H=%lld, D=%lld)\n\n",
+  std::printf("\n## Policies on one GPU, P virtual ranks (bf16, causal, seq %lld, H=%lld, D=%lld)\n\n",
               static_cast<long long>(pseq), static_cast<long long>(pheads), static_cast<long long>(pdim));
-  std::printf("| policy | P | ms / forward |\n|---|---|---|\n");
+  std::printf("| policy | P | ms / forward | ms / backward |\n|---|---|---|---|\n");
   for (const PolicyRow& r : prows)
-    std::printf("| %s | %d | %.3f%s |\n", r.policy.c_str(), r.ranks, r.ms, r.ok ? "" : " (non-finite!)");
+    std::printf("| %s | %d | %.3f | %.3f%s |\n", r.policy.c_str(), r.ranks, r.ms, r.bwd_ms,
+                r.ok ? "" : " (non-finite!)");
   if (failures) std::printf("\n%d point(s) failed (see ERROR / NON-FINITE above)\n", failures);
   return failures ? 1 : 0;
 }

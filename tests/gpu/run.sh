@@ -4,8 +4,9 @@
 # It configures and builds the GPU tests and the GPU benchmark for this GPU's architecture,
 # runs the tests (ctest -L gpu, plus the CPU tile-math test and, when compute-sanitizer is
 # installed, a memcheck/racecheck pass over a small kernel smoke test), then the benchmark
-# (CudaFlashKernel TFLOP/s at 4K-32K tokens, head dim 64/128, causal and not; each policy's
-# forward on one GPU with 2-8 virtual ranks), and prints a short summary table last.
+# (CudaFlashKernel forward TFLOP/s at 4K-32K tokens and backward at 4K and 16K, head dim
+# 64/128, causal and not; each policy's forward and backward on one GPU with 2-8 virtual
+# ranks), and prints a short summary table last.
 #
 # Built to run once, unattended, within 8 minutes on one H200: every step has a time limit
 # taken from what is left of the budget, a failing step does not stop the later ones, the
