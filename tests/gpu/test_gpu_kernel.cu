@@ -249,13 +249,14 @@ void backward_suite() {
       if (mma) check_backward<T>(c, false, "simt");  // the SIMT path for the same shape
     }
   // Tensor cores: several key blocks and query tiles, queries late or in two runs (rows that
-  // see no key), tiles cut short on both sides, MQA.
+  // see no key), key blocks no query sees, tiles cut short on both sides, MQA.
   if constexpr (!std::is_same_v<T, float>) {
     if (mma_capable)
       for (std::int64_t dim : {64, 128}) {
         check_backward<T>({1, 150, 200, 2, 1, dim, true, 1}, true, "mma");
         check_backward<T>({1, 131, 70, 3, 1, dim, true, 2}, true, "mma");
         check_backward<T>({1, 97, 129, 2, 2, dim, false, 0}, true, "mma");
+        check_backward<T>({1, 40, 200, 2, 1, dim, true, 0}, true, "mma");
       }
   }
 }

@@ -839,10 +839,6 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int key0 = warp * 16;  // this warp's first key in the tile
 
-  load_tile_async<T, D>(sK, a.k, b, j0, kh, nk);
-  load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
-  cp_async_commit();
-
   const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
   auto rows_of = [&](std::int64_t i0) { return static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq); };
   auto tile_mask = [&](std::int64_t i0) {
@@ -880,7 +876,10 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   const int off_b = tile::ldmatrix_k_offset(lane, stride);   // B = X^T from a row-major X tile
   const int off_t = tile::ldmatrix_v_offset(lane, stride);   // B = X, loaded transposed
   std::int64_t i0 = next_tile(0);
-  if (i0 < a.sq) start_tile(i0);
+  if (i0 >= a.sq) return;  // no query sees these keys: nothing to add (the same for every thread)
+  load_tile_async<T, D>(sK, a.k, b, j0, kh, nk);
+  load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
+  start_tile(i0);
   cp_async_wait<0>();
   __syncthreads();
   while (i0 < a.sq) {
