@@ -113,9 +113,10 @@ KernelRow time_kernel(bool backward, std::int64_t seq, std::int64_t dim, std::in
   const auto ov = TensorView<T, CudaSpace>::bshd(out.p, B, seq, heads, dim);
   const auto lv = TensorView<float, CudaSpace>::lse_bhs(lse.p, B, seq, heads);
   using GV = TensorView<float, CudaSpace>;
+  const CV gv = CV::bshd(dout.p, B, seq, heads, dim);
   auto run = [&] {
     if (backward)
-      kernel.backward(CV::bshd(dout.p, B, seq, heads, dim), qv, kv, vv, CV(ov), TensorView<const float, CudaSpace>(lv),
+      kernel.backward(gv, qv, kv, vv, CV(ov), TensorView<const float, CudaSpace>(lv),
                       GV::bshd(dq.p, B, seq, heads, dim), GV::bshd(dk.p, B, seq, heads, dim),
                       GV::bshd(dv.p, B, seq, heads, dim), p);
     else
@@ -147,7 +148,7 @@ KernelRow time_kernel(bool backward, std::int64_t seq, std::int64_t dim, std::in
   // Backward: five products (S, dP, dV, dK, dQ) to the forward's two, 2.5 times its FLOPs.
   const double flops =
       (backward ? 10.0 : 4.0) * B * heads * double(seq) * double(seq) * dim * (causal ? 0.5 : 1.0);
-  std::string path = backward ? kernel.backward_path<T>(CV::bshd(dout.p, B, seq, heads, dim), qv, kv, vv)
+  std::string path = backward ? kernel.backward_path<T>(gv, qv, kv, vv)
                               : kernel.forward_path<T>(qv, kv, vv);
   if (path == "mma" && query_tile != 64) path += " q" + std::to_string(query_tile);
   if (path.rfind("mma", 0) == 0 && !ldmatrix) path += " (no ldmatrix)";

@@ -857,6 +857,8 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
     cp_async_commit();
     backward_row_stats<bq / 4>(a, b, h, i0, nq, sD, sL);
   };
+  std::int64_t i0 = next_tile(0);
+  if (i0 >= a.sq) return;  // no query sees these keys: nothing to add (the same for every thread)
 
   // This lane's keys: accumulator rows g and g + 8 of the warp's 16.
   bool key_ok[2];
@@ -875,8 +877,6 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
 
   const int off_b = tile::ldmatrix_k_offset(lane, stride);   // B = X^T from a row-major X tile
   const int off_t = tile::ldmatrix_v_offset(lane, stride);   // B = X, loaded transposed
-  std::int64_t i0 = next_tile(0);
-  if (i0 >= a.sq) return;  // no query sees these keys: nothing to add (the same for every thread)
   load_tile_async<T, D>(sK, a.k, b, j0, kh, nk);
   load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
   start_tile(i0);
@@ -1211,10 +1211,7 @@ class CudaFlashKernel {
   template <class T>
   bool uses_mma_backward(const TensorView<const T, CudaSpace>& dout, const TensorView<const T, CudaSpace>& q,
                          const TensorView<const T, CudaSpace>& k, const TensorView<const T, CudaSpace>& v) const {
-    if constexpr (std::is_same_v<T, float>)
-      return false;
-    else
-      return cuda_detail::rows_aligned_16(dout) && uses_mma(q, k, v);
+    return cuda_detail::rows_aligned_16(dout) && uses_mma(q, k, v);  // uses_mma: false for float
   }
 
   /// Compute capability (major) of the current device, remembered per device.
