@@ -28,6 +28,7 @@
 #include "seqpar/core/cuda_types.hpp"
 #include "seqpar/kernel/cuda_flash_kernel.cuh"
 #include "seqpar/seqpar.hpp"
+#include "support/kernel_instances.hpp"
 
 using namespace seqpar;
 

@@ -1083,82 +1083,14 @@ class CudaFlashKernel {
   /// absent. Enqueued on stream(); returns without waiting.
   template <class T, class O>
   void forward(TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k, TensorView<const T, CudaSpace> v,
-               TensorView<O, CudaSpace> out, TensorView<acc_t<T>, CudaSpace> lse, const KernelParams& p) const {
-    static_assert(is_element<T>,
-                  "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
-    static_assert(std::is_same_v<O, T> || std::is_same_v<O, float>,
-                  "CudaFlashKernel: out must have the input type or float");
-    check_shapes(q, k, v, out.extent, "forward");
-    SEQPAR_CHECK(lse.absent() || (lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads()),
-                 ConfigError, "CudaFlashKernel::forward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(),
-                 ", 1], got [", lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
-    if (q.numel() == 0) return;
-    cuda_detail::FwdArgs<T, O> a{cuda_detail::device_view(q), cuda_detail::device_view(k), cuda_detail::device_view(v),
-                                 cuda_detail::device_view(out), cuda_detail::device_view(lse),
-                                 q.seq(), k.seq(), static_cast<int>(q.dim()),
-                                 static_cast<float>(p.scale) * tile::log2e, p.causal,
-                                 tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
-                                 tile::HeadMap::from(p)};
-    if (lse.absent()) a.lse.data = nullptr;
-    if constexpr (!std::is_same_v<T, float>) {
-      if (uses_mma(q, k, v)) {
-        if (q.dim() == 64)
-          launch_mma<T, O, 64>(a, q);
-        else
-          launch_mma<T, O, 128>(a, q);
-        return;
-      }
-    }
-    const int dim = static_cast<int>(q.dim());
-    if (dim <= 64)
-      launch_simt<T, O, 2>(a, q);
-    else if (dim <= 128)
-      launch_simt<T, O, 4>(a, q);
-    else
-      launch_simt<T, O, 8>(a, q);
-  }
+               TensorView<O, CudaSpace> out, TensorView<acc_t<T>, CudaSpace> lse, const KernelParams& p) const;
 
   /// See LocalAttentionKernel: adds this key block's contribution to dq, dk, dv (float).
   template <class T>
   void backward(TensorView<const T, CudaSpace> dout, TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k,
                 TensorView<const T, CudaSpace> v, TensorView<const T, CudaSpace> out,
                 TensorView<const acc_t<T>, CudaSpace> lse, TensorView<acc_t<T>, CudaSpace> dq,
-                TensorView<acc_t<T>, CudaSpace> dk, TensorView<acc_t<T>, CudaSpace> dv, const KernelParams& p) const {
-    static_assert(is_element<T>,
-                  "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
-    check_shapes(q, k, v, out.extent, "backward");
-    check_same("dout", dout.extent, q.extent);
-    check_same("dq", dq.extent, q.extent);
-    check_same("dk", dk.extent, k.extent);
-    check_same("dv", dv.extent, v.extent);
-    SEQPAR_CHECK(lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads(), ConfigError,
-                 "CudaFlashKernel::backward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(), ", 1], got [",
-                 lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
-    if (q.numel() == 0 || k.seq() == 0) return;
-    cuda_detail::BwdArgs<T> a{cuda_detail::device_view(dout), cuda_detail::device_view(q), cuda_detail::device_view(k),
-                              cuda_detail::device_view(v), cuda_detail::device_view(out), cuda_detail::device_view(lse),
-                              cuda_detail::device_view(dq), cuda_detail::device_view(dk), cuda_detail::device_view(dv),
-                              q.seq(), k.seq(), static_cast<int>(q.dim()), static_cast<float>(p.scale),
-                              static_cast<float>(p.scale) * tile::log2e, p.causal,
-                              tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
-                              tile::HeadMap::from(p)};
-    if constexpr (!std::is_same_v<T, float>) {
-      if (uses_mma_backward(dout, q, k, v)) {
-        if (q.dim() == 64)
-          launch_bwd_mma<T, 64>(a, k, q);
-        else
-          launch_bwd_mma<T, 128>(a, k, q);
-        return;
-      }
-    }
-    const int dim = static_cast<int>(q.dim());
-    if (dim <= 64)
-      launch_bwd_simt<T, 2>(a, k, q);
-    else if (dim <= 128)
-      launch_bwd_simt<T, 4>(a, k, q);
-    else
-      launch_bwd_simt<T, 8>(a, k, q);
-  }
+                TensorView<acc_t<T>, CudaSpace> dk, TensorView<acc_t<T>, CudaSpace> dv, const KernelParams& p) const;
 
  private:
   template <class T>
@@ -1281,6 +1213,85 @@ class CudaFlashKernel {
   mutable int cached_device_ = -1;
   mutable int cached_major_ = 0;
 };
+
+// forward and backward are defined outside the class so that they are not inline: a program can
+// then compile them once (explicit instantiation) and declare them `extern template` elsewhere.
+template <class T, class O>
+void CudaFlashKernel::forward(TensorView<const T, CudaSpace> q, TensorView<const T, CudaSpace> k,
+                              TensorView<const T, CudaSpace> v, TensorView<O, CudaSpace> out,
+                              TensorView<acc_t<T>, CudaSpace> lse, const KernelParams& p) const {
+  static_assert(is_element<T>, "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
+  static_assert(std::is_same_v<O, T> || std::is_same_v<O, float>, "CudaFlashKernel: out must have the input type or float");
+  check_shapes(q, k, v, out.extent, "forward");
+  SEQPAR_CHECK(lse.absent() || (lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads()),
+               ConfigError, "CudaFlashKernel::forward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(),
+               ", 1], got [", lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
+  if (q.numel() == 0) return;
+  cuda_detail::FwdArgs<T, O> a{cuda_detail::device_view(q), cuda_detail::device_view(k), cuda_detail::device_view(v),
+                               cuda_detail::device_view(out), cuda_detail::device_view(lse),
+                               q.seq(), k.seq(), static_cast<int>(q.dim()),
+                               static_cast<float>(p.scale) * tile::log2e, p.causal,
+                               tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
+                               tile::HeadMap::from(p)};
+  if (lse.absent()) a.lse.data = nullptr;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (uses_mma(q, k, v)) {
+      if (q.dim() == 64)
+        launch_mma<T, O, 64>(a, q);
+      else
+        launch_mma<T, O, 128>(a, q);
+      return;
+    }
+  }
+  const int dim = static_cast<int>(q.dim());
+  if (dim <= 64)
+    launch_simt<T, O, 2>(a, q);
+  else if (dim <= 128)
+    launch_simt<T, O, 4>(a, q);
+  else
+    launch_simt<T, O, 8>(a, q);
+}
+
+template <class T>
+void CudaFlashKernel::backward(TensorView<const T, CudaSpace> dout, TensorView<const T, CudaSpace> q,
+                               TensorView<const T, CudaSpace> k, TensorView<const T, CudaSpace> v,
+                               TensorView<const T, CudaSpace> out, TensorView<const acc_t<T>, CudaSpace> lse,
+                               TensorView<acc_t<T>, CudaSpace> dq, TensorView<acc_t<T>, CudaSpace> dk,
+                               TensorView<acc_t<T>, CudaSpace> dv, const KernelParams& p) const {
+  static_assert(is_element<T>, "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
+  check_shapes(q, k, v, out.extent, "backward");
+  check_same("dout", dout.extent, q.extent);
+  check_same("dq", dq.extent, q.extent);
+  check_same("dk", dk.extent, k.extent);
+  check_same("dv", dv.extent, v.extent);
+  SEQPAR_CHECK(lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads(), ConfigError,
+               "CudaFlashKernel::backward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(), ", 1], got [",
+               lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
+  if (q.numel() == 0 || k.seq() == 0) return;
+  cuda_detail::BwdArgs<T> a{cuda_detail::device_view(dout), cuda_detail::device_view(q), cuda_detail::device_view(k),
+                            cuda_detail::device_view(v), cuda_detail::device_view(out), cuda_detail::device_view(lse),
+                            cuda_detail::device_view(dq), cuda_detail::device_view(dk), cuda_detail::device_view(dv),
+                            q.seq(), k.seq(), static_cast<int>(q.dim()), static_cast<float>(p.scale),
+                            static_cast<float>(p.scale) * tile::log2e, p.causal,
+                            tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
+                            tile::HeadMap::from(p)};
+  if constexpr (!std::is_same_v<T, float>) {
+    if (uses_mma_backward(dout, q, k, v)) {
+      if (q.dim() == 64)
+        launch_bwd_mma<T, 64>(a, k, q);
+      else
+        launch_bwd_mma<T, 128>(a, k, q);
+      return;
+    }
+  }
+  const int dim = static_cast<int>(q.dim());
+  if (dim <= 64)
+    launch_bwd_simt<T, 2>(a, k, q);
+  else if (dim <= 128)
+    launch_bwd_simt<T, 4>(a, k, q);
+  else
+    launch_bwd_simt<T, 8>(a, k, q);
+}
 
 /// Puts every launch and copy of `attn` (a SequenceParallelAttention over CUDA) on `stream`:
 /// its kernel, its tensor operations and, when they have one, its communicators.

@@ -18,6 +18,7 @@
 #include "seqpar/core/cuda_error.hpp"
 #include "seqpar/core/cuda_types.hpp"
 #include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "kernel_instances.hpp"
 #include "seqpar/seqpar.hpp"
 #include "support/attention_check.hpp"
 #include "support/backward_check.hpp"
