@@ -11,6 +11,27 @@
 #include "seqpar/kernel/local_attention_kernel.hpp"
 
 namespace seqpar {
+namespace detail {
+
+/// sum over d of a[d] * b[d] in double, as four interleaved partial sums. Its error bound is no
+/// worse than one running sum's (each chain is a quarter as long), and without one long chain
+/// of dependent adds the compiler can vectorise it: checks of large problems against the
+/// reference run several times faster.
+template <class A, class B>
+double dot_in_double(const A* a, const B* b, std::int64_t n) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  std::int64_t d = 0;
+  for (; d + 4 <= n; d += 4) {
+    s0 += double(a[d]) * double(b[d]);
+    s1 += double(a[d + 1]) * double(b[d + 1]);
+    s2 += double(a[d + 2]) * double(b[d + 2]);
+    s3 += double(a[d + 3]) * double(b[d + 3]);
+  }
+  for (; d < n; ++d) s0 += double(a[d]) * double(b[d]);
+  return (s0 + s1) + (s2 + s3);
+}
+
+}  // namespace detail
 
 /// Exact local attention: scores, softmax and output in double, one query row at a time.
 /// It allocates a row of scores per call; it is the yardstick, not a fast path.
@@ -35,11 +56,7 @@ struct ReferenceKernel {
               score[j] = -std::numeric_limits<double>::infinity();
               continue;
             }
-            double s = 0;
-            const T* qr = q.row(b, i, h);
-            const T* kr = k.row(b, j, kh);
-            for (std::int64_t d = 0; d < dim; ++d) s += double(qr[d]) * double(kr[d]);
-            score[j] = s * p.scale;
+            score[j] = detail::dot_in_double(q.row(b, i, h), k.row(b, j, kh), dim) * p.scale;
             // A NaN score must make the row NaN, not vanish in max (the row is not masked).
             mx = std::isnan(mx) || score[j] <= mx ? mx : score[j];
           }
@@ -80,18 +97,13 @@ struct ReferenceKernel {
           const T* qr = q.row(b, i, h);
           const T* dor = dout.row(b, i, h);
           const T* orow = out.row(b, i, h);
-          double delta = 0;
-          for (std::int64_t d = 0; d < dim; ++d) delta += double(dor[d]) * double(orow[d]);
+          const double delta = detail::dot_in_double(dor, orow, dim);
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
           for (std::int64_t j = 0; j < k.seq(); ++j) {
             if (p.causal && p.k_positions(j) > p.q_positions(i)) continue;
             const T* kr = k.row(b, j, kh);
             const T* vr = v.row(b, j, kh);
-            double s = 0, dp = 0;
-            for (std::int64_t d = 0; d < dim; ++d) {
-              s += double(qr[d]) * double(kr[d]);
-              dp += double(dor[d]) * double(vr[d]);
-            }
+            const double s = detail::dot_in_double(qr, kr, dim), dp = detail::dot_in_double(dor, vr, dim);
             const double pr = std::exp(s * p.scale - l);
             const double ds = pr * (dp - delta) * p.scale;
             G* dkr = dk.row(b, j, kh);
