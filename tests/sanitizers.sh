@@ -35,6 +35,6 @@ for preset in "${presets[@]}"; do
   echo "== $preset: build ${targets[*]}"
   cmake --build --preset "$preset" -j "$jobs" --target "${targets[@]}"
   echo "== $preset: run"
-  ctest --preset "$preset" -R "$regex" --no-tests=error
+  ctest --preset "$preset" -R "$regex" --no-tests=error -j "$jobs"
   echo "== $preset: passed in $((SECONDS - start)) s"
 done
