@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// CudaFlashKernel's forward and backward for every element type the GPU tests use, compiled
-/// once (support/kernel_instances.cu, one object per type) instead of in every test program:
+/// once (kernel_instances_{f16,bf16,f32}.cu, one object per type) instead of in every program:
 /// their device code is most of each program's build time. Where the build links those objects
 /// it defines SEQPAR_EXTERN_KERNEL_INSTANCES, and this header declares the instantiations extern;
 /// without it (a program compiled on its own) each program instantiates them as usual.
