@@ -24,6 +24,10 @@ if ((${#missing[@]})); then
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
+# Ninja for a new build/: it builds objects of every target in parallel, without Make's per-target
+# dependency scans. An existing build/ keeps the generator it was configured with.
+generator=()
+if [[ ! -f build/CMakeCache.txt ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
 # shellcheck disable=SC2086  # SEQPAR_CMAKE_ARGS is a list of options
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${SEQPAR_CMAKE_ARGS:-}
+cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${SEQPAR_CMAKE_ARGS:-}
 cmake --build build -j "$jobs"

@@ -3,7 +3,7 @@
 # bad input), and the CPU emulation of the CUDA device's self-test (fibers, fiber stacks reused
 # and unmapped, kernels on several threads; only where the CUDA headers are), under the `asan`
 # (ASan + UBSan) and `tsan` presets of CMakePresets.json and runs them; any sanitizer report
-# fails. Sized for CI on 2 cores: only these targets, at -O1.
+# fails. Sized for CI on 2 cores: only these targets, ASan at -O0 and TSan at -O1 (CMakePresets.json).
 #
 # Usage: tests/sanitizers.sh [asan] [tsan]     (default: both)
 # Env:   SEQPAR_SANITIZER_TESTS  space-separated test names (default below)

@@ -23,6 +23,21 @@
 
 namespace seqpar::test {
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SEQPAR_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SEQPAR_TEST_SANITIZED 1
+#endif
+#endif
+#ifdef SEQPAR_TEST_SANITIZED
+/// Built with ASan or TSan (tests/sanitizers.sh): code runs 5-20x slower, so the longest cases
+/// shorten their sequences there. The plain build runs them at full length.
+inline constexpr bool sanitized_build = true;
+#else
+inline constexpr bool sanitized_build = false;
+#endif
+
 /// A global attention problem with its random inputs.
 struct GlobalCase {
   std::int64_t batch = 1, heads = 4, kv_heads = 4, head_dim = 16, seq_q = 64, seq_kv = -1;
