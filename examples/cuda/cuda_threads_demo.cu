@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.hpp"  // random inputs, a rank's slices, the exact reference rows
+#include "flash_instances.cuh"  // the kernels, compiled once for both examples
 #include "seqpar/comm/cuda_thread_communicator.hpp"
 #include "seqpar/kernel/cuda_flash_kernel.cuh"
 #include "seqpar/seqpar.hpp"

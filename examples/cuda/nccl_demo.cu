@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common.hpp"  // random inputs, a rank's slices, the exact reference rows
+#include "flash_instances.cuh"  // the kernels, compiled once for both examples
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/comm/nccl_communicator.hpp"
 #include "seqpar/kernel/cuda_flash_kernel.cuh"
