@@ -1,11 +1,15 @@
 #pragma once
-// The examples' CudaFlashKernel instances, compiled once in flash_instances.cu, declared extern
-// (see seqpar/kernel/cuda_flash_kernel_instances.cuh). CMakeLists.txt defines
-// SEQPAR_EXAMPLE_FLASH_INSTANCES where it links that file; a demo compiled on its own
-// instantiates the kernels itself.
+// The examples' CudaFlashKernel instances (see seqpar/kernel/cuda_flash_kernel_instances.cuh):
+// bf16 forward, out in bf16 and in float. flash_instances.cu defines them once; CMakeLists.txt
+// defines SEQPAR_EXAMPLE_FLASH_INSTANCES where it links that file, and the demos then declare
+// them extern. A demo compiled on its own instantiates the kernels itself.
 #include "seqpar/kernel/cuda_flash_kernel_instances.cuh"
 
+/// The instances, declared (prefix `extern`) or defined (prefix empty).
+#define SEQPAR_EXAMPLE_FLASH_INSTANCE_LIST(prefix)                            \
+  SEQPAR_CUDA_FLASH_FORWARD_INSTANCE(prefix, __nv_bfloat16, __nv_bfloat16) \
+  SEQPAR_CUDA_FLASH_FORWARD_INSTANCE(prefix, __nv_bfloat16, float)
+
 #ifdef SEQPAR_EXAMPLE_FLASH_INSTANCES
-SEQPAR_CUDA_FLASH_FORWARD_INSTANCE(extern, __nv_bfloat16, __nv_bfloat16)
-SEQPAR_CUDA_FLASH_FORWARD_INSTANCE(extern, __nv_bfloat16, float)
+SEQPAR_EXAMPLE_FLASH_INSTANCE_LIST(extern)
 #endif
