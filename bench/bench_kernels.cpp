@@ -69,6 +69,7 @@ void BM_cpu_flash(benchmark::State& state) {
   kernel.prepare(c.dim);
   time_kernel(state, kernel, c);
   state.counters["threads"] = 1;
+  state.SetLabel(cpu_isa_name(kernel.isa()));
 }
 
 /// Args: head_dim, seq, causal. The exact kernel is quadratic in memory traffic per row and

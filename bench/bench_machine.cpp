@@ -1,7 +1,7 @@
 /// \file
-/// The machine's ceilings, measured with the same SIMD types and flags as the kernels so the
-/// kernels' figures can be quoted as fractions of them: fp32 FMA peak of one core and of all
-/// cores, and memory copy bandwidth.
+/// The machine's ceilings, measured at the vector width the kernels run at (chosen at run
+/// time, kernel/cpu_isa.hpp) so that the kernels' figures can be quoted as fractions of them:
+/// fp32 FMA peak of one core and of all cores, and memory copy bandwidth.
 
 #include <benchmark/benchmark.h>
 
@@ -13,42 +13,27 @@
 
 namespace {
 
-using seqpar::detail::simd_fma;
-using seqpar::detail::simd_t;
-using V = simd_t<float>;
-constexpr int lanes = seqpar::detail::Simd<float>::width;
-
-/// Independent FMA chains: enough to cover latency x throughput on any current core (4-cycle
-/// latency, 2 pipes) without spilling on 16-register targets.
-constexpr int chains = seqpar::detail::simd_registers >= 32 ? 16 : 12;
+/// The vector width the kernels run at (CpuFlashKernel's default: the widest this CPU has,
+/// capped by SEQPAR_CPU_ISA), so that the peak and the kernels are measured alike.
+const seqpar::CpuIsa isa = seqpar::default_cpu_isa();
+const int lanes = seqpar::cpu_isa_vector_bits(isa) / 32;
 constexpr std::int64_t fma_rounds = 1 << 20;
 
-/// fma_rounds x chains vector FMAs; the result is kept so nothing is optimised away.
-[[gnu::noinline]] float fma_burst(float seed) {
-  V acc[chains];
-  for (int c = 0; c < chains; ++c) acc[c] = V{} + seed * float(c + 1);
-  const V mul = V{} + 0.999999f, add = V{} + 1e-7f;
-  for (std::int64_t n = 0; n < fma_rounds; ++n) {
-    [&]<int... C>(std::integer_sequence<int, C...>) {
-      ((acc[C] = simd_fma(acc[C], mul, add)), ...);
-    }(std::make_integer_sequence<int, chains>{});
-  }
-  float s = 0;
-  for (int c = 0; c < chains; ++c)
-    for (int l = 0; l < lanes; ++l) s += acc[c][l];
-  return s;
+/// fma_rounds vector FMAs per chain at the kernels' width; returns the flops done.
+double fma_burst(float seed, float* sink) {
+  return seqpar::detail::dispatch_cpu_isa<seqpar::detail::FmaBurst>(isa, fma_rounds, seed, sink);
 }
-
-constexpr double burst_flops = 2.0 * lanes * chains * fma_rounds;
 
 /// One core's fp32 FMA peak: GFLOP/s per thread CPU second (robust to other processes).
 void BM_peak_fma_one_core(benchmark::State& state) {
-  float seed = 1e-3f;
+  float seed = 1e-3f, sink = 0;
+  double flops = 0;
   for (auto _ : state) {
     benchmark::DoNotOptimize(seed);  // an unknown input: the burst cannot be hoisted or folded
-    benchmark::DoNotOptimize(fma_burst(seed));
+    flops = fma_burst(seed, &sink);
+    benchmark::DoNotOptimize(sink);
   }
-  state.counters["GFLOPs"] = benchmark::Counter(burst_flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPs"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["lanes"] = lanes;
 }
 BENCHMARK(BM_peak_fma_one_core)->MinTime(0.3);
@@ -57,18 +42,20 @@ BENCHMARK(BM_peak_fma_one_core)->MinTime(0.3);
 void BM_peak_fma_all_cores(benchmark::State& state) {
   const int n = static_cast<int>(std::thread::hardware_concurrency());
   std::vector<float> sink(static_cast<std::size_t>(n));
+  double flops = 0;
   for (auto _ : state) {
     std::vector<std::thread> team;
     for (int t = 0; t < n; ++t)
       team.emplace_back([&, t] {
         float seed = 1e-3f * float(t + 1);
         benchmark::DoNotOptimize(seed);
-        sink[t] = fma_burst(seed);
+        const double f = fma_burst(seed, &sink[t]);
+        if (t == 0) flops = f;
       });
     for (auto& t : team) t.join();
   }
   benchmark::DoNotOptimize(sink.data());
-  state.counters["GFLOPs"] = benchmark::Counter(burst_flops * n * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPs"] = benchmark::Counter(flops * n * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["threads"] = n;
 }
 BENCHMARK(BM_peak_fma_all_cores)->UseRealTime()->MinTime(0.3);

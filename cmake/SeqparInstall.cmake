@@ -20,7 +20,7 @@ set(SEQPAR_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/seqpar"
 
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/seqpar"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}"
-        FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h")
+        FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h" PATTERN "*.inl")
 
 install(TARGETS seqpar EXPORT seqparTargets)
 install(EXPORT seqparTargets NAMESPACE seqpar:: DESTINATION "${SEQPAR_INSTALL_CMAKEDIR}")

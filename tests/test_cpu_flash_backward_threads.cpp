@@ -122,6 +122,16 @@ void check_threads(const Shape& s, std::uint64_t seed) {
     CHECK(many.dk == one.dk);
     CHECK(many.dv == one.dv);
   }
+  // The other instruction sets (the runs above used the widest): within tolerance, on 2 threads.
+  for (CpuIsa isa : test::cpu_isas()) {
+    if (isa == kernel.isa()) continue;
+    CAPTURE(cpu_isa_name(isa));
+    kernel = CpuFlashKernel(CpuFlashOptions{.isa = isa});
+    const Grads<A> other = run(2);
+    CHECK(rel(other.dq, want_dq, dq0) <= tol);
+    CHECK(rel(other.dk, want_dk, dk0) <= tol);
+    CHECK(rel(other.dv, want_dv, dv0) <= tol);
+  }
 }
 
 Shape shape(std::int64_t sq, std::int64_t sk, bool causal, std::int64_t h = 6, std::int64_t kh = 2, std::int64_t d = 20) {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -176,6 +177,24 @@ struct Errors {
   /// True when output and LSE are within `tol` and nothing is NaN.
   bool within(double tol) const { return !nan && rel() <= tol && lse_rel() <= tol; }
 };
+
+/// Every CPU instruction set of the kernels (kernel/cpu_isa.hpp) that this machine runs,
+/// narrowest first. The first call prints them (so the test log says which paths ran) and
+/// which were left out because the CPU lacks them.
+inline const std::vector<CpuIsa>& cpu_isas() {
+  static const std::vector<CpuIsa> isas = [] {
+    std::vector<CpuIsa> run;
+    std::string ran, skipped;
+    for (CpuIsa isa : {CpuIsa::vec128, CpuIsa::avx2, CpuIsa::avx512}) {
+      (cpu_isa_supported(isa) ? ran : skipped) += std::string(" ") + cpu_isa_name(isa);
+      if (cpu_isa_supported(isa)) run.push_back(isa);
+    }
+    std::printf("CPU kernel paths tested:%s%s%s\n", ran.c_str(), skipped.empty() ? "" : "; not on this CPU:",
+                skipped.c_str());
+    return run;
+  }();
+  return isas;
+}
 
 /// Tolerance of the library against the exact reference: float 1e-5, double 1e-12.
 template <class T>

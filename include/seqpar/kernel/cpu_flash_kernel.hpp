@@ -30,8 +30,9 @@
 
 #include "seqpar/core/error.hpp"
 #include "seqpar/kernel/cpu_flash_backward.hpp"
-#include "seqpar/kernel/cpu_flash_tile.hpp"
-#include "seqpar/kernel/fast_exp.hpp"
+#include "seqpar/kernel/cpu_flash_scratch.hpp"
+#include "seqpar/kernel/cpu_isa.hpp"
+#include "seqpar/kernel/cpu_isa_kernels.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/kernel/thread_pool.hpp"
 
@@ -43,6 +44,10 @@ struct CpuFlashOptions {
   /// created once. Forward splits its work over (batch x heads x query blocks), backward over
   /// (key blocks x batch x K/V heads). 1 runs on the caller alone.
   int threads = 1;
+  /// Vector instruction set (kernel/cpu_isa.hpp): automatic picks the widest this CPU runs
+  /// (capped by the environment variable SEQPAR_CPU_ISA); a level the CPU cannot run is a
+  /// ConfigError when the kernel is made.
+  CpuIsa isa = CpuIsa::automatic;
 };
 
 /// Fast local attention on the CPU (see the file comment for the blocking). Each (batch,
@@ -56,18 +61,21 @@ class CpuFlashKernel {
  public:
   static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
   using memory_space = HostSpace;                 ///< host tensors
-  static constexpr std::int64_t block_q = 128;    ///< most query rows per block (a multiple of every tile's query panel)
-  static constexpr std::int64_t block_k = 128;    ///< key rows per block
+  static constexpr std::int64_t block_q = detail::fwd_block_q;  ///< most query rows per block (whole query panels)
+  static constexpr std::int64_t block_k = detail::fwd_block_k;  ///< key rows per block
 
   /// Query rows per block for `key_len` keys. Each query block streams all of K and V once:
   /// at long key sequences they come from L3 or memory, so 128-row blocks halve that traffic;
   /// at short ones 64-row blocks waste less work on causal diagonals and make more tasks.
   static constexpr std::int64_t query_block_rows(std::int64_t key_len) { return key_len >= 4096 ? 128 : 64; }
 
-  /// One thread.
+  /// One thread, the widest instruction set.
   CpuFlashKernel() = default;
   /// With options (e.g. `CpuFlashKernel(CpuFlashOptions{.threads = 2})`); starts the pool.
-  explicit CpuFlashKernel(CpuFlashOptions options) { set_threads(options.threads); }
+  explicit CpuFlashKernel(CpuFlashOptions options) : isa_(resolve_cpu_isa(options.isa)) {
+    options_.isa = options.isa;
+    set_threads(options.threads);
+  }
   /// Shorthand for `CpuFlashKernel(CpuFlashOptions{.threads = threads})`.
   explicit CpuFlashKernel(int threads) : CpuFlashKernel(CpuFlashOptions{.threads = threads}) {}
   /// Same options, own pool and scratch (the engine stores its kernel by value).
@@ -75,6 +83,8 @@ class CpuFlashKernel {
   /// Same options, own pool and scratch.
   CpuFlashKernel& operator=(const CpuFlashKernel& other) {
     if (this != &other) {
+      options_.isa = other.options_.isa;
+      isa_ = other.isa_;
       set_threads(other.options_.threads);
       prepare(other.prepared_dim_);
     }
@@ -82,13 +92,14 @@ class CpuFlashKernel {
   }
   /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
   CpuFlashKernel(CpuFlashKernel&& other) noexcept
-      : options_(std::exchange(other.options_, CpuFlashOptions{})), pool_(std::move(other.pool_)),
+      : options_(std::exchange(other.options_, CpuFlashOptions{})), isa_(other.isa_), pool_(std::move(other.pool_)),
         prepared_dim_(std::exchange(other.prepared_dim_, 0)), thread_stride_(std::exchange(other.thread_stride_, 0)),
         scratch_(std::move(other.scratch_)), backward_scratch_(std::move(other.backward_scratch_)) {}
   /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
   CpuFlashKernel& operator=(CpuFlashKernel&& other) noexcept {
     if (this != &other) {
       options_ = std::exchange(other.options_, CpuFlashOptions{});
+      isa_ = other.isa_;
       pool_ = std::move(other.pool_);
       prepared_dim_ = std::exchange(other.prepared_dim_, 0);
       thread_stride_ = std::exchange(other.thread_stride_, 0);
@@ -118,12 +129,14 @@ class CpuFlashKernel {
   int threads() const { return options_.threads; }
   /// The options in force.
   const CpuFlashOptions& options() const { return options_; }
+  /// The instruction set this kernel runs (options().isa resolved; never automatic).
+  CpuIsa isa() const { return isa_; }
 
   /// Sizes the scratch of every thread for head dims up to `max_head_dim` (both float and
   /// double).
   void prepare(std::int64_t max_head_dim) {
     if (max_head_dim <= prepared_dim_) return;
-    thread_stride_ = round_up(scratch_bytes(max_head_dim), 256);
+    thread_stride_ = detail::flash_forward_thread_bytes(max_head_dim);
     scratch_.resize(static_cast<std::size_t>(options_.threads) * thread_stride_ + 64);
     prepared_dim_ = max_head_dim;
   }
@@ -132,21 +145,8 @@ class CpuFlashKernel {
   template <class T, class O>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<acc_t<T>> lse, const KernelParams& p) {
-    using A = acc_t<T>;
-    const std::int64_t dim = q.dim();
-    prepare(dim);  // no-op once prepared
-    const std::int64_t bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
-    const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
-    // Later query blocks see more keys under a causal mask: hand them out first, so that the
-    // cheap ones fill the gaps at the end.
-    auto task = [&](std::int64_t t, int worker) {
-      const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
-      query_block<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq, thread_scratch<A>(worker, dim));
-    };
-    if (pool_)
-      pool_->run(tasks, task);
-    else
-      for (std::int64_t t = 0; t < tasks; ++t) task(t, 0);
+    prepare(q.dim());  // no-op once prepared
+    detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
   }
 
   /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
@@ -162,20 +162,11 @@ class CpuFlashKernel {
     using A = acc_t<T>;
     const detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p};
     const std::size_t turn_bytes = pool_ ? round_up(static_cast<std::size_t>(job.turn_count()) * 4, 256) : 0;
-    const std::size_t stride = detail::flash_backward_thread_bytes(q.dim());
     prepare_backward(q.dim(), turn_bytes);
     std::byte* base = aligned(backward_scratch_.data());
     std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base) : nullptr;
     if (turns) std::fill(turns, turns + job.turn_count(), 0);
-    auto task = [&](std::int64_t t, int worker) {
-      detail::BackwardScratch<A> s;
-      detail::BackwardScratch<A>::carve(base + turn_bytes + static_cast<std::size_t>(worker) * stride, q.dim(), &s);
-      job.task(t, s, turns);
-    };
-    if (pool_)
-      pool_->run(job.tasks(), task);
-    else
-      for (std::int64_t t = 0; t < job.tasks(); ++t) task(t, 0);
+    detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base + turn_bytes, turns);
   }
   /// Sizes the backward scratch for head dims up to `max_head_dim` and every thread, after
   /// `turn_bytes` of turn counters (a no-op once large enough).
@@ -186,177 +177,61 @@ class CpuFlashKernel {
   }
 
  private:
-  /// One thread's scratch, carved for element type A and head dim `dim`.
-  template <class A>
-  struct Scratch {
-    A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
-    std::int64_t *qpos, *kpos;
+  /// dispatch_cpu_isa functor of forward: the tasks, (batch x heads x query blocks), on the pool.
+  struct ForwardOn {
+    template <class Kernels, class T, class O, class A>
+    static void run(CpuFlashKernel& self, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                    TensorView<O> out, TensorView<A> lse, const KernelParams& p) {
+      const std::int64_t dim = q.dim(), bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
+      const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
+      // Later query blocks see more keys under a causal mask: hand them out first, so that the
+      // cheap ones fill the gaps at the end.
+      self.run_tasks(tasks, [&](std::int64_t t, int worker) {
+        const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
+        Kernels::template forward<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq, self.thread_scratch<A>(worker, dim));
+      });
+    }
+  };
+
+  /// dispatch_cpu_isa functor of backward: job's tasks on the pool, each thread on its
+  /// scratch slice after `base`.
+  struct BackwardOn {
+    template <class Kernels, class T, class A>
+    static void run(CpuFlashKernel& self, const detail::FlashBackward<T, A>& job, std::byte* base,
+                    std::int32_t* turns) {
+      const std::size_t stride = detail::flash_backward_thread_bytes(job.q.dim());
+      self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
+        detail::BackwardScratch<A> s;
+        detail::BackwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * stride, job.q.dim(), &s);
+        Kernels::template backward<T, A>(job, t, s, turns);
+      });
+    }
   };
 
   static constexpr std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
 
-  /// Carves the scratch at `base` (or, with a null base, only measures it).
-  template <class A>
-  static std::size_t carve(std::byte* base, std::int64_t dim, Scratch<A>* s) {
-    std::size_t used = 0;
-    auto take = [&](auto*& ptr, std::int64_t count) {
-      using E = std::remove_reference_t<decltype(*ptr)>;
-      ptr = reinterpret_cast<E*>(base + used);
-      used += round_up(static_cast<std::size_t>(count) * sizeof(E), 64);
-    };
-    Scratch<A> tmp;
-    Scratch<A>& r = s ? *s : tmp;
-    take(r.qt, dim * block_q);
-    take(r.ot, dim * block_q);
-    take(r.st, block_k * block_q);
-    take(r.m, block_q);
-    take(r.l, block_q);
-    take(r.alpha, block_q);
-    take(r.kbuf, block_k * dim);  // K and V converted to A, only when T is not A
-    take(r.vbuf, block_k * dim);
-    take(r.qpos, block_q);
-    take(r.kpos, block_k);
-    return used;
-  }
-
-  static std::size_t scratch_bytes(std::int64_t dim) {
-    return std::max(carve<float>(nullptr, dim, nullptr), carve<double>(nullptr, dim, nullptr));
+  /// Runs task(t, worker) for t in [0, tasks) on the pool, or on the caller alone.
+  template <class Task>
+  void run_tasks(std::int64_t tasks, Task&& task) {
+    if (pool_)
+      pool_->run(tasks, task);
+    else
+      for (std::int64_t t = 0; t < tasks; ++t) task(t, 0);
   }
 
   /// The first 64-byte boundary in a scratch buffer.
   static std::byte* aligned(std::byte* p) { return p + (64 - reinterpret_cast<std::uintptr_t>(p) % 64) % 64; }
 
   template <class A>
-  Scratch<A> thread_scratch(int worker, std::int64_t dim) {
+  detail::ForwardScratch<A> thread_scratch(int worker, std::int64_t dim) {
     std::byte* base = aligned(scratch_.data());
-    Scratch<A> s;
-    carve<A>(base + static_cast<std::size_t>(worker) * thread_stride_, dim, &s);
+    detail::ForwardScratch<A> s;
+    detail::ForwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * thread_stride_, dim, &s);
     return s;
   }
 
-  template <class T, class O, class A>
-  static void query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
-                          TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
-                          std::int64_t i0, std::int64_t bq, const Scratch<A>& s) {
-    using V = detail::simd_t<A>;
-    using Tile = detail::FlashTile<A>;
-    constexpr int W = Tile::width, PW = Tile::panel;
-    static_assert(block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
-    constexpr A neg_inf = -std::numeric_limits<A>::infinity();
-    const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h);
-    const std::int64_t ncols = (nq + PW - 1) / PW * PW;  // queries padded to whole panels
-    const A scale = static_cast<A>(p.scale);
-
-    // Q^T, scaled; padding lanes are zero (finite scores, never written out).
-    for (std::int64_t i = 0; i < ncols; ++i) {
-      if (i < nq) {
-        const T* src = q.row(b, i0 + i, h);
-        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * bq + i] = static_cast<A>(src[d]) * scale;
-        if (p.causal) s.qpos[i] = p.q_positions(i0 + i);
-      } else {
-        for (std::int64_t d = 0; d < dim; ++d) s.qt[d * bq + i] = A(0);
-      }
-      s.m[i] = neg_inf;
-      s.l[i] = 0;
-    }
-    for (std::int64_t d = 0; d < dim; ++d) std::fill(s.ot + d * bq, s.ot + d * bq + ncols, A(0));
-
-    const std::int64_t q_lo = p.causal ? s.qpos[0] : 0, q_hi = p.causal ? s.qpos[nq - 1] : 0;
-    for (std::int64_t j0 = 0; j0 < k.seq(); j0 += block_k) {
-      std::int64_t nk = std::min(block_k, k.seq() - j0);
-      bool masked = false;
-      if (p.causal) {
-        const std::int64_t k_lo = p.k_positions(j0), k_hi = p.k_positions(j0 + nk - 1);
-        if (p.fully_masked(q_hi, k_lo)) break;  // positions increase: every later block is hidden too
-        masked = !p.fully_visible(q_lo, k_hi);
-        if (masked) {
-          // Keys after the block's last query are hidden from all of it: leave them out.
-          std::int64_t seen = 0;
-          for (; seen < nk; ++seen) {
-            s.kpos[seen] = p.k_positions(j0 + seen);
-            if (s.kpos[seen] > q_hi) break;
-          }
-          nk = seen;
-        }
-      }
-      // K and V rows: the caller's memory when already in A, else converted once here.
-      const A *kr, *vr;
-      std::ptrdiff_t ks, vs;
-      if constexpr (std::is_same_v<T, A>) {
-        kr = k.row(b, j0, kh);
-        vr = v.row(b, j0, kh);
-        ks = k.stride[1];
-        vs = v.stride[1];
-      } else {
-        for (std::int64_t j = 0; j < nk; ++j) {
-          const T* ksrc = k.row(b, j0 + j, kh);
-          const T* vsrc = v.row(b, j0 + j, kh);
-          for (std::int64_t d = 0; d < dim; ++d) {
-            s.kbuf[j * dim + d] = static_cast<A>(ksrc[d]);
-            s.vbuf[j * dim + d] = static_cast<A>(vsrc[d]);
-          }
-        }
-        kr = s.kbuf;
-        vr = s.vbuf;
-        ks = vs = dim;
-      }
-
-      // Start the next key block's K and V rows on their way to L2 while this one computes:
-      // at long sequences they come from L3 or memory, and the hardware prefetcher does not
-      // run far enough ahead on MR interleaved row streams.
-      if (const std::int64_t jn = j0 + block_k; jn < k.seq())
-        for (std::int64_t j = jn, je = std::min(k.seq(), jn + block_k); j < je; ++j) {
-          const char* kp = reinterpret_cast<const char*>(k.row(b, j, kh));
-          const char* vp = reinterpret_cast<const char*>(v.row(b, j, kh));
-          for (std::int64_t off = 0; off < dim * std::int64_t(sizeof(T)); off += 64) {
-            __builtin_prefetch(kp + off, 0, 2);
-            __builtin_prefetch(vp + off, 0, 2);
-          }
-        }
-      // S^T = K Q^T, one query panel at a time (its Q^T panel stays in L1).
-      for (std::int64_t c0 = 0; c0 < ncols; c0 += PW)
-        detail::flash_tiles<false>(nk, kr, ks, 1, s.qt + c0, bq, dim, s.st + c0, bq, static_cast<const A*>(nullptr));
-      if (masked)
-        for (std::int64_t j = 0; j < nk; ++j)
-          for (std::int64_t i = 0; i < nq; ++i)
-            if (s.kpos[j] > s.qpos[i]) s.st[j * bq + i] = neg_inf;
-
-      // Online softmax, W queries at a time: P^T = exp(S^T - m') in place.
-      for (std::int64_t c = 0; c < ncols; c += W) {
-        V mx = detail::simd_load(s.m + c);
-        const V m_old = mx;
-        for (std::int64_t j = 0; j < nk; ++j) mx = detail::simd_max(detail::simd_load(s.st + j * bq + c), mx);
-        // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
-        // weights exp(-inf) = 0 instead of NaN. NaN scores pass through to the output.
-        const V shift = mx == neg_inf ? V{} : mx;
-        V sum{};
-        for (std::int64_t j = 0; j < nk; ++j) {
-          A* sj = s.st + j * bq + c;
-          const V e = detail::exp_lanes(detail::simd_load(sj) - shift);
-          detail::simd_store(sj, e);
-          sum += e;
-        }
-        const V alpha = detail::exp_lanes(m_old - shift);
-        detail::simd_store(s.alpha + c, alpha);
-        detail::simd_store(s.l + c, detail::simd_fma(alpha, detail::simd_load(s.l + c), sum));
-        detail::simd_store(s.m + c, mx);
-      }
-
-      // O^T = alpha O^T + V^T P^T: A reads V column-wise (head-dim rows), B is a P^T panel.
-      for (std::int64_t c0 = 0; c0 < ncols; c0 += PW)
-        detail::flash_tiles<true>(dim, vr, 1, vs, s.st + c0, bq, nk, s.ot + c0, bq, s.alpha + c0);
-    }
-
-    for (std::int64_t i = 0; i < nq; ++i) {
-      O* dst = out.row(b, i0 + i, h);
-      const A l = s.l[i];
-      const A inv = l != 0 ? A(1) / l : A(0);
-      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(s.ot[d * bq + i] * inv);
-      if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] + std::log(l) : neg_inf;
-    }
-  }
-
   CpuFlashOptions options_;
+  CpuIsa isa_ = default_cpu_isa();
   std::unique_ptr<detail::ThreadPool> pool_;
   std::int64_t prepared_dim_ = 0;
   std::size_t thread_stride_ = 0;

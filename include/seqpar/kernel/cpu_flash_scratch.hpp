@@ -1,0 +1,146 @@
+#pragma once
+/// \file
+/// Per-thread scratch of CpuFlashKernel's forward and backward: which buffers, their sizes,
+/// and how they are carved from one byte range. The layouts serve every instruction set
+/// (kernel/cpu_isa.hpp): rows are padded to whole panels of the widest one (two 512-bit
+/// vectors), which is a whole number of panels of every narrower one.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace seqpar::detail {
+
+/// Elements of A in the widest micro-kernel panel of any instruction set (two 64-byte vectors).
+template <class A>
+inline constexpr std::int64_t max_panel = 128 / sizeof(A);
+
+/// Query rows and key rows of a forward block (query blocks may be 64 rows, see
+/// CpuFlashKernel::query_block_rows).
+inline constexpr std::int64_t fwd_block_q = 128, fwd_block_k = 128;
+
+/// Query rows and key rows of a backward tile. Each task streams every query row of its heads
+/// once per key block, so wide key blocks pay: 256 against 64 keys takes 7-18% less time at
+/// head_dim 256 to 64 (seq 2048, 8 heads, non-causal). 72 query rows are whole register tiles of 6 and 8
+/// rows; 256 keys are whole panels on every target.
+inline constexpr std::int64_t bwd_block_q = 72, bwd_block_k = 256;
+
+/// Hands out 64-byte aligned sub-ranges of one byte range (or, with a null base, only counts).
+class ScratchCarver {
+ public:
+  /// Carves from `base` (null: measure only).
+  explicit ScratchCarver(std::byte* base) : base_(base) {}
+  /// Points `ptr` at the next `count` elements.
+  template <class E>
+  void take(E*& ptr, std::int64_t count) {
+    ptr = reinterpret_cast<E*>(base_ + used_);
+    used_ += (static_cast<std::size_t>(count) * sizeof(E) + 63) / 64 * 64;
+  }
+  /// Bytes handed out so far.
+  std::size_t used() const { return used_; }
+
+ private:
+  std::byte* base_;
+  std::size_t used_ = 0;
+};
+
+/// One thread's forward scratch for accumulation type A and head dim `dim`.
+template <class A>
+struct ForwardScratch {
+  A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
+  std::int64_t *qpos, *kpos;
+
+  /// Carves the scratch at `base` (or, with a null base, only measures it); returns the bytes.
+  static std::size_t carve(std::byte* base, std::int64_t dim, ForwardScratch* s) {
+    ForwardScratch tmp;
+    ForwardScratch& r = s ? *s : tmp;
+    ScratchCarver c(base);
+    c.take(r.qt, dim * fwd_block_q);
+    c.take(r.ot, dim * fwd_block_q);
+    c.take(r.st, fwd_block_k * fwd_block_q);
+    c.take(r.m, fwd_block_q);
+    c.take(r.l, fwd_block_q);
+    c.take(r.alpha, fwd_block_q);
+    c.take(r.kbuf, fwd_block_k * dim);         // K converted to A, only when T is not A
+    c.take(r.vbuf, fwd_block_k * (dim + 8));  // V packed in tiles of up to 8 head dims
+    c.take(r.qpos, fwd_block_q);
+    c.take(r.kpos, fwd_block_k);
+    return c.used();
+  }
+};
+
+/// One thread's backward scratch for accumulation type A, carved from one byte range.
+/// "Key rows" are ld_keys() long, "dim rows" ld_dim(dim) long.
+template <class A>
+struct BackwardScratch {
+  A* ks;     ///< [BK] dim rows: keys (B of dQ = dS K)
+  A* kt;     ///< [dim] key rows: keys transposed (B of S)
+  A* vt;     ///< [dim] key rows: values transposed (B of dP)
+  A* dks;    ///< [BK] dim rows: dK of the task's key block
+  A* dvs;    ///< [BK] dim rows: dV of the task's key block
+  A* qs;     ///< [BQ] dim rows: queries
+  A* dos;    ///< [BQ] dim rows: output gradients
+  A* dqs;    ///< [BQ] dim rows: this tile's dQ share
+  A* pm;     ///< [BQ] key rows: S, then P
+  A* ds;     ///< [BQ] key rows: dP, then dS
+  A* lrow;   ///< [BQ] LSE of the tile's rows
+  A* delta;  ///< [BQ] rowsum(dO * O)
+  A* ones;   ///< one panel of 1 (the alpha of an accumulating micro-kernel call)
+  std::int64_t* limit;  ///< [BQ] keys of the block the row sees (a prefix: positions increase)
+  std::int64_t* kpos;   ///< [BK] global positions of the block's keys
+
+  /// Head dim rounded up to whole micro-kernel panels (the columns the products form).
+  static constexpr std::int64_t padded(std::int64_t dim) {
+    return (dim + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
+  }
+  /// Stride of dim rows: one panel more than needed, so that rows are not a power of two apart.
+  static constexpr std::int64_t ld_dim(std::int64_t dim) { return padded(dim) + max_panel<A>; }
+  /// Stride of key rows (same reason).
+  static constexpr std::int64_t ld_keys() { return bwd_block_k + max_panel<A>; }
+
+  /// Carves the scratch for head dim `dim` at `base`, or with a null base only measures it;
+  /// returns the bytes used.
+  static std::size_t carve(std::byte* base, std::int64_t dim, BackwardScratch* s) {
+    constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
+    const std::int64_t ld = ld_dim(dim), lk = ld_keys();
+    BackwardScratch tmp;
+    BackwardScratch& r = s ? *s : tmp;
+    ScratchCarver c(base);
+    c.take(r.ks, BK * ld);
+    c.take(r.kt, dim * lk);
+    c.take(r.vt, dim * lk);
+    c.take(r.dks, BK * ld);
+    c.take(r.dvs, BK * ld);
+    c.take(r.qs, BQ * ld);
+    c.take(r.dos, BQ * ld);
+    c.take(r.dqs, BQ * ld);
+    c.take(r.pm, BQ * lk);
+    c.take(r.ds, BQ * lk);
+    c.take(r.lrow, BQ);
+    c.take(r.delta, BQ);
+    c.take(r.ones, max_panel<A>);
+    c.take(r.limit, BQ);
+    c.take(r.kpos, BK);
+    if (s) std::fill(r.ones, r.ones + max_panel<A>, A(1));
+    return c.used();
+  }
+};
+
+/// Bytes of one thread's forward scratch for head dims up to `dim`, float or double (rounded
+/// to 256 so that slices stay aligned).
+inline std::size_t flash_forward_thread_bytes(std::int64_t dim) {
+  const std::size_t n =
+      std::max(ForwardScratch<float>::carve(nullptr, dim, nullptr), ForwardScratch<double>::carve(nullptr, dim, nullptr));
+  return (n + 255) / 256 * 256;
+}
+
+/// Bytes of one thread's backward scratch for head dims up to `dim`, float or double
+/// (rounded to 256 so that slices stay aligned).
+inline std::size_t flash_backward_thread_bytes(std::int64_t dim) {
+  const std::size_t n = std::max(BackwardScratch<float>::carve(nullptr, dim, nullptr),
+                                 BackwardScratch<double>::carve(nullptr, dim, nullptr));
+  return (n + 255) / 256 * 256;
+}
+
+}  // namespace seqpar::detail

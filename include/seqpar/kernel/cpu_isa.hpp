@@ -1,0 +1,112 @@
+#pragma once
+/// \file
+/// Which vector instructions the CPU kernels use, chosen at run time.
+///
+/// A header-only library cannot choose its users' compiler flags, and the flags rarely name
+/// the machine a program runs on: a binary built for plain x86-64 runs on cores with two
+/// 512-bit FMA pipes, where a 256-bit kernel reaches half the peak. So CpuFlashKernel is
+/// compiled once per instruction set, each copy under a function-level target (GCC/Clang
+/// `#pragma GCC target` / `#pragma clang attribute`, see kernel/cpu_isa_kernels.hpp), and picks
+/// the widest copy this CPU runs, once per process. No translation unit needs -mavx512f, so
+/// nothing outside the kernel is compiled for instructions the CPU may not have.
+///
+/// The levels:
+///  - `avx512`: 512-bit vectors, 32 registers (AVX-512 F/BW/DQ/VL with FMA).
+///  - `avx2`: 256-bit vectors with FMA, 16 registers.
+///  - `vec128`: 128-bit vectors of whatever the compile target has (SSE2 on x86-64, NEON on
+///    AArch64); always available, and the only level off x86.
+/// The environment variable `SEQPAR_CPU_ISA` (avx512, avx2 or vec128) caps the automatic
+/// choice, e.g. to compare the paths on one machine; CpuFlashOptions::isa picks one per kernel.
+
+#include <cstdlib>
+#include <string_view>
+
+#include "seqpar/core/error.hpp"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/// 1 when the compiler can build the AVX2 and AVX-512 copies (GCC or Clang on x86).
+#define SEQPAR_CPU_ISA_X86 1
+#else
+#define SEQPAR_CPU_ISA_X86 0
+#endif
+
+namespace seqpar {
+
+/// Vector instruction sets of the CPU kernels, narrowest first (see the file comment).
+enum class CpuIsa {
+  automatic = -1,  ///< the widest the CPU supports (capped by SEQPAR_CPU_ISA)
+  vec128 = 0,      ///< 128-bit vectors of the compile target (SSE2, NEON)
+  avx2 = 1,        ///< 256-bit AVX2 + FMA
+  avx512 = 2,      ///< 512-bit AVX-512 (F, BW, DQ, VL) + FMA
+};
+
+/// The level's name as SEQPAR_CPU_ISA spells it ("avx512", "avx2", "vec128", "automatic").
+constexpr const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::avx512: return "avx512";
+    case CpuIsa::avx2: return "avx2";
+    case CpuIsa::vec128: return "vec128";
+    default: return "automatic";
+  }
+}
+
+/// Bits of one vector register at this level.
+constexpr int cpu_isa_vector_bits(CpuIsa isa) {
+  return isa == CpuIsa::avx512 ? 512 : isa == CpuIsa::avx2 ? 256 : 128;
+}
+
+/// Whether this CPU (and OS: the register state must be saved) runs the level's copy.
+inline bool cpu_isa_supported(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::vec128: return true;
+#if SEQPAR_CPU_ISA_X86
+    case CpuIsa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CpuIsa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("fma");
+#endif
+    default: return false;
+  }
+}
+
+/// Parses a level name ("avx512", "avx2", "vec128"; "scalar" and "sse2" mean vec128);
+/// `fallback` for anything else.
+constexpr CpuIsa parse_cpu_isa(std::string_view name, CpuIsa fallback) {
+  if (name == "avx512") return CpuIsa::avx512;
+  if (name == "avx2") return CpuIsa::avx2;
+  if (name == "vec128" || name == "scalar" || name == "sse2" || name == "neon") return CpuIsa::vec128;
+  return fallback;
+}
+
+/// The widest level this CPU supports.
+inline CpuIsa widest_cpu_isa() {
+  for (CpuIsa isa : {CpuIsa::avx512, CpuIsa::avx2})
+    if (cpu_isa_supported(isa)) return isa;
+  return CpuIsa::vec128;
+}
+
+/// The level CpuIsa::automatic resolves to in this process: the widest supported, capped by
+/// the environment variable SEQPAR_CPU_ISA when set. Decided once (the first call).
+inline CpuIsa default_cpu_isa() {
+  static const CpuIsa chosen = [] {
+    CpuIsa isa = widest_cpu_isa();
+    if (const char* env = std::getenv("SEQPAR_CPU_ISA")) {
+      const CpuIsa cap = parse_cpu_isa(env, isa);
+      if (static_cast<int>(cap) < static_cast<int>(isa)) isa = cap;
+    }
+    return isa;
+  }();
+  return chosen;
+}
+
+/// Resolves `requested`: automatic becomes default_cpu_isa(); a level the CPU cannot run is a
+/// ConfigError naming it.
+inline CpuIsa resolve_cpu_isa(CpuIsa requested) {
+  if (requested == CpuIsa::automatic) return default_cpu_isa();
+  SEQPAR_CHECK(cpu_isa_supported(requested), ConfigError, "CpuFlashOptions::isa: this CPU cannot run ",
+               cpu_isa_name(requested), " (widest supported: ", cpu_isa_name(widest_cpu_isa()), ")");
+  return requested;
+}
+
+}  // namespace seqpar

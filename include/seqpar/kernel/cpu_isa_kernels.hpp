@@ -1,0 +1,113 @@
+#pragma once
+/// \file
+/// CpuFlashKernel's code compiled once per instruction set (kernel/cpu_isa.hpp), and the
+/// run-time switch between the copies.
+///
+/// How: kernel/cpu_isa_kernels.inl (the SIMD layer, forward and backward) is included three
+/// times, into namespaces detail::isa_avx512, detail::isa_avx2 and detail::isa_vec128, the
+/// first two under a function-level target (`#pragma GCC target`, or Clang's
+/// `#pragma clang attribute`) that covers every function, template and lambda defined there.
+/// So the AVX-512 copy uses 512-bit vectors and 32 registers whatever flags the including
+/// translation unit has, and nothing else in that unit is compiled for AVX-512 (a GCC 12
+/// miscompile of constant vector initialisers under -mavx512f cannot reach user code). The
+/// copies call each other never; the switch calls into one through a plain function call.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include "seqpar/kernel/cpu_flash_backward.hpp"
+#include "seqpar/kernel/cpu_flash_scratch.hpp"
+#include "seqpar/kernel/cpu_isa.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+
+#if SEQPAR_CPU_ISA_X86
+#include <immintrin.h>
+#endif
+
+/// _Pragma with its argument stringified.
+#define SEQPAR_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+/// Starts a region whose functions are compiled for the target `features` (a string literal).
+#define SEQPAR_TARGET_PUSH(features) \
+  SEQPAR_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+/// Ends the region of SEQPAR_TARGET_PUSH.
+#define SEQPAR_TARGET_POP() SEQPAR_PRAGMA(clang attribute pop)
+#else
+#define SEQPAR_TARGET_PUSH(features) SEQPAR_PRAGMA(GCC push_options) SEQPAR_PRAGMA(GCC target(features))
+#define SEQPAR_TARGET_POP() SEQPAR_PRAGMA(GCC pop_options)
+#endif
+/// The target features of the AVX-512 and AVX2 copies (what cpu_isa_supported checks).
+#define SEQPAR_TARGET_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"
+#define SEQPAR_TARGET_AVX2 "avx2,fma"
+
+#if SEQPAR_CPU_ISA_X86
+SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512)
+/// The AVX-512 copy.
+namespace seqpar::detail::isa_avx512 {
+#define SEQPAR_ISA_BYTES 64
+#define SEQPAR_ISA_REGISTERS 32
+#include "seqpar/kernel/cpu_isa_kernels.inl"
+#undef SEQPAR_ISA_BYTES
+#undef SEQPAR_ISA_REGISTERS
+}  // namespace seqpar::detail::isa_avx512
+SEQPAR_TARGET_POP()
+
+SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX2)
+/// The AVX2 copy.
+namespace seqpar::detail::isa_avx2 {
+#define SEQPAR_ISA_BYTES 32
+#define SEQPAR_ISA_REGISTERS 16
+#include "seqpar/kernel/cpu_isa_kernels.inl"
+#undef SEQPAR_ISA_BYTES
+#undef SEQPAR_ISA_REGISTERS
+}  // namespace seqpar::detail::isa_avx2
+SEQPAR_TARGET_POP()
+#endif
+
+/// The 128-bit copy, compiled for the including unit's own target (SSE2, NEON, ...).
+namespace seqpar::detail::isa_vec128 {
+#define SEQPAR_ISA_BYTES 16
+#if defined(__aarch64__)
+#define SEQPAR_ISA_REGISTERS 32
+#else
+#define SEQPAR_ISA_REGISTERS 16
+#endif
+#include "seqpar/kernel/cpu_isa_kernels.inl"
+#undef SEQPAR_ISA_BYTES
+#undef SEQPAR_ISA_REGISTERS
+}  // namespace seqpar::detail::isa_vec128
+
+namespace seqpar::detail {
+
+/// Calls `Fn::template run<Kernels>(args...)` with the IsaKernels of level `isa` (resolved,
+/// not automatic); levels this compiler cannot build fall back to vec128. (A named functor
+/// rather than a generic lambda: nvcc's front end crashes on the lambda form.)
+template <class Fn, class... Args>
+decltype(auto) dispatch_cpu_isa(CpuIsa isa, Args&&... args) {
+  switch (isa) {
+#if SEQPAR_CPU_ISA_X86
+    case CpuIsa::avx512: return Fn::template run<isa_avx512::IsaKernels>(std::forward<Args>(args)...);
+    case CpuIsa::avx2: return Fn::template run<isa_avx2::IsaKernels>(std::forward<Args>(args)...);
+#endif
+    default: return Fn::template run<isa_vec128::IsaKernels>(std::forward<Args>(args)...);
+  }
+}
+
+/// dispatch_cpu_isa functor: IsaKernels::fma_burst(rounds, seed) into *sink; returns the
+/// flops it did.
+struct FmaBurst {
+  /// See FmaBurst.
+  template <class Kernels>
+  static double run(std::int64_t rounds, float seed, float* sink) {
+    *sink = Kernels::fma_burst(rounds, seed);
+    return 2.0 * (Kernels::vector_bits / 32) * Kernels::burst_chains * static_cast<double>(rounds);
+  }
+};
+
+}  // namespace seqpar::detail

@@ -1,0 +1,53 @@
+// Everything CpuFlashKernel runs, for ONE instruction set: included once per level by
+// kernel/cpu_isa_kernels.hpp, inside that level's namespace and function-level target, with
+// SEQPAR_ISA_BYTES and SEQPAR_ISA_REGISTERS defined (no include guard on purpose).
+
+#include "seqpar/kernel/cpu_isa_simd.inl"
+#include "seqpar/kernel/cpu_isa_forward.inl"
+#include "seqpar/kernel/cpu_isa_backward.inl"
+
+/// `Chains` independent chains of `rounds` vector FMAs (IsaKernels::fma_burst). A fold
+/// expression over the chain index keeps each chain a named register value.
+template <class A, int Chains>
+A fma_chains(std::int64_t rounds, A seed) {
+  using V = simd_t<A>;
+  return [&]<int... C>(std::integer_sequence<int, C...>) {
+    V acc[Chains] = {simd_splat(seed * A(C + 1))...};
+    const V mul = simd_splat(A(0.999999)), add = simd_splat(A(1e-7));
+    for (std::int64_t n = 0; n < rounds; ++n) ((acc[C] = simd_fma(acc[C], mul, add)), ...);
+    A s = 0;
+    for (int c = 0; c < Chains; ++c)
+      for (int l = 0; l < Simd<A>::width; ++l) s += acc[c][l];
+    return s;
+  }(std::make_integer_sequence<int, Chains>{});
+}
+
+/// The level's entry points, as static members so that a dispatcher can take the level as a
+/// type (see dispatch_cpu_isa).
+struct IsaKernels {
+  /// Bits of a vector at this level.
+  static constexpr int vector_bits = simd_bytes * 8;
+  /// Independent FMA chains of fma_burst: enough to cover latency x throughput on current
+  /// cores (4-cycle latency, 2 pipes) without spilling on 16-register levels.
+  static constexpr int burst_chains = simd_registers >= 32 ? 16 : 12;
+
+  /// rounds x burst_chains vector FMAs at this level's width, the ceiling the kernels are
+  /// quoted against (2 * lanes * burst_chains * rounds flops); returns a value that depends
+  /// on every lane so that nothing is optimised away.
+  [[gnu::noinline]] static float fma_burst(std::int64_t rounds, float seed) { return fma_chains<float, burst_chains>(rounds, seed); }
+
+  /// See forward_query_block.
+  template <class T, class O, class A>
+  static void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
+                      TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h, std::int64_t i0,
+                      std::int64_t bq, const ForwardScratch<A>& s) {
+    forward_query_block<T, O, A>(q, k, v, out, lse, p, b, h, i0, bq, s);
+  }
+
+  /// See backward_task.
+  template <class T, class A>
+  static void backward(const FlashBackward<T, A>& job, std::int64_t t, const BackwardScratch<A>& s,
+                       std::int32_t* turns) {
+    backward_task(job, t, s, turns);
+  }
+};
