@@ -9,8 +9,10 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "seqpar/seqpar.hpp"
@@ -247,6 +249,75 @@ ErrorStats forward_error(Attention& attn, const Plan& plan, const GlobalInputs& 
                            CV::bshd(l.v.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
                            TensorView<T>::bshd(l.out.data(), s.batch, l.lq, s.heads, s.head_dim), workspace);
   return compare(l.out, reference_rows(g, qpos));
+}
+
+/// One rank's profile as integers for gather_rows (times as bit-cast doubles): per pass the
+/// call count, the total, then every (phase, step) and every step's hop time in flight.
+inline std::vector<std::int64_t> profile_row(const PhaseProfile& p) {
+  std::vector<std::int64_t> row;
+  auto put = [&](double x) { row.push_back(std::bit_cast<std::int64_t>(x)); };
+  for (Pass pass : {Pass::forward, Pass::backward}) {
+    row.push_back(p.calls(pass));
+    put(p.total_ms(pass));
+    for (int ph = 0; ph < static_cast<int>(Phase::count); ++ph)
+      for (int s = 0; s < PhaseProfile::max_steps; ++s) put(p.ms(pass, static_cast<Phase>(ph), s));
+    for (int s = 0; s < PhaseProfile::max_steps; ++s) put(p.hop_ms(pass, s));
+  }
+  return row;
+}
+
+/// The profile profile_row() wrote (steps with no time at all read back as not run).
+inline PhaseProfile profile_from_row(const std::vector<std::int64_t>& row) {
+  PhaseProfile p;
+  std::size_t i = 0;
+  auto get = [&] { return std::bit_cast<double>(row[i++]); };
+  for (Pass pass : {Pass::forward, Pass::backward}) {
+    const auto calls = row[i++];
+    const double total = get();
+    for (std::int64_t c = 0; c < calls; ++c) p.add_call(pass, total / static_cast<double>(calls));
+    for (int ph = 0; ph < static_cast<int>(Phase::count); ++ph)
+      for (int s = 0; s < PhaseProfile::max_steps; ++s)
+        if (const double ms = get(); ms != 0) p.add(pass, static_cast<Phase>(ph), s, ms);
+    for (int s = 0; s < PhaseProfile::max_steps; ++s) p.add_hop(pass, s, get());
+  }
+  return p;
+}
+
+/// Prints, per pass that ran, one line per rank with each phase's time per call (ms), the
+/// rest of the call ("other": checks and set-up), and the share of the ring hops' time in
+/// flight that compute hid; then, with a ring, each step's compute, merge and wait.
+inline void print_profile(const std::vector<PhaseProfile>& ranks) {
+  constexpr int phases = static_cast<int>(Phase::count);
+  for (Pass pass : {Pass::forward, Pass::backward}) {
+    if (ranks.empty() || ranks[0].calls(pass) == 0) continue;
+    std::printf("profile      %s, ms per call (mean of %d calls)\n", pass == Pass::forward ? "forward" : "backward",
+                ranks[0].calls(pass));
+    std::printf("%6s %9s", "rank", "total");
+    for (int ph = 0; ph < phases; ++ph) std::printf(" %8s", phase_name(static_cast<Phase>(ph)));
+    std::printf(" %8s %7s\n", "other", "hidden");
+    int steps = 1;
+    for (std::size_t w = 0; w < ranks.size(); ++w) {
+      const PhaseProfile& p = ranks[w];
+      const double n = std::max(1, p.calls(pass));
+      std::printf("%6zu %9.3f", w, p.total_ms(pass) / n);
+      for (int ph = 0; ph < phases; ++ph) std::printf(" %8.3f", p.ms(pass, static_cast<Phase>(ph)) / n);
+      std::printf(" %8.3f %6.1f%%\n", (p.total_ms(pass) - p.phases_ms(pass)) / n, 100 * p.hidden_share(pass));
+      steps = std::max(steps, p.steps(pass));
+    }
+    if (steps < 2) continue;
+    std::printf("ring steps   compute / merge / wait, ms per call\n%6s", "rank");
+    for (int s = 0; s < steps; ++s) std::printf("  %22s", ("step " + std::to_string(s)).c_str());
+    std::printf("\n");
+    for (std::size_t w = 0; w < ranks.size(); ++w) {
+      const PhaseProfile& p = ranks[w];
+      const double n = std::max(1, p.calls(pass));
+      std::printf("%6zu", w);
+      for (int s = 0; s < steps; ++s)
+        std::printf("  %8.2f/%6.2f/%6.2f", p.ms(pass, Phase::compute, s) / n, p.ms(pass, Phase::merge, s) / n,
+                    p.ms(pass, Phase::wait, s) / n);
+      std::printf("\n");
+    }
+  }
 }
 
 }  // namespace seqpar::examples

@@ -30,7 +30,7 @@ constexpr const char* usage_text =
     "usage: seqpar_demo --policy ulysses|ring|unified [--anything] [--layout contiguous|zigzag|stripe]\n"
     "                   [--ulysses-degree U] [--ring-degree R] [--batch B] [--seq S] [--heads H]\n"
     "                   [--kv-heads K] [--head-dim D] [--causal] [--dtype f32|f64] [--comm mpi|threads]\n"
-    "                   [--ranks N] [--iters I] [--check] [--threads N] [--seed N] [--backward]\n"
+    "                   [--ranks N] [--iters I] [--check] [--threads N] [--seed N] [--backward] [--profile]\n"
     "  --seq is the global length, split over the ranks as evenly as the mesh allows; plain policies\n"
     "  need it to divide evenly (use --anything otherwise). Defaults: --batch 1 --seq 2048 --heads 8\n"
     "  --kv-heads H --head-dim 64 --dtype f32 --iters 2; --comm mpi under an MPI launcher (when built\n"
@@ -38,7 +38,9 @@ constexpr const char* usage_text =
     "  RESULT policy=... ranks=... seq=... heads=... max_abs_err=... max_rel_err=... bytes_sent_per_rank=... "
     "time_ms_per_iter=...\n"
     "  --backward also runs backward after each forward (time and bytes cover both) and, with --check,\n"
-    "  appends grad_max_rel_err=... (dq, dk, dv against the exact double reference).\n";
+    "  appends grad_max_rel_err=... (dq, dk, dv against the exact double reference).\n"
+    "  --profile prints, per rank, the time of each phase of the timed calls (pack, all-to-alls, each\n"
+    "  ring step's compute, merge and wait, unpack) and the share of ring transfer time hidden by compute.\n";
 
 /// A wrong option or a combination the demo does not run. Every rank sees the same options,
 /// so every rank throws it alike: the demo prints one line and exits with status 2.
@@ -66,6 +68,7 @@ struct Options {
   int threads = 0;  // 0 = the kernel's default
   std::uint64_t seed = 2024;
   bool backward = false;
+  bool profile = false;
 };
 
 std::int64_t parse_int(std::string_view name, const char* text, std::int64_t min) {
@@ -89,6 +92,7 @@ Options parse(int argc, char** argv) {
     if (a == "--causal") { o.causal = true; continue; }
     if (a == "--check") { o.check = true; continue; }
     if (a == "--backward") { o.backward = true; continue; }
+    if (a == "--profile") { o.profile = true; continue; }
     if (i + 1 >= argc) throw UsageError(std::string(a) + ": unknown option or missing value (see --help)");
     const char* v = argv[++i];
     const std::string_view s = v;
@@ -254,11 +258,17 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
     }
   }
 
+  PhaseProfile profile;  // only the timed calls
+  if (o.profile) attn.set_profile(&profile);
   comm.barrier();
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.iters; ++i) step();
   comm.barrier();  // the time of the slowest rank
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / o.iters;
+  attn.set_profile(nullptr);
+  std::vector<PhaseProfile> profiles;
+  if (o.profile)
+    for (const auto& row : ex::gather_rows(comm, ex::profile_row(profile))) profiles.push_back(ex::profile_from_row(row));
   const std::uint64_t formula = plan.forward_bytes(me) + (o.backward ? plan.backward_bytes(me) : 0);
 
   const auto rows = ex::gather_rows(comm, {plan.local_q(), plan.local_kv(), plan.work(me), static_cast<std::int64_t>(bytes),
@@ -286,6 +296,7 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
                 static_cast<long long>(r[3]), static_cast<long long>(r[4]), std::bit_cast<double>(r[5]));
   }
   std::printf("traffic      bytes sent %s the plan's analytic count\n", bytes_match ? "equal" : "DIFFER FROM");
+  if (o.profile) ex::print_profile(profiles);
   const double tol = o.f64 ? 1e-12 : 1e-5, grad_tol = o.f64 ? 1e-11 : 1e-4;
   const bool fwd_ok = err.rel() <= tol, grad_ok = !o.backward || grad_err.rel() <= grad_tol;
   const bool ok = !o.check || (fwd_ok && grad_ok);

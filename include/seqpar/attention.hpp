@@ -8,6 +8,7 @@
 
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/plan.hpp"
+#include "seqpar/core/profile.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/policy/mesh_engine.hpp"
 #include "seqpar/policy/policies.hpp"
@@ -94,6 +95,13 @@ class SequenceParallelAttention {
   Kernel& kernel() { return engine_.kernel(); }
   /// The tensor operations between kernel calls (packing, merge); on CUDA it holds the stream.
   TensorOps<memory_space>& ops() { return engine_.ops(); }
+
+  /// Times the phases of every later forward and backward into `profile` (nullptr: stop),
+  /// to find the time spent outside the kernel. Off by default: then no clock is read. The
+  /// profile must outlive its use; recording allocates nothing and changes no result.
+  void set_profile(PhaseProfile* profile) { engine_.set_profile(profile); }
+  /// The profile set by set_profile, or nullptr.
+  PhaseProfile* profile() const { return engine_.profile(); }
 
  private:
   detail::MeshEngine<Comm, Kernel> engine_;

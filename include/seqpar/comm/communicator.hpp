@@ -63,6 +63,9 @@ inline constexpr bool enable_communicator = requires { requires C::is_seqpar_com
 ///   `dest` and receiving from `source` without blocking, returns a request;
 ///   `c.wait(request)` completes both. Messages between one pair of ranks arrive in order,
 ///   and requests that receive from the same source are waited in the order they started;
+/// - optional: `c.test(request)` -> bool: moves the exchange along without blocking and says
+///   whether it is done (wait() is still called). A transport that moves bytes only inside
+///   its own calls (MPI) offers it, and the ring polls it between chunks of its compute;
 /// - `c.all_gather_host(mine, all)`: host integers, `all` = concatenation of every rank's
 ///   `mine` in rank order (the metadata channel; counted in stats().host_gathers);
 /// - `c.barrier()`;

@@ -144,6 +144,7 @@ class BasicMpiCommunicator {
     std::size_t recv_bytes = 0;  ///< bytes expected from `source`
     int source = -1;             ///< rank we receive from
     int dest = -1;               ///< rank we send to
+    bool complete = false;       ///< test() saw both halves done and checked them
   };
 
   /// Wraps `comm` without owning it and sets its error handler to MPI_ERRORS_RETURN.
@@ -229,23 +230,24 @@ class BasicMpiCommunicator {
   /// Completes both halves of an exchange (MPI_Waitall). Throws MpiError if MPI reports a
   /// failure (e.g. the peer sent more than expected) and CommError if it sent fewer bytes.
   void wait(request_type& req) {
+    if (req.complete) return;  // test() finished and checked it
     std::array<MPI_Status, 2> status{};
-    const int rc = MPI_Waitall(2, req.requests.data(), status.data());
-    if (rc == MPI_ERR_IN_STATUS) {
-      for (int i = 0; i < 2; ++i)
-        if (status[static_cast<std::size_t>(i)].MPI_ERROR != MPI_SUCCESS &&
-            status[static_cast<std::size_t>(i)].MPI_ERROR != MPI_ERR_PENDING)
-          detail::mpi_check(status[static_cast<std::size_t>(i)].MPI_ERROR,
-                            i == 0 ? "MPI_Waitall(receive from source)" : "MPI_Waitall(send to dest)", __FILE__,
-                            __LINE__);
-    }
-    detail::mpi_check(rc, "MPI_Waitall", __FILE__, __LINE__);
-    MPI_Count got = 0;
-    SEQPAR_MPI_CHECK(MPI_Get_elements_x(&status[0], req.recv_type, &got));
-    SEQPAR_CHECK(got == static_cast<MPI_Count>(req.recv_bytes), CommError, "MpiCommunicator: exchange: rank ",
-                 req.source, " sent ", got, " bytes to rank ", rank_, ", which expects ", req.recv_bytes);
+    finish(req, MPI_Waitall(2, req.requests.data(), status.data()), status, "MPI_Waitall");
   }
 
+  /// Lets MPI move the exchange's bytes without blocking (MPI_Testall) and returns true once
+  /// both halves are done; wait() must still be called, and returns at once then. Open MPI
+  /// moves a large (rendezvous) message only inside MPI calls, so the ring calls this
+  /// between chunks of its compute: without it the whole transfer happens in wait().
+  bool test(request_type& req) {
+    if (req.complete) return true;
+    int flag = 0;
+    std::array<MPI_Status, 2> status{};
+    const int rc = MPI_Testall(2, req.requests.data(), &flag, status.data());
+    if (rc == MPI_SUCCESS && !flag) return false;
+    finish(req, rc, status, "MPI_Testall");
+    return true;
+  }
   /// Metadata all-gather of host integers (MPI_Allgather of int64; every rank gives the same count).
   void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
     SEQPAR_CHECK(all.size() == mine.size() * static_cast<std::size_t>(size_), ConfigError,
@@ -278,6 +280,25 @@ class BasicMpiCommunicator {
     SEQPAR_MPI_CHECK(MPI_Comm_set_errhandler(state_->comm(), MPI_ERRORS_RETURN));
     SEQPAR_MPI_CHECK(MPI_Comm_rank(state_->comm(), &rank_));
     SEQPAR_MPI_CHECK(MPI_Comm_size(state_->comm(), &size_));
+  }
+
+  /// Checks a completed exchange's status (the return code of MPI_Waitall or MPI_Testall) and
+  /// the received byte count, then marks it complete.
+  void finish(request_type& req, int rc, std::array<MPI_Status, 2>& status, const char* call) const {
+    if (rc == MPI_ERR_IN_STATUS) {
+      for (int i = 0; i < 2; ++i)
+        if (status[static_cast<std::size_t>(i)].MPI_ERROR != MPI_SUCCESS &&
+            status[static_cast<std::size_t>(i)].MPI_ERROR != MPI_ERR_PENDING)
+          detail::mpi_check(status[static_cast<std::size_t>(i)].MPI_ERROR,
+                            (std::string(call) + (i == 0 ? "(receive from source)" : "(send to dest)")).c_str(),
+                            __FILE__, __LINE__);
+    }
+    detail::mpi_check(rc, call, __FILE__, __LINE__);
+    MPI_Count got = 0;
+    SEQPAR_MPI_CHECK(MPI_Get_elements_x(&status[0], req.recv_type, &got));
+    SEQPAR_CHECK(got == static_cast<MPI_Count>(req.recv_bytes), CommError, "MpiCommunicator: exchange: rank ",
+                 req.source, " sent ", got, " bytes to rank ", rank_, ", which expects ", req.recv_bytes);
+    req.complete = true;
   }
 
   void check_rank(int r, const char* name) const {

@@ -29,6 +29,7 @@
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/plan.hpp"
+#include "seqpar/core/profile.hpp"
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/kernel/host_ops.hpp"
@@ -94,7 +95,7 @@ template <class T, class A>
 struct ForwardBuffers {
   T* q_block = nullptr;             // [Qr, B, hq, D] gathered queries (U > 1)
   T* ring[2] = {nullptr, nullptr};  // [K | V] blocks, each [Kb, B, hk, D]
-  A* o_acc = nullptr;               // running output [Qr, B, hq, D] (R > 1)
+  A* o_acc = nullptr;               // running output [Qr, B, hq, D] (R > 1 and T != A)
   A* l_acc = nullptr;               // running LSE [Qr, B, hq]
   A* o_part = nullptr;              // one step's output
   A* l_part = nullptr;              // one step's LSE
@@ -117,7 +118,8 @@ ForwardBuffers<T, A> carve_forward(WorkspaceCarver& c, const Plan& p) {
   if (ulysses || ring) buf.ring[0] = c.take<T>(n.kv_ring);
   if (ring) {
     buf.ring[1] = c.take<T>(n.kv_ring);
-    buf.o_acc = c.take<A>(n.qr * n.B * n.hq * n.D);
+    // With T == A the running output lives in the output block itself (see forward).
+    if constexpr (!std::is_same_v<T, A>) buf.o_acc = c.take<A>(n.qr * n.B * n.hq * n.D);
     buf.o_part = c.take<A>(n.qr * n.B * n.hq * n.D);
     buf.l_acc = c.take<A>(n.qr * n.B * n.hq);
     buf.l_part = c.take<A>(n.qr * n.B * n.hq);
@@ -348,6 +350,7 @@ class MeshEngine {
     else
       SEQPAR_CHECK(lse.absent(), ConfigError, "forward: lse given, but the plan's problem has with_lse = false");
     check_workspace(workspace, p.workspace_bytes(), "forward");
+    start_call(Pass::forward);
     const LocalShape n(p);
     const auto B = p.problem.batch, D = p.problem.head_dim;
     const auto qr = to_i(n.qr), hq = to_i(n.hq);
@@ -365,17 +368,25 @@ class MeshEngine {
     if (p.mesh.ring == 1) {
       params.k_positions = p.kv_layout.block(0);
       kernel_.forward(in.q, in.k, in.v, o_block, l_block, params);
+      lap(Phase::compute);
+    } else if constexpr (std::is_same_v<T, A>) {
+      // The running output can live where it ends (out, or the all-to-all send buffer): no
+      // copy at the end. The LSE too, when the caller asked for it.
+      ring_forward<T>(p, in.q, buf, params, o_block,
+                      l_block.absent() ? AView::sbhd(buf.l_acc, B, qr, hq, 1) : l_block);
     } else {
       const AView o_acc = AView::sbhd(buf.o_acc, B, qr, hq, D), l_acc = AView::sbhd(buf.l_acc, B, qr, hq, 1);
       ring_forward<T>(p, in.q, buf, params, o_acc, l_acc);
       ops_.copy(TensorView<const A, Space>(o_acc), o_block);
       if (!l_block.absent()) ops_.copy(TensorView<const A, Space>(l_acc), l_block);
+      lap(Phase::finish);
     }
 
     if (p.mesh.ulysses > 1) {
       scatter_heads<T>(o_block, p.q_heads, p.q_table, buf.o_send, buf.o_recv, out, nullptr);
       if (p.problem.with_lse) scatter_heads<A>(l_block, p.q_heads, p.lse_table, buf.l_send, buf.l_recv, lse, nullptr);
     }
+    clock_.call(call_start_, Pass::forward);
   }
 
   /// Backward: adds nothing, overwrites dq, dk, dv with the gradients of this rank's slices.
@@ -404,6 +415,7 @@ class MeshEngine {
     check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
     check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
     check_workspace(workspace, p.backward_workspace_bytes(), "backward");
+    start_call(Pass::backward);
     const LocalShape n(p);
     const auto B = pr.batch, D = pr.head_dim;
     const auto qr = to_i(n.qr), kr = to_i(n.kr), hq = to_i(n.hq), hk = to_i(n.hk);
@@ -422,6 +434,7 @@ class MeshEngine {
     }
     const AView dq_acc = AView::sbhd(buf.dq_acc, B, qr, hq, D);
     ops_.fill(dq_acc, A(0));
+    lap(Phase::pack);
     const A* own_grad = ring_backward<T>(p, in, dob, ob, lb, buf, dq_acc);
 
     const AView dk_block = AView::sbhd(const_cast<A*>(own_grad), B, kr, hk, D);
@@ -434,7 +447,9 @@ class MeshEngine {
       ops_.copy(TensorView<const A, Space>(dq_acc), dq);
       ops_.copy(TensorView<const A, Space>(dk_block), dk);
       ops_.copy(TensorView<const A, Space>(dv_block), dv);
+      lap(Phase::finish);
     }
+    clock_.call(call_start_, Pass::backward);
   }
 
   /// The world communicator.
@@ -449,6 +464,10 @@ class MeshEngine {
   const MeshConfig& mesh() const { return mesh_; }
   /// Packing, merge and fill operations (on CUDA: they carry the stream).
   TensorOps<Space>& ops() { return ops_; }
+  /// Records the phases of later calls into `profile` (nullptr: stop).
+  void set_profile(PhaseProfile* profile) { clock_.set(profile); }
+  /// The profile set, or nullptr.
+  PhaseProfile* profile() const { return clock_.get(); }
 
  private:
   static MeshConfig agree_on_mesh(Comm& world, const MeshConfig& request) {
@@ -560,6 +579,7 @@ class MeshEngine {
     if (p.mesh.ring > 1) {
       ops_.copy(k, View::sbhd(kv, B, kr, hk, D));
       ops_.copy(v, View::sbhd(kv + k_elems, B, kr, hk, D));
+      lap(Phase::pack);
       return {q, TensorView<const T, Space>::sbhd(kv, B, kr, hk, D),
               TensorView<const T, Space>::sbhd(kv + k_elems, B, kr, hk, D)};
     }
@@ -577,7 +597,9 @@ class MeshEngine {
       ops_.copy(x.slice_heads(heads[m].begin, heads[m].count),
                 TensorView<E, Space>::sbhd(send + t.send_displs[m] / sizeof(E), x.batch(), x.seq(), heads[m].count,
                                            x.dim()));
+    lap(Phase::pack);
     exchange(ulysses_, send, t, block, false);
+    lap(Phase::all_to_all_in);
     return TensorView<const E, Space>::sbhd(block, x.batch(), rows, nheads, x.dim());
   }
 
@@ -588,9 +610,14 @@ class MeshEngine {
   template <class E, class S>
   void scatter_heads(TensorView<S, Space> block, const std::vector<HeadRange>& heads, const AllToAllTable& t, E* send,
                      E* recv, TensorView<E, Space> out, acc_t<E>* sum) {
-    ops_.copy(TensorView<const S, Space>(block),
-              TensorView<E, Space>::sbhd(send, block.batch(), block.seq(), block.heads(), block.dim()));
+    // Forward computes straight into `send` when the types agree: nothing to copy then.
+    if (!std::is_same_v<S, E> || static_cast<const void*>(block.data) != static_cast<const void*>(send) ||
+        block.stride != TensorView<E, Space>::sbhd(send, block.batch(), block.seq(), block.heads(), block.dim()).stride)
+      ops_.copy(TensorView<const S, Space>(block),
+                TensorView<E, Space>::sbhd(send, block.batch(), block.seq(), block.heads(), block.dim()));
+    lap(Phase::finish);
     exchange(ulysses_, send, t, recv, true);
+    lap(Phase::all_to_all_out);
     using AView = TensorView<acc_t<E>, Space>;
     const AView total = sum ? AView::bshd(sum, out.batch(), out.seq(), out.heads(), out.dim()) : AView{};
     if (sum) ops_.fill(total, acc_t<E>(0));
@@ -603,6 +630,7 @@ class MeshEngine {
         ops_.copy(piece, out.slice_heads(heads[m].begin, heads[m].count));
     }
     if (sum) ops_.copy(TensorView<const acc_t<E>, Space>(total), out);
+    lap(Phase::unpack);
   }
 
   template <class E>
@@ -627,6 +655,9 @@ class MeshEngine {
                                 reinterpret_cast<std::byte*>(into), bytes((src - 1 + R) % R), (r - 1 + R) % R);
   }
 
+  /// The ring loop of forward: the running output and LSE end in o_acc, l_acc. The first
+  /// step that computes writes them directly (no zeroing, no merge); later steps compute into
+  /// the step buffers and merge.
   template <class T, class A>
   void ring_forward(const Plan& p, TensorView<const T, Space> qb, const ForwardBuffers<T, A>& buf,
                     KernelParams params, TensorView<A, Space> o_acc, TensorView<A, Space> l_acc) {
@@ -636,26 +667,106 @@ class MeshEngine {
     using AView = TensorView<A, Space>;
     const AView o_part = AView::sbhd(buf.o_part, o_acc.batch(), o_acc.seq(), o_acc.heads(), D);
     const AView l_part = AView::sbhd(buf.l_part, o_acc.batch(), o_acc.seq(), o_acc.heads(), 1);
-    ops_.fill(o_acc, A(0));
-    ops_.fill(l_acc, -std::numeric_limits<A>::infinity());
     T* cur = buf.ring[0];
     T* nxt = buf.ring[1];
+    bool empty = true;  // no step has written o_acc yet
     for (int s = 0; s < R; ++s) {
       const int src = (r - s + R) % R;
       const std::int64_t kb = p.kv_layout.block(src).size();
-      typename Comm::request_type req{};
-      if (s + 1 < R) req = ring_hop(p, cur, src, nxt, n.B * n.hk * n.D);
+      Hop hop;
+      if (s + 1 < R) hop.start(*this, ring_hop(p, cur, src, nxt, n.B * n.hk * n.D), s);
       if (p.ring_step_computes[s]) {
         params.k_positions = p.kv_layout.block(src);
-        kernel_.forward(qb, TensorView<const T, Space>::sbhd(cur, B, kb, hk, D),
-                        TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, D), o_part, l_part, params);
-        ops_.merge(o_acc, l_acc, TensorView<const A, Space>(o_part), TensorView<const A, Space>(l_part));
+        compute_forward(qb, TensorView<const T, Space>::sbhd(cur, B, kb, hk, D),
+                        TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, D),
+                        empty ? o_acc : o_part, empty ? l_acc : l_part, params, hop);
+        lap(Phase::compute, s);
+        if (!empty) {
+          ops_.merge(o_acc, l_acc, TensorView<const A, Space>(o_part), TensorView<const A, Space>(l_part));
+          lap(Phase::merge, s);
+        }
+        empty = false;
       }
       if (s + 1 < R) {
-        ring_.wait(req);
+        hop.finish(*this);
         std::swap(cur, nxt);
       }
     }
+    if (empty) {  // no key block reached any of my queries
+      ops_.fill(o_acc, A(0));
+      ops_.fill(l_acc, -std::numeric_limits<A>::infinity());
+      lap(Phase::finish);
+    }
+  }
+
+  /// True when the communicator can make progress on a started exchange without blocking.
+  static constexpr bool can_poll = requires(Comm& c, typename Comm::request_type& r) {
+    { c.test(r) } -> std::convertible_to<bool>;
+  };
+
+  /// One ring hop in flight: started, maybe seen complete by a progress poll, then waited.
+  struct Hop {
+    typename Comm::request_type req{};
+    PhaseClock::time_point started{}, done{};
+    int step = -1;    // -1: no hop
+    bool complete = false;
+
+    void start(MeshEngine& e, typename Comm::request_type&& r, int s) {
+      started = e.clock_.now();
+      req = std::move(r);
+      step = s;
+      e.lap(Phase::wait, s);  // posting the hop is communication, charged with its wait
+    }
+    /// Lets the communicator move bytes while the rank computes; true once the hop is done.
+    bool poll(MeshEngine& e) {
+      if constexpr (can_poll) {
+        if (step >= 0 && !complete && e.ring_.test(req)) {
+          complete = true;
+          done = e.clock_.now();
+        }
+      }
+      return step < 0 || complete;
+    }
+    void finish(MeshEngine& e) {
+      e.ring_.wait(req);
+      e.lap(Phase::wait, step);
+      e.clock_.hop(e.pass_, step, started, complete ? done : e.mark_);
+    }
+  };
+
+  /// Progress polls per ring step while a hop is in flight: a communicator with test() (MPI)
+  /// may move a large message only when called, so the kernel runs in up to this many
+  /// chunks of heads with a poll after each. Every head is computed on its own whatever the
+  /// chunk, so the bits do not change. Polling stops once the hops are done.
+  static constexpr std::int64_t progress_chunks = 8;
+
+  /// Runs `run(first, count)` over `units` heads: in one call, or, while `a` (or `b`) is in
+  /// flight on a communicator that can poll, in chunks with a poll after each.
+  template <class Run>
+  void compute_polling(std::int64_t units, Run run, Hop& a, Hop* b = nullptr) {
+    auto done = [&] {
+      const bool da = a.poll(*this), db = b ? b->poll(*this) : true;  // poll both, always
+      return da && db;
+    };
+    const std::int64_t chunk = std::max<std::int64_t>(1, (units + progress_chunks - 1) / progress_chunks);
+    std::int64_t h = 0;
+    if constexpr (can_poll)
+      for (; h < units && !done(); h += std::min(chunk, units - h)) run(h, std::min(chunk, units - h));
+    if (h < units) run(h, units - h);
+  }
+
+  /// kernel_.forward with progress polls (compute_polling over query heads).
+  template <class T, class O>
+  void compute_forward(TensorView<const T, Space> q, TensorView<const T, Space> k, TensorView<const T, Space> v,
+                       TensorView<O, Space> o, TensorView<acc_t<T>, Space> l, const KernelParams& params, Hop& hop) {
+    compute_polling(q.heads(), [&](std::int64_t h, std::int64_t c) {
+      KernelParams part = params;
+      part.q_head_begin += h;
+      if (c == q.heads())
+        kernel_.forward(q, k, v, o, l, params);
+      else
+        kernel_.forward(q.slice_heads(h, c), k, v, o.slice_heads(h, c), l.slice_heads(h, c), part);
+    }, hop);
   }
 
   /// Ring backward; returns the buffer holding this rank's own block's [dK | dV] (the sum of
@@ -676,50 +787,81 @@ class MeshEngine {
     using AView = TensorView<A, Space>;
     const std::size_t per_token = n.B * n.hk * n.D;
     auto grad_view = [&](A* g, std::int64_t kb) { return AView::sbhd(g, B, 2 * kb, hk, D); };
-    auto compute = [&](const T* kv, std::int64_t kb, int src, A* grad) {
+    // Chunks of K/V heads own their dK/dV and their query heads' dQ, so chunking (for
+    // progress polls) changes no bit.
+    auto compute = [&](const T* kv, std::int64_t kb, int src, A* grad, Hop& a, Hop* b) {
       const std::size_t k_elems = static_cast<std::size_t>(kb) * per_token;
       params.k_positions = p.kv_layout.block(src);
-      kernel_.backward(dob, in.q, R > 1 ? CView::sbhd(kv, B, kb, hk, D) : in.k,
-                       R > 1 ? CView::sbhd(kv + k_elems, B, kb, hk, D) : in.v, ob, lb, dq_acc,
-                       AView::sbhd(grad, B, kb, hk, D), AView::sbhd(grad + k_elems, B, kb, hk, D), params);
+      const CView k = R > 1 ? CView::sbhd(kv, B, kb, hk, D) : in.k, v = R > 1 ? CView::sbhd(kv + k_elems, B, kb, hk, D) : in.v;
+      const AView dk = AView::sbhd(grad, B, kb, hk, D), dv = AView::sbhd(grad + k_elems, B, kb, hk, D);
+      compute_polling(hk, [&](std::int64_t j, std::int64_t c) {
+        if (c == hk) return kernel_.backward(dob, in.q, k, v, ob, lb, dq_acc, dk, dv, params);
+        const std::int64_t G = params.group_size, hq = in.q.heads();
+        const std::int64_t h0 = std::max<std::int64_t>(0, (params.kv_head_begin + j) * G - params.q_head_begin);
+        const std::int64_t h1 = std::min<std::int64_t>(hq, (params.kv_head_begin + j + c) * G - params.q_head_begin);
+        KernelParams part = params;
+        part.q_head_begin += h0;
+        part.kv_head_begin += j;
+        kernel_.backward(dob.slice_heads(h0, h1 - h0), in.q.slice_heads(h0, h1 - h0), k.slice_heads(j, c),
+                         v.slice_heads(j, c), ob.slice_heads(h0, h1 - h0), lb.slice_heads(h0, h1 - h0),
+                         dq_acc.slice_heads(h0, h1 - h0), dk.slice_heads(j, c), dv.slice_heads(j, c), part);
+      }, a, b);
     };
     A* g_cur = buf.grad[0];
     ops_.fill(grad_view(g_cur, to_i(n.kr)), A(0));
+    lap(Phase::pack);
     if (R == 1) {
-      if (p.ring_step_computes[0]) compute(in.k.data, to_i(n.kr), r, g_cur);
+      Hop none;
+      if (p.ring_step_computes[0]) compute(in.k.data, to_i(n.kr), r, g_cur, none, nullptr);
+      lap(Phase::compute);
       return g_cur;
     }
     T* cur = buf.ring[0];
     T* nxt = buf.ring[1];
     A* g_nxt = buf.grad[1];
-    typename Comm::request_type g_req{};
+    Hop g_hop;
     for (int s = 0; s < R; ++s) {
       const int src = (r - s + R) % R;
       const std::int64_t kb = p.kv_layout.block(src).size();
-      typename Comm::request_type kv_req{};
-      if (s + 1 < R) kv_req = ring_hop(p, cur, src, nxt, per_token);
+      Hop kv_hop;
+      if (s + 1 < R) kv_hop.start(*this, ring_hop(p, cur, src, nxt, per_token), s);
       if (s == 0) {
-        if (p.ring_step_computes[s]) compute(cur, kb, src, g_cur);
+        if (p.ring_step_computes[s]) compute(cur, kb, src, g_cur, kv_hop, nullptr);
+        lap(Phase::compute, s);
       } else {
         // Requests to one peer complete in the order they started: the gradient hop first.
         const bool computes = p.ring_step_computes[s];
         if (computes) {
           ops_.fill(grad_view(buf.grad_part, kb), A(0));
-          compute(cur, kb, src, buf.grad_part);
+          lap(Phase::pack, s);
+          compute(cur, kb, src, buf.grad_part, kv_hop, &g_hop);
+          lap(Phase::compute, s);
         }
-        ring_.wait(g_req);
+        g_hop.finish(*this);
         std::swap(g_cur, g_nxt);
-        if (computes) ops_.accumulate(TensorView<const A, Space>(grad_view(buf.grad_part, kb)), grad_view(g_cur, kb));
+        if (computes) {
+          ops_.accumulate(TensorView<const A, Space>(grad_view(buf.grad_part, kb)), grad_view(g_cur, kb));
+          lap(Phase::merge, s);
+        }
       }
-      g_req = ring_hop(p, g_cur, src, g_nxt, per_token);
+      g_hop = Hop{};
+      g_hop.start(*this, ring_hop(p, g_cur, src, g_nxt, per_token), s);
       if (s + 1 < R) {
-        ring_.wait(kv_req);
+        kv_hop.finish(*this);
         std::swap(cur, nxt);
       }
     }
-    ring_.wait(g_req);
+    g_hop.finish(*this);
     return g_nxt;
   }
+
+  /// Starts timing a call of `pass` (a no-op without a profile).
+  void start_call(Pass pass) {
+    pass_ = pass;
+    mark_ = call_start_ = clock_.now();
+  }
+  /// Charges the time since the last lap to `phase` at ring step `step`.
+  void lap(Phase phase, int step = 0) { mark_ = clock_.lap(mark_, pass_, phase, step); }
 
   Comm& world_;
   MeshConfig mesh_;
@@ -727,6 +869,9 @@ class MeshEngine {
   Comm ulysses_;
   Comm ring_;
   TensorOps<Space> ops_;
+  PhaseClock clock_;
+  Pass pass_ = Pass::forward;
+  PhaseClock::time_point call_start_{}, mark_{};
 };
 
 }  // namespace seqpar::detail
