@@ -16,9 +16,9 @@ namespace seqpar::detail {
 template <class A>
 inline constexpr std::int64_t max_panel = 128 / sizeof(A);
 
-/// Query rows and key rows of a forward block (query blocks may be 64 rows, see
+/// Query rows and key rows of a forward block (query blocks may be fewer rows, see
 /// CpuFlashKernel::query_block_rows).
-inline constexpr std::int64_t fwd_block_q = 128, fwd_block_k = 128;
+inline constexpr std::int64_t fwd_block_q = 256, fwd_block_k = 128;
 
 /// Query rows and key rows of a backward tile. Each task streams every query row of its heads
 /// once per key block, so wide key blocks pay: 256 against 64 keys takes 7-18% less time at
@@ -58,10 +58,10 @@ struct ForwardScratch {
     ScratchCarver c(base);
     c.take(r.qt, dim * fwd_block_q);
     c.take(r.ot, dim * fwd_block_q);
-    c.take(r.st, fwd_block_k * fwd_block_q);
+    c.take(r.st, fwd_block_k * max_panel<A>);  // one query panel's S^T at a time
     c.take(r.m, fwd_block_q);
     c.take(r.l, fwd_block_q);
-    c.take(r.alpha, fwd_block_q);
+    c.take(r.alpha, max_panel<A>);
     c.take(r.kbuf, fwd_block_k * dim);         // K converted to A, only when T is not A
     c.take(r.vbuf, fwd_block_k * (dim + 8));  // V packed in tiles of up to 8 head dims
     c.take(r.qpos, fwd_block_q);

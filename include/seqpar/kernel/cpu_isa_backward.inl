@@ -88,6 +88,14 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       if (p.causal && p.fully_masked(p.q_positions(i0 + nq - 1), s.kpos[0])) continue;
       touched = true;
       backward_pack_rows(job, b, h, i0, nq, nk, s);
+      // The next query block's rows (Q, dO, O, and the dQ rows its share is added to) on
+      // their way to L2 while this one computes: every task streams the whole sequence's
+      // rows of its heads, from L3 or memory once the sequence is long.
+      for (std::int64_t i = i0 + BQ, ie = std::min(q.seq(), i0 + 2 * BQ); i < ie; ++i)
+        for (const void* row : {static_cast<const void*>(q.row(b, i, h)), static_cast<const void*>(job.dout.row(b, i, h)),
+                                static_cast<const void*>(job.out.row(b, i, h)), static_cast<const void*>(job.dq.row(b, i, h))})
+          for (std::int64_t off = 0; off < dim * std::int64_t(sizeof(T)); off += 64)
+            __builtin_prefetch(static_cast<const char*>(row) + off, 0, 2);
       // Keys after the last one any row sees add nothing: leave them out of every product.
       const std::int64_t nv = *std::max_element(s.limit, s.limit + nq), vcols = (nv + PW - 1) / PW * PW;
 
@@ -96,15 +104,16 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
         flash_tiles<false>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
         flash_tiles<false>(nq, s.dos, ld, 1, MR * ld, s.vt + c0, lk, dim, s.ds + c0, lk, static_cast<const A*>(nullptr));
       }
-      // P = exp(S scale - LSE) on the keys the row sees, else 0; dS = P (dP - delta) scale.
-      const V sc = simd_splat(scale);
+      // P = exp(S scale - LSE) = 2^(S scale log2(e) - LSE log2(e)) on the keys the row sees,
+      // else 0; dS = P (dP - delta) scale.
+      const V sc = simd_splat(scale), sc2 = simd_splat(static_cast<A>(p.scale * log2e));
       for (std::int64_t i = 0; i < nq; ++i) {
-        const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
+        const V l = simd_splat(static_cast<A>(-s.lrow[i] * log2e)), dl = simd_splat(s.delta[i]);
         const A limit = static_cast<A>(s.limit[i]);
         for (std::int64_t c = 0; c < vcols; c += W) {
           A* pr = s.pm + i * lk + c;
           A* dr = s.ds + i * lk + c;
-          const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
+          const V e = exp2_lanes(simd_fma(simd_load(pr), sc2, l));
           const V pv = lane + static_cast<A>(c) < limit ? e : V{};
           simd_store(pr, pv);
           simd_store(dr, pv * (simd_load(dr) - dl) * sc);

@@ -117,46 +117,63 @@ inline F lanes_const(C c) {
   else return c - F{};
 }
 
-/// exp(x) lane by lane for F = float or Simd<float>::type; returns 0 below -87 (softmax weights
-/// that small do not matter), lets NaN through. Cody-Waite reduction r = x - n ln2 with ln2
-/// split so that n * ln2_hi is exact, a degree-6 minimax polynomial on [-ln2/2, ln2/2], and
-/// 2^n built in the exponent bits. n is rounded with the 1.5 * 2^23 trick, which needs no
-/// float-to-int conversion and is exact for |n| < 2^22. Relative error below 2e-7 for x <= 0.
+/// 2^r for r in [-1/2, 1/2]: degree-5 minimax polynomial (F = float or a float vector).
 template <class F>
-inline F fast_exp_lanes(F x) {
-  constexpr bool scalar = std::is_same_v<F, float>;
-  using I = std::conditional_t<scalar, std::int32_t, Simd<float>::itype>;
-  const F lo = lanes_const<F>(-87.0f), hi = lanes_const<F>(88.0f);
-  const F xc = x < lo ? lo : (x > hi ? hi : x);
-  const F shifter = lanes_const<F>(12582912.0f);  // 1.5 * 2^23
-  const F t = lanes_madd<F>(xc, lanes_const<F>(1.44269504088896341f), shifter);
-  const F n = t - shifter;
-  F r = lanes_madd<F>(n, lanes_const<F>(-0.693359375f), xc);
-  r = lanes_madd<F>(n, lanes_const<F>(2.12194440e-4f), r);
-  F p = lanes_const<F>(1.9875691500e-4f);
-  p = lanes_madd<F>(p, r, lanes_const<F>(1.3981999507e-3f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(8.3334519073e-3f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(4.1665795894e-2f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(1.6666665459e-1f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(5.0000001201e-1f));
-  p = lanes_madd<F>(p * r, r, r) + lanes_const<F>(1.0f);
-  // bits(t) - bits(1.5 * 2^23) = n; adding the bias and shifting builds 2^n.
-  const I e = (bits_as<I>(t) - lanes_const<I>(0x4B400000 - 127)) << 23;
-  const F y = p * bits_as<F>(e);
-  return x < lo ? F{} : y;
+inline F exp2_poly(F r) {
+  F p = lanes_const<F>(1.32764550e-3f);
+  p = lanes_madd<F>(p, r, lanes_const<F>(9.67553630e-3f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(5.55071309e-2f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(2.40221202e-1f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(6.93146944e-1f));
+  return lanes_madd<F>(p, r, lanes_const<F>(1.00000012f));
 }
 
-/// exp of every lane: the vectorised fast_exp for float, the library exp for double (the
-/// exact path).
+/// 2^x lane by lane for F = float or Simd<float>::type, for softmax arguments in log2 units
+/// (x <= 0, a little above 0 from rounding): exactly 0 at and below -127 (so that a hidden
+/// key's weight is 0, never a denormal that would multiply a NaN into the row), NaN passes.
+/// x = n + r with n = round(x), 2^r by a degree-5 minimax polynomial on [-1/2, 1/2]
+/// (relative error 2.2e-7 evaluated in float), 2^n put into the exponent: by vscalefps on
+/// AVX-512 (9 vector operations in all), else with the 1.5 * 2^23 rounding trick, whose sum t
+/// holds n in its low mantissa bits (11 operations).
+template <class F>
+inline F fast_exp2_lanes(F x) {
+#if SEQPAR_ISA_BYTES == 64
+  if constexpr (!std::is_same_v<F, float>) {
+    // Lanes at or below -127 (and -inf) become 0 through the zeroing mask; NaN is unordered,
+    // so NLE keeps it.
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lanes_const<F>(-127.0f), _CMP_NLE_UQ);
+    // (maskz with every lane: GCC 12's plain roundscale warns of its own undefined source.)
+    const F n = _mm512_maskz_roundscale_ps(0xFFFF, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_scalef_ps(keep, exp2_poly(x - n), n);
+  }
+#endif
+  using I = std::conditional_t<std::is_same_v<F, float>, std::int32_t, Simd<float>::itype>;
+  const F lo = lanes_const<F>(-127.0f);
+  const F xc = x < lo ? lo : x;                       // NaN compares false: kept
+  const F shifter = lanes_const<F>(12582912.0f);      // 1.5 * 2^23
+  const F t = xc + shifter;                           // n = round(xc) in t's low mantissa bits
+  const F n = t - shifter;
+  // bits(t) - bits(1.5 * 2^23) = n; adding the bias and shifting builds 2^n (0 for n = -127).
+  const I e = (bits_as<I>(t) - lanes_const<I>(0x4B400000 - 127)) << 23;
+  return exp2_poly(xc - n) * bits_as<F>(e);
+}
+
+/// 2^x of every lane: fast_exp2_lanes for float, the library exp2 for double (the exact path).
 template <class V>
-inline V exp_lanes(V x) {
+inline V exp2_lanes(V x) {
   if constexpr (std::is_same_v<V, simd_t<float>>) {
-    return fast_exp_lanes(x);
+    return fast_exp2_lanes(x);
   } else {
-    for (int i = 0; i < Simd<double>::width; ++i) x[i] = std::exp(x[i]);
+    for (int i = 0; i < Simd<double>::width; ++i) x[i] = std::exp2(x[i]);
     return x;
   }
 }
+
+/// log2(e): softmax runs in log2 units (scores scaled by it), so that its exponentials are
+/// exp2, which needs no argument reduction by ln 2.
+inline constexpr double log2e = 1.4426950408889634;
+/// ln(2), to bring log2-unit maxima back to natural-log LSE.
+inline constexpr double ln2 = 0.6931471805599453;
 
 /// Register tile of the micro-kernel for accumulation type A: MR rows by NR vectors of
 /// lanes. 2 x MR accumulators plus the two B vectors fill most of the register file (8 x 2
