@@ -115,6 +115,44 @@ void BM_cpu_flash_scaling(benchmark::State& state) {
   state.counters["causal"] = c.causal;
 }
 
+/// Args: head_dim, seq, causal. Backward against forward on one thread: each iteration times
+/// one forward and one backward call back to back (same inputs, the forward's LSE), so that a
+/// change of load hits both; ratio is the fastest backward over the fastest forward.
+void BM_cpu_flash_backward(benchmark::State& state) {
+  KernelCase c(state.range(1), state.range(0), state.range(2) != 0);
+  CpuFlashKernel kernel;
+  kernel.prepare(c.dim);
+  std::vector<float> dq(c.q.size()), dk(c.k.size()), dv(c.v.size());
+  using CV = TensorView<const float>;
+  auto backward = [&] {
+    auto view = [&](const std::vector<float>& x) { return CV::bshd(x.data(), batch, c.seq, heads, c.dim); };
+    auto grad = [&](std::vector<float>& x) { return TensorView<float>::bshd(x.data(), batch, c.seq, heads, c.dim); };
+    kernel.backward(view(c.v), view(c.q), view(c.k), view(c.v), view(c.out),
+                    TensorView<const float>::bshd(c.lse.data(), batch, c.seq, heads, 1), grad(dq), grad(dk), grad(dv),
+                    c.params);
+  };
+  c.run(kernel);
+  backward();
+  std::vector<double> tf, tb;
+  auto timed = [](auto&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (auto _ : state) {
+    tf.push_back(timed([&] { c.run(kernel); }));
+    tb.push_back(timed(backward));
+  }
+  const double bf = *std::min_element(tf.begin(), tf.end()), bb = *std::min_element(tb.begin(), tb.end());
+  state.counters["forward_ms"] = bf * 1e3;
+  state.counters["backward_ms"] = bb * 1e3;
+  state.counters["ratio"] = bb / bf;
+  state.counters["seq"] = double(c.seq);
+  state.counters["dim"] = double(c.dim);
+  state.counters["causal"] = c.causal;
+  state.SetLabel(cpu_isa_name(kernel.isa()));
+}
+
 void kernel_args(benchmark::internal::Benchmark* b, std::int64_t max_seq) {
   b->ArgNames({"D", "seq", "causal"});
   for (std::int64_t d : {64, 128})
@@ -124,6 +162,12 @@ void kernel_args(benchmark::internal::Benchmark* b, std::int64_t max_seq) {
 
 BENCHMARK(BM_cpu_flash)->Apply([](auto* b) { kernel_args(b, 16384); })->MinTime(0.2)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_reference)->Apply([](auto* b) { kernel_args(b, 2048); })->MinTime(0.1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_backward)
+    ->ArgNames({"D", "seq", "causal"})
+    ->ArgsProduct({{64, 128}, {2048}, {0, 1}})
+    ->UseRealTime()
+    ->MinTime(1.0)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_scaling)
     ->ArgNames({"D", "seq", "causal", "threads"})
     ->ArgsProduct({{128}, {4096, 8192}, {0, 1}, {2}})

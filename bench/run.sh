@@ -72,12 +72,12 @@ gb() {  # gb <json name> <filter> [more args]
     --benchmark_counters_tabular=true "$@"
 }
 
-kernel_filter='BM_cpu_flash/|BM_reference'
+kernel_filter='BM_cpu_flash/|BM_cpu_flash_backward|BM_reference'
 scaling_filter='BM_cpu_flash_scaling'
 policy_filter='BM_policy'
 pair_filter='BM_anything_vs_plain'
 if [[ "$quick" == 1 ]]; then
-  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_reference/D:64/seq:512/'
+  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_cpu_flash_backward/D:64/seq:2048/causal:1|BM_reference/D:64/seq:512/'
   scaling_filter='BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
   policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1'
   pair_filter='BM_anything_vs_plain<UlyssesPolicy>/P:2'
@@ -162,6 +162,6 @@ plot "$out/kernel_gflops.dat" index 0 with linespoints title "flash D=64", \
      "" index 6 with linespoints dashtype 2 title "reference D=128", \
      "" index 7 with linespoints dashtype 2 title "reference D=128 causal", \
      $peak with lines lw 2 title "fp32 FMA peak, 1 core", \
-     0.6*$peak with lines dashtype 3 title "60% of peak"
+     0.75*$peak with lines dashtype 3 title "75% of peak"
 EOF
 echo "wrote $results and $png in $(( $(date +%s) - start )) s" >&2
