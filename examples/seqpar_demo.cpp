@@ -36,7 +36,7 @@ constexpr const char* usage_text =
     "  --kv-heads H --head-dim 64 --dtype f32 --iters 2; --comm mpi under an MPI launcher (when built\n"
     "  with MPI), else threads with --ranks 4. The last line printed is\n"
     "  RESULT policy=... ranks=... seq=... heads=... max_abs_err=... max_rel_err=... bytes_sent_per_rank=... "
-    "time_ms_per_iter=...\n"
+    "time_ms_per_iter=... cpu_isa=...\n"
     "  --backward also runs backward after each forward (time and bytes cover both) and, with --check,\n"
     "  appends grad_max_rel_err=... (dq, dk, dv against the exact double reference).\n"
     "  --profile prints, per rank, the time of each phase of the timed calls (pack, all-to-alls, each\n"
@@ -281,6 +281,10 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
               static_cast<long long>(s.batch), static_cast<long long>(s.seq_q), static_cast<long long>(s.heads),
               static_cast<long long>(s.kv_head_count()), static_cast<long long>(s.head_dim), s.causal ? "yes" : "no",
               o.f64 ? "f64" : "f32");
+  std::printf("kernel       CpuFlashKernel on %d thread(s) per rank, %s (%d-bit vectors, chosen at run time; this CPU's "
+              "widest: %s; SEQPAR_CPU_ISA caps it)\n",
+              o.threads > 0 ? o.threads : 1, cpu_isa_name(default_cpu_isa()), cpu_isa_vector_bits(default_cpu_isa()),
+              cpu_isa_name(widest_cpu_isa()));
   std::printf("%6s %5s %8s %9s %10s %14s %14s %14s %10s\n", "rank", "ring", "ulysses", "q_tokens", "kv_tokens",
               "score_pairs", "bytes_sent", "bytes_formula", "ms/iter");
   std::uint64_t max_bytes = 0;
@@ -314,10 +318,10 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   }
   // With --backward, time and bytes cover forward + backward and the gradient error comes last.
   std::printf("RESULT policy=%s ranks=%d seq=%lld heads=%lld max_abs_err=%s max_rel_err=%s bytes_sent_per_rank=%llu "
-              "time_ms_per_iter=%.3f%s%s\n",
+              "time_ms_per_iter=%.3f%s%s cpu_isa=%s\n",
               o.policy_name.c_str(), world, static_cast<long long>(o.seq), static_cast<long long>(o.heads), abs_text,
               rel_text, static_cast<unsigned long long>(max_bytes), max_ms, o.backward ? " grad_max_rel_err=" : "",
-              o.backward ? grad_text : "");
+              o.backward ? grad_text : "", cpu_isa_name(default_cpu_isa()));
   std::fflush(stdout);
   return ok ? 0 : 1;
 }
