@@ -30,6 +30,14 @@
 #define SEQPAR_CPU_ISA_X86 0
 #endif
 
+#ifndef SEQPAR_CPU_ISA_DISPATCH
+/// 1 (default): the CPU kernels are compiled once per level and the widest the CPU runs is
+/// chosen at run time. 0: one copy only, for the translation unit's own target (AVX-512 with
+/// -mavx512f, AVX2 with -mavx2 -mfma, else 128-bit vectors): a third of the compile time, for
+/// programs built for the machine they run on (and for tests of code around the kernels).
+#define SEQPAR_CPU_ISA_DISPATCH 1
+#endif
+
 namespace seqpar {
 
 /// Vector instruction sets of the CPU kernels, narrowest first (see the file comment).
@@ -55,8 +63,28 @@ constexpr int cpu_isa_vector_bits(CpuIsa isa) {
   return isa == CpuIsa::avx512 ? 512 : isa == CpuIsa::avx2 ? 256 : 128;
 }
 
-/// Whether this CPU (and OS: the register state must be saved) runs the level's copy.
+/// The level of the translation unit's own target: the one copy compiled when
+/// SEQPAR_CPU_ISA_DISPATCH is 0.
+inline constexpr CpuIsa target_cpu_isa =
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__FMA__)
+    CpuIsa::avx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    CpuIsa::avx2;
+#else
+    CpuIsa::vec128;
+#endif
+
+/// Whether the kernels' copy for the level is compiled into this program (every level with
+/// SEQPAR_CPU_ISA_DISPATCH, else target_cpu_isa alone; AVX levels only on x86).
+constexpr bool cpu_isa_compiled(CpuIsa isa) {
+  if (!SEQPAR_CPU_ISA_DISPATCH) return isa == target_cpu_isa;
+  return isa == CpuIsa::vec128 || (SEQPAR_CPU_ISA_X86 && (isa == CpuIsa::avx2 || isa == CpuIsa::avx512));
+}
+
+/// Whether this CPU (and OS: the register state must be saved) runs the level's copy, and the
+/// copy is compiled in (cpu_isa_compiled).
 inline bool cpu_isa_supported(CpuIsa isa) {
+  if (!cpu_isa_compiled(isa)) return false;
   switch (isa) {
     case CpuIsa::vec128: return true;
 #if SEQPAR_CPU_ISA_X86
@@ -79,11 +107,11 @@ constexpr CpuIsa parse_cpu_isa(std::string_view name, CpuIsa fallback) {
   return fallback;
 }
 
-/// The widest level this CPU supports.
+/// The widest level this CPU supports (and the program has compiled in).
 inline CpuIsa widest_cpu_isa() {
   for (CpuIsa isa : {CpuIsa::avx512, CpuIsa::avx2})
     if (cpu_isa_supported(isa)) return isa;
-  return CpuIsa::vec128;
+  return cpu_isa_compiled(CpuIsa::vec128) ? CpuIsa::vec128 : target_cpu_isa;
 }
 
 /// The level CpuIsa::automatic resolves to in this process: the widest supported, capped by
@@ -93,7 +121,7 @@ inline CpuIsa default_cpu_isa() {
     CpuIsa isa = widest_cpu_isa();
     if (const char* env = std::getenv("SEQPAR_CPU_ISA")) {
       const CpuIsa cap = parse_cpu_isa(env, isa);
-      if (static_cast<int>(cap) < static_cast<int>(isa)) isa = cap;
+      if (static_cast<int>(cap) < static_cast<int>(isa) && cpu_isa_supported(cap)) isa = cap;
     }
     return isa;
   }();
@@ -104,8 +132,9 @@ inline CpuIsa default_cpu_isa() {
 /// ConfigError naming it.
 inline CpuIsa resolve_cpu_isa(CpuIsa requested) {
   if (requested == CpuIsa::automatic) return default_cpu_isa();
-  SEQPAR_CHECK(cpu_isa_supported(requested), ConfigError, "CpuFlashOptions::isa: this CPU cannot run ",
-               cpu_isa_name(requested), " (widest supported: ", cpu_isa_name(widest_cpu_isa()), ")");
+  SEQPAR_CHECK(cpu_isa_supported(requested), ConfigError, "CpuFlashOptions::isa: ", cpu_isa_name(requested),
+               cpu_isa_compiled(requested) ? " is not supported by this CPU" : " is not compiled in (SEQPAR_CPU_ISA_DISPATCH=0)",
+               " (widest available: ", cpu_isa_name(widest_cpu_isa()), ")");
   return requested;
 }
 

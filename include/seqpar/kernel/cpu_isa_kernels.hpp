@@ -11,6 +11,8 @@
 /// translation unit has, and nothing else in that unit is compiled for AVX-512 (a GCC 12
 /// miscompile of constant vector initialisers under -mavx512f cannot reach user code). The
 /// copies call each other never; the switch calls into one through a plain function call.
+/// With SEQPAR_CPU_ISA_DISPATCH 0 only the copy of the unit's own target is compiled, without
+/// a pragma.
 
 #include <algorithm>
 #include <cmath>
@@ -46,8 +48,10 @@
 #define SEQPAR_TARGET_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"
 #define SEQPAR_TARGET_AVX2 "avx2,fma"
 
-#if SEQPAR_CPU_ISA_X86
+#if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
 SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512)
+#endif
+#if SEQPAR_CPU_ISA_DISPATCH ? SEQPAR_CPU_ISA_X86 : defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__FMA__)
 /// The AVX-512 copy.
 namespace seqpar::detail::isa_avx512 {
 #define SEQPAR_ISA_BYTES 64
@@ -56,9 +60,13 @@ namespace seqpar::detail::isa_avx512 {
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_avx512
+#define SEQPAR_HAS_ISA_AVX512 1
+#endif
+#if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
 SEQPAR_TARGET_POP()
-
 SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX2)
+#endif
+#if SEQPAR_CPU_ISA_DISPATCH ? SEQPAR_CPU_ISA_X86 : !defined(SEQPAR_HAS_ISA_AVX512) && defined(__AVX2__) && defined(__FMA__)
 /// The AVX2 copy.
 namespace seqpar::detail::isa_avx2 {
 #define SEQPAR_ISA_BYTES 32
@@ -67,9 +75,13 @@ namespace seqpar::detail::isa_avx2 {
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_avx2
+#define SEQPAR_HAS_ISA_AVX2 1
+#endif
+#if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
 SEQPAR_TARGET_POP()
 #endif
 
+#if SEQPAR_CPU_ISA_DISPATCH || !(defined(SEQPAR_HAS_ISA_AVX512) || defined(SEQPAR_HAS_ISA_AVX2))
 /// The 128-bit copy, compiled for the including unit's own target (SSE2, NEON, ...).
 namespace seqpar::detail::isa_vec128 {
 #define SEQPAR_ISA_BYTES 16
@@ -82,20 +94,31 @@ namespace seqpar::detail::isa_vec128 {
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_vec128
+#define SEQPAR_HAS_ISA_VEC128 1
+#endif
 
 namespace seqpar::detail {
 
 /// Calls `Fn::template run<Kernels>(args...)` with the IsaKernels of level `isa` (resolved,
-/// not automatic); levels this compiler cannot build fall back to vec128. (A named functor
+/// not automatic: a compiled level, see cpu_isa_compiled). (A named functor
 /// rather than a generic lambda: nvcc's front end crashes on the lambda form.)
 template <class Fn, class... Args>
 decltype(auto) dispatch_cpu_isa(CpuIsa isa, Args&&... args) {
   switch (isa) {
-#if SEQPAR_CPU_ISA_X86
+#ifdef SEQPAR_HAS_ISA_AVX512
     case CpuIsa::avx512: return Fn::template run<isa_avx512::IsaKernels>(std::forward<Args>(args)...);
+#endif
+#ifdef SEQPAR_HAS_ISA_AVX2
     case CpuIsa::avx2: return Fn::template run<isa_avx2::IsaKernels>(std::forward<Args>(args)...);
 #endif
-    default: return Fn::template run<isa_vec128::IsaKernels>(std::forward<Args>(args)...);
+    default:
+#ifdef SEQPAR_HAS_ISA_VEC128
+      return Fn::template run<isa_vec128::IsaKernels>(std::forward<Args>(args)...);
+#elif defined(SEQPAR_HAS_ISA_AVX512)
+      return Fn::template run<isa_avx512::IsaKernels>(std::forward<Args>(args)...);
+#else
+      return Fn::template run<isa_avx2::IsaKernels>(std::forward<Args>(args)...);
+#endif
   }
 }
 
