@@ -51,6 +51,13 @@ struct ForwardScratch {
   A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
   std::int64_t *qpos, *kpos;
 
+  /// Stride of kbuf's rows: an odd number of 64-byte lines, so that consecutive rows start in
+  /// different L1 sets.
+  static constexpr std::int64_t ld_keys(std::int64_t dim) {
+    constexpr std::int64_t line = 64 / sizeof(A);
+    return ((dim + line - 1) / line | 1) * line;
+  }
+
   /// Carves the scratch at `base` (or, with a null base, only measures it); returns the bytes.
   static std::size_t carve(std::byte* base, std::int64_t dim, ForwardScratch* s) {
     ForwardScratch tmp;
@@ -62,7 +69,7 @@ struct ForwardScratch {
     c.take(r.m, fwd_block_q);
     c.take(r.l, fwd_block_q);
     c.take(r.alpha, max_panel<A>);
-    c.take(r.kbuf, fwd_block_k * dim);         // K converted to A, only when T is not A
+    c.take(r.kbuf, fwd_block_k * ld_keys(dim));  // the key block's K rows, in A
     c.take(r.vbuf, fwd_block_k * (dim + 8));  // V packed in tiles of up to 8 head dims
     c.take(r.qpos, fwd_block_q);
     c.take(r.kpos, fwd_block_k);

@@ -26,8 +26,12 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   const std::int64_t qt_panel = dim * PW;  // elements of one Q^T or O^T panel
   const A scale = static_cast<A>(p.scale * log2e);  // scores in log2 units: softmax is exp2
 
-  // Q^T, scaled; padding lanes are zero (finite scores, never written out).
+  // Q^T, scaled; padding lanes are zero (finite scores, never written out). Rows a few ahead
+  // are prefetched: a head's rows are H D elements apart, a stride the hardware prefetchers
+  // miss, and each is read once.
+  constexpr std::int64_t ahead = 8;
   for (std::int64_t i = 0; i < ncols; ++i) {
+    if (i + ahead < nq) prefetch_row(q.row(b, i0 + i + ahead, h), dim, 3);
     const T* src = i < nq ? q.row(b, i0 + i, h) : nullptr;
     A* col = s.qt + i / PW * qt_panel + i % PW;
     for (std::int64_t d = 0; d < dim; ++d) col[d * PW] = src ? static_cast<A>(src[d]) * scale : A(0);
@@ -50,25 +54,22 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       }
       nk = seen;
     }
-    // K rows: the caller's memory when already in A, else converted once here.
-    const A* kr;
-    std::ptrdiff_t ks;
-    if constexpr (std::is_same_v<T, A>) {
-      kr = k.row(b, j0, kh);
-      ks = k.stride[1];
-    } else {
-      for (std::int64_t j = 0; j < nk; ++j) {
-        const T* ksrc = k.row(b, j0 + j, kh);
-        for (std::int64_t d = 0; d < dim; ++d) s.kbuf[j * dim + d] = static_cast<A>(ksrc[d]);
-      }
-      kr = s.kbuf;
-      ks = dim;
+    // K rows copied (and converted to A) into rows ldk apart: in the caller's tensor a head's
+    // rows are a power of two apart (H D elements), and the MR rows a micro-kernel reads at
+    // once would share a few L1 sets.
+    const std::ptrdiff_t ldk = ForwardScratch<A>::ld_keys(dim);
+    for (std::int64_t j = 0; j < nk; ++j) {
+      if (j + ahead < nk) prefetch_row(k.row(b, j0 + j + ahead, kh), dim, 3);
+      const T* ksrc = k.row(b, j0 + j, kh);
+      A* dst = s.kbuf + j * ldk;
+      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<A>(ksrc[d]);
     }
     // V packed as tiles of MR head dims: tile t holds, key after key, dims [t MR, t MR + MR).
     // (Whole tiles copy MR contiguous values at a time: one or two vector moves.)
     const std::ptrdiff_t v_tile = MR * nk;
     const std::int64_t whole = dim / MR * MR;
     for (std::int64_t j = 0; j < nk; ++j) {
+      if (j + ahead < nk) prefetch_row(v.row(b, j0 + j + ahead, kh), dim, 3);
       const T* vsrc = v.row(b, j0 + j, kh);
       A* dst = s.vbuf + j * MR;
       for (std::int64_t d0 = 0; d0 < whole; d0 += MR, dst += v_tile)
@@ -83,12 +84,8 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       // computes: at long sequences they come from L3 or memory, and the hardware prefetcher
       // does not run far enough ahead on MR interleaved row streams.
       for (std::int64_t j = jn + panel * slice, je = std::min(jn + next, j + slice); j < je; ++j) {
-        const char* kp = reinterpret_cast<const char*>(k.row(b, j, kh));
-        const char* vp = reinterpret_cast<const char*>(v.row(b, j, kh));
-        for (std::int64_t off = 0; off < dim * std::int64_t(sizeof(T)); off += 64) {
-          __builtin_prefetch(kp + off, 0, 2);
-          __builtin_prefetch(vp + off, 0, 2);
-        }
+        prefetch_row(k.row(b, j, kh), dim, 2);
+        prefetch_row(v.row(b, j, kh), dim, 2);
       }
       // The keys this panel sees, and whether any of them needs the mask.
       const std::int64_t np = std::min<std::int64_t>(PW, nq - c0);
@@ -105,24 +102,38 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       A* const st = s.st;
 
       // S^T = K Q^T (the Q^T panel stays in L1).
-      flash_tiles<false>(nkp, kr, ks, 1, MR * ks, qt, PW, dim, st, PW, static_cast<const A*>(nullptr));
-      if (masked)
-        for (std::int64_t j = 0; j < nkp; ++j)
-          for (std::int64_t i = 0; i < np; ++i)
-            if (s.kpos[j] > s.qpos[c0 + i]) st[j * PW + i] = neg_inf;
+      flash_tiles<false>(nkp, s.kbuf, ldk, 1, MR * ldk, qt, PW, dim, st, PW, static_cast<const A*>(nullptr));
+      if (masked) {
+        // Positions increase along the panel, so the lanes that do not see key j are a prefix,
+        // which grows with j.
+        std::int64_t hidden = 0;
+        for (std::int64_t j = 0; j < nkp; ++j) {
+          while (hidden < np && s.qpos[c0 + hidden] < s.kpos[j]) ++hidden;
+          std::fill(st + j * PW, st + j * PW + hidden, neg_inf);
+        }
+      }
 
       // Online softmax, W queries at a time: P^T = 2^(S^T - m') in place.
       for (std::int64_t c = 0; c < PW; c += W) {
         A* col = st + c;
         A *m = s.m + c0 + c, *l = s.l + c0 + c;
-        V mx = simd_load(m);
-        const V m_old = mx;
-        for (std::int64_t j = 0; j < nkp; ++j) mx = simd_max(simd_load(col + j * PW), mx);
+        const V m_old = simd_load(m);
+        // The column's max in four independent chains (one chain waits on each max's latency).
+        V mx0 = m_old, mx1 = m_old, mx2 = m_old, mx3 = m_old;
+        std::int64_t j = 0;
+        for (; j + 4 <= nkp; j += 4) {
+          mx0 = simd_max(simd_load(col + j * PW), mx0);
+          mx1 = simd_max(simd_load(col + (j + 1) * PW), mx1);
+          mx2 = simd_max(simd_load(col + (j + 2) * PW), mx2);
+          mx3 = simd_max(simd_load(col + (j + 3) * PW), mx3);
+        }
+        for (; j < nkp; ++j) mx0 = simd_max(simd_load(col + j * PW), mx0);
+        const V mx = simd_max(simd_max(mx0, mx1), simd_max(mx2, mx3));
         // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
         // weights 2^-inf = 0 instead of NaN. NaN scores pass through to the output.
         const V shift = mx == neg_inf ? V{} : mx;
         V sum{};
-        for (std::int64_t j = 0; j < nkp; ++j) {
+        for (j = 0; j < nkp; ++j) {
           const V e = exp2_lanes(simd_load(col + j * PW) - shift);
           simd_store(col + j * PW, e);
           sum += e;

@@ -86,6 +86,18 @@ inline Simd<double>::type simd_fma(Simd<double>::type a, Simd<double>::type b, S
 #endif
 }
 
+/// Prefetches the `n` elements at `row` (a row of a caller's tensor), line by line, with
+/// temporal locality `locality` (3: into L1, 2: into L2).
+template <class T>
+inline void prefetch_row(const T* row, std::int64_t n, int locality) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const std::int64_t bytes = n * static_cast<std::int64_t>(sizeof(T));
+  if (locality == 3)
+    for (std::int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  else
+    for (std::int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 /// Lane-wise max that keeps `m` where `x` is NaN (so NaN scores do not hide the running max).
 template <class V>
 inline V simd_max(V x, V m) {
