@@ -180,15 +180,16 @@ TEST_CASE_TEMPLATE("flash kernel: random shapes, GQA slices, zigzag- and stripe-
   }
 }
 
-TEST_CASE_TEMPLATE("flash kernel: long key sequences (256-row query blocks, per-panel causal trimming)", T, float,
-                   double) {
-  // From 1024 keys the kernel takes 256-row query blocks; causal positions in two runs put
-  // the diagonal inside a block, at a different key for every query panel.
+TEST_CASE_TEMPLATE("flash kernel: long key sequences (256- and 512-row query blocks, per-panel causal trimming)", T,
+                   float, double) {
+  // From 1024 keys the kernel takes 256-row query blocks, from 2048 512-row ones; causal
+  // positions in two runs put the diagonal inside a block, at a different key for every query
+  // panel.
   std::mt19937_64 rng(11);
-  for (int n = 0; n < 4; ++n) {
+  for (int n = 0; n < 5; ++n) {
     KernelCase c;
-    c.sq = n < 2 ? 600 : 333;
-    c.sk = 1100 + 37 * n;
+    c.sq = n == 4 ? 700 : n < 2 ? 600 : 333;
+    c.sk = n == 4 ? 2100 : 1100 + 37 * n;
     c.dim = n % 2 ? 100 : 64;
     c.heads = 2;
     c.kv_heads = 1;

@@ -18,7 +18,7 @@ inline constexpr std::int64_t max_panel = 128 / sizeof(A);
 
 /// Query rows and key rows of a forward block (query blocks may be fewer rows, see
 /// CpuFlashKernel::query_block_rows).
-inline constexpr std::int64_t fwd_block_q = 256, fwd_block_k = 128;
+inline constexpr std::int64_t fwd_block_q = 512, fwd_block_k = 128;
 
 /// Query rows and key rows of a backward tile. Each task streams every query row of its heads
 /// once per key block, so wide key blocks pay: 256 against 64 keys takes 7-18% less time at
