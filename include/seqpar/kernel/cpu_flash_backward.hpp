@@ -30,6 +30,7 @@
 /// longer than their data for the same reason.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <thread>
 
@@ -38,30 +39,32 @@
 
 namespace seqpar::detail {
 
-/// Spins briefly, then sleeps on the counter, until `turn` reaches `mine`. The acquire load
-/// makes the earlier key blocks' dQ adds visible.
+/// Spins briefly, then yields and finally naps in 20 us steps, until `turn` reaches `mine`.
+/// The acquire load makes the earlier key blocks' dQ adds visible. (Not std::atomic wait /
+/// notify: libstdc++ 12's can lose a wake-up, which left two workers asleep for good with 5
+/// threads on 2 cores; a polling nap cannot miss one, and a shared machine's preempted peer
+/// still gets its core.)
 inline void wait_turn(std::int32_t& turn, std::int32_t mine) {
   std::atomic_ref<std::int32_t> t(turn);
   for (int spin = 0;; ++spin) {
-    const std::int32_t seen = t.load(std::memory_order_acquire);
-    if (seen == mine) return;
+    if (t.load(std::memory_order_acquire) == mine) return;
     if (spin < 64) {
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
 #else
       std::this_thread::yield();
 #endif
+    } else if (spin < 256) {
+      std::this_thread::yield();
     } else {
-      t.wait(seen, std::memory_order_acquire);  // a shared machine: do not burn a preempted peer's core
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 }
 
 /// Hands `turn` to key block `next` (release: this block's dQ adds happen before).
 inline void pass_turn(std::int32_t& turn, std::int32_t next) {
-  std::atomic_ref<std::int32_t> t(turn);
-  t.store(next, std::memory_order_release);
-  t.notify_all();
+  std::atomic_ref<std::int32_t>(turn).store(next, std::memory_order_release);
 }
 
 /// One backward call: the views, and how its work divides. Each instruction set's

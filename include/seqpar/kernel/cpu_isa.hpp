@@ -85,6 +85,9 @@ constexpr bool cpu_isa_compiled(CpuIsa isa) {
 /// copy is compiled in (cpu_isa_compiled).
 inline bool cpu_isa_supported(CpuIsa isa) {
   if (!cpu_isa_compiled(isa)) return false;
+#if SEQPAR_CPU_ISA_X86
+  __builtin_cpu_init();  // idempotent; needed when called from a static initializer before libgcc's
+#endif
   switch (isa) {
     case CpuIsa::vec128: return true;
 #if SEQPAR_CPU_ISA_X86

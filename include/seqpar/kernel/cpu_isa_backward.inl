@@ -104,16 +104,15 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
         flash_tiles<false>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
         flash_tiles<false>(nq, s.dos, ld, 1, MR * ld, s.vt + c0, lk, dim, s.ds + c0, lk, static_cast<const A*>(nullptr));
       }
-      // P = exp(S scale - LSE) = 2^(S scale log2(e) - LSE log2(e)) on the keys the row sees,
-      // else 0; dS = P (dP - delta) scale.
-      const V sc = simd_splat(scale), sc2 = simd_splat(static_cast<A>(p.scale * log2e));
+      // P = exp(S scale - LSE) on the keys the row sees, else 0; dS = P (dP - delta) scale.
+      const V sc = simd_splat(scale);
       for (std::int64_t i = 0; i < nq; ++i) {
-        const V l = simd_splat(static_cast<A>(-s.lrow[i] * log2e)), dl = simd_splat(s.delta[i]);
+        const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
         const A limit = static_cast<A>(s.limit[i]);
         for (std::int64_t c = 0; c < vcols; c += W) {
           A* pr = s.pm + i * lk + c;
           A* dr = s.ds + i * lk + c;
-          const V e = exp2_lanes(simd_fma(simd_load(pr), sc2, l));
+          const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
           const V pv = lane + static_cast<A>(c) < limit ? e : V{};
           simd_store(pr, pv);
           simd_store(dr, pv * (simd_load(dr) - dl) * sc);

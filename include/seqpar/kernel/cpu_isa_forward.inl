@@ -24,7 +24,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h);
   const std::int64_t ncols = (nq + PW - 1) / PW * PW, panels = ncols / PW;  // queries padded to whole panels
   const std::int64_t qt_panel = dim * PW;  // elements of one Q^T or O^T panel
-  const A scale = static_cast<A>(p.scale * log2e);  // scores in log2 units: softmax is exp2
+  const A scale = static_cast<A>(p.scale);
 
   // Q^T, scaled; padding lanes are zero (finite scores, never written out). Rows a few ahead
   // are prefetched: a head's rows are H D elements apart, a stride the hardware prefetchers
@@ -113,7 +113,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
         }
       }
 
-      // Online softmax, W queries at a time: P^T = 2^(S^T - m') in place.
+      // Online softmax, W queries at a time: P^T = exp(S^T - m') in place.
       for (std::int64_t c = 0; c < PW; c += W) {
         A* col = st + c;
         A *m = s.m + c0 + c, *l = s.l + c0 + c;
@@ -130,15 +130,15 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
         for (; j < nkp; ++j) mx0 = simd_max(simd_load(col + j * PW), mx0);
         const V mx = simd_max(simd_max(mx0, mx1), simd_max(mx2, mx3));
         // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
-        // weights 2^-inf = 0 instead of NaN. NaN scores pass through to the output.
+        // weights exp(-inf) = 0 instead of NaN. NaN scores pass through to the output.
         const V shift = mx == neg_inf ? V{} : mx;
         V sum{};
         for (j = 0; j < nkp; ++j) {
-          const V e = exp2_lanes(simd_load(col + j * PW) - shift);
+          const V e = exp_lanes(simd_load(col + j * PW) - shift);
           simd_store(col + j * PW, e);
           sum += e;
         }
-        const V alpha = exp2_lanes(m_old - shift);
+        const V alpha = exp_lanes(m_old - shift);
         simd_store(s.alpha + c, alpha);
         simd_store(l, simd_fma(alpha, simd_load(l), sum));
         simd_store(m, mx);
@@ -155,6 +155,6 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     const A inv = l != 0 ? A(1) / l : A(0);
     const A* col = s.ot + i / PW * qt_panel + i % PW;
     for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(col[d * PW] * inv);
-    if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] * static_cast<A>(ln2) + std::log(l) : neg_inf;
+    if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] + std::log(l) : neg_inf;
   }
 }

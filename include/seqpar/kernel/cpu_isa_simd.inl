@@ -170,22 +170,19 @@ inline F fast_exp2_lanes(F x) {
   return exp2_poly(xc - n) * bits_as<F>(e);
 }
 
-/// 2^x of every lane: fast_exp2_lanes for float, the library exp2 for double (the exact path).
+/// e^x of every lane: 2^(x log2 e) by fast_exp2_lanes for float, the library exp for double
+/// (the exact path). The caller subtracts the running max (or the LSE) in natural units first,
+/// so that x is exact even for huge logits and only x's product with log2(e) is rounded:
+/// scaling the scores into log2 units up front would round them, at +-1e4 by 1e-3.
 template <class V>
-inline V exp2_lanes(V x) {
+inline V exp_lanes(V x) {
   if constexpr (std::is_same_v<V, simd_t<float>>) {
-    return fast_exp2_lanes(x);
+    return fast_exp2_lanes(x * lanes_const<V>(1.44269504088896341f));
   } else {
-    for (int i = 0; i < Simd<double>::width; ++i) x[i] = std::exp2(x[i]);
+    for (int i = 0; i < Simd<double>::width; ++i) x[i] = std::exp(x[i]);
     return x;
   }
 }
-
-/// log2(e): softmax runs in log2 units (scores scaled by it), so that its exponentials are
-/// exp2, which needs no argument reduction by ln 2.
-inline constexpr double log2e = 1.4426950408889634;
-/// ln(2), to bring log2-unit maxima back to natural-log LSE.
-inline constexpr double ln2 = 0.6931471805599453;
 
 /// Register tile of the micro-kernel for accumulation type A: MR rows by NR vectors of
 /// lanes. 2 x MR accumulators plus the two B vectors fill most of the register file (8 x 2
