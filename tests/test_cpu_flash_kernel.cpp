@@ -204,6 +204,58 @@ TEST_CASE_TEMPLATE("flash kernel: long key sequences (256- and 512-row query blo
   }
 }
 
+TEST_CASE_TEMPLATE("flash kernel: a NaN in V or K reaches only the rows that see its key", T, float, double) {
+  // Causal, queries and keys at the same positions: V of key 100 and K of key 150 are NaN (a
+  // padding row, a stale cache slot). Rows before 100 see neither and must equal the
+  // reference (the NaN replaced by 0 there: those rows do not see it); rows from 100 see the
+  // NaN V and are NaN. Keys 100 and 150 sit inside query panels on the diagonal, where the
+  // products would otherwise multiply P = 0 by NaN.
+  const std::int64_t S = 300, H = 2, D = 24;
+  std::mt19937_64 rng(9);
+  auto q = test::rounded<T>(test::random_tensor(S * H * D, rng));
+  auto k = test::rounded<T>(test::random_tensor(S * H * D, rng));
+  auto v = test::rounded<T>(test::random_tensor(S * H * D, rng));
+  KernelParams p;
+  p.scale = 0.2;
+  p.causal = true;
+  p.q_positions = PositionMap::run(S, 0);
+  p.k_positions = PositionMap::run(S, 0);
+  using CV = TensorView<const T>;
+  std::vector<double> want(q.size()), want_lse(static_cast<std::size_t>(S * H));
+  const std::vector<T> qt(q.begin(), q.end()), kt(k.begin(), k.end()), vt(v.begin(), v.end());
+  ReferenceKernel{}.forward(CV::bshd(qt.data(), 1, S, H, D), CV::bshd(kt.data(), 1, S, H, D),
+                            CV::bshd(vt.data(), 1, S, H, D), TensorView<double>::bshd(want.data(), 1, S, H, D),
+                            TensorView<double>::lse_bhs(want_lse.data(), 1, S, H), p);
+  std::vector<T> kn = kt, vn = vt;
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t d = 0; d < D; ++d) {
+      vn[(100 * H + h) * D + d] = std::numeric_limits<T>::quiet_NaN();
+      kn[(150 * H + h) * D + d] = std::numeric_limits<T>::quiet_NaN();
+    }
+  for (CpuIsa isa : test::cpu_isas()) {
+    CAPTURE(cpu_isa_name(isa));
+    std::vector<T> got(q.size());
+    CpuFlashKernel(CpuFlashOptions{.isa = isa})
+        .forward(CV::bshd(qt.data(), 1, S, H, D), CV::bshd(kn.data(), 1, S, H, D), CV::bshd(vn.data(), 1, S, H, D),
+                 TensorView<T>::bshd(got.data(), 1, S, H, D), TensorView<acc_t<T>>{}, p);
+    test::Errors early;
+    std::int64_t nan_rows = 0, first_nan = -1;
+    for (std::int64_t i = 0; i < S; ++i)
+      for (std::int64_t x = 0; x < H * D; ++x) {
+        const double g = static_cast<double>(got[i * H * D + x]);
+        if (std::isnan(g)) {
+          if (first_nan < 0) first_nan = i;
+          if (x == 0) ++nan_rows;
+        } else if (i < 100) {
+          early.add_out(g, want[i * H * D + x]);
+        }
+      }
+    CHECK(first_nan == 100);
+    CHECK(nan_rows == S - 100);
+    CHECK(early.rel() <= test::tolerance<T>);
+  }
+}
+
 TEST_CASE_TEMPLATE("flash kernel: rows that see no key give O = 0 and LSE = -inf, never NaN", T, float, double) {
   // Queries 0..69 at positions 0..69, keys at 50..179: rows before 50 see nothing, and the
   // first query block (rows 0..63) is partly masked and partly empty.

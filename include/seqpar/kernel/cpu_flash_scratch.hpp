@@ -49,7 +49,7 @@ class ScratchCarver {
 template <class A>
 struct ForwardScratch {
   A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
-  std::int64_t *qpos, *kpos;
+  std::int64_t *qpos, *kpos, *hidden;
 
   /// Stride of kbuf's rows: an odd number of 64-byte lines, so that consecutive rows start in
   /// different L1 sets.
@@ -73,6 +73,7 @@ struct ForwardScratch {
     c.take(r.vbuf, fwd_block_k * (dim + 8));  // V packed in tiles of up to 8 head dims
     c.take(r.qpos, fwd_block_q);
     c.take(r.kpos, fwd_block_k);
+    c.take(r.hidden, fwd_block_k);  // per key of a diagonal panel: lanes that do not see it
     return c.used();
   }
 };

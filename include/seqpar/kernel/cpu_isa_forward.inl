@@ -103,13 +103,18 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
 
       // S^T = K Q^T (the Q^T panel stays in L1).
       flash_tiles<false>(nkp, s.kbuf, ldk, 1, MR * ldk, qt, PW, dim, st, PW, static_cast<const A*>(nullptr));
+      // Keys [0, full) are seen by every query of the panel; later ones by a suffix of it.
+      std::int64_t full = nkp;
       if (masked) {
         // Positions increase along the panel, so the lanes that do not see key j are a prefix,
         // which grows with j.
         std::int64_t hidden = 0;
+        full = 0;
         for (std::int64_t j = 0; j < nkp; ++j) {
           while (hidden < np && s.qpos[c0 + hidden] < s.kpos[j]) ++hidden;
           std::fill(st + j * PW, st + j * PW + hidden, neg_inf);
+          s.hidden[j] = hidden;
+          if (hidden == 0) full = j + 1;
         }
       }
 
@@ -144,8 +149,12 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
         simd_store(m, mx);
       }
 
-      // O^T = alpha O^T + V^T P^T: A is the packed V, B the P^T panel.
-      flash_tiles<true>(dim, s.vbuf, 1, MR, v_tile, st, PW, nkp, ot, PW, s.alpha);
+      // O^T = alpha O^T + V^T P^T: A is the packed V, B the P^T panel. A key hidden from some
+      // lanes has P = 0 there, but 0 x V is NaN when V is (padding, a stale cache slot): those
+      // keys are added with the hidden lanes masked out, so a hidden key never reaches a row.
+      flash_tiles<true>(dim, s.vbuf, 1, MR, v_tile, st, PW, full, ot, PW, s.alpha);
+      if (full < nkp)
+        flash_tiles_masked(dim, s.vbuf + full * MR, MR, v_tile, st + full * PW, PW, nkp - full, ot, PW, s.hidden + full);
     }
   }
 

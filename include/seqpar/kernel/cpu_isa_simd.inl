@@ -243,3 +243,44 @@ inline void flash_tiles(std::int64_t rows, const A* a, std::ptrdiff_t a_row, std
     ((tail == T + 1 ? flash_tile<T + 1, Accumulate>(a, a_row, a_k, b, ldb, kdim, c, ldc, alpha) : void()), ...);
   }(std::make_integer_sequence<int, MR - 1>{});
 }
+
+/// C[M x NR vectors] += A B over k in [0, kdim), adding at k only the lanes at or past
+/// first[k] (the others are left as they are, even where A is NaN: 0 x NaN would be NaN).
+/// A is packed as flash_tile's with a_row = 1 (a[r + k * a_k]); B and C as flash_tile's.
+template <int M, class A>
+inline void flash_tile_masked(const A* a, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb, std::int64_t kdim,
+                              A* c, std::ptrdiff_t ldc, const std::int64_t* first) {
+  using V = simd_t<A>;
+  constexpr int W = FlashTile<A>::width;
+  V lane0{};
+  for (int w = 0; w < W; ++w) lane0[w] = static_cast<A>(w);
+  const V lane1 = lane0 + simd_splat(static_cast<A>(W));
+  [&]<int... R>(std::integer_sequence<int, R...>) {
+    V acc0[M] = {simd_load(c + R * ldc)...}, acc1[M] = {simd_load(c + R * ldc + W)...};
+    for (std::int64_t k = 0; k < kdim; ++k) {
+      const A* ak = a + k * a_k;
+      const V f = simd_splat(static_cast<A>(first[k]));
+      const auto m0 = lane0 >= f, m1 = lane1 >= f;
+      const V b0 = simd_load(b + k * ldb), b1 = simd_load(b + k * ldb + W);
+      ((acc0[R] = m0 ? simd_fma(simd_splat(ak[R]), b0, acc0[R]) : acc0[R],
+        acc1[R] = m1 ? simd_fma(simd_splat(ak[R]), b1, acc1[R]) : acc1[R]),
+       ...);
+    }
+    ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
+  }(std::make_integer_sequence<int, M>{});
+}
+
+/// flash_tile_masked over `rows` rows of A packed in tiles of MR (tile t at a + t * a_tile).
+template <class A>
+inline void flash_tiles_masked(std::int64_t rows, const A* a, std::ptrdiff_t a_k, std::ptrdiff_t a_tile, const A* b,
+                               std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc,
+                               const std::int64_t* first) {
+  constexpr int MR = FlashTile<A>::mr;
+  std::int64_t r0 = 0;
+  for (; r0 + MR <= rows; r0 += MR, a += a_tile) flash_tile_masked<MR>(a, a_k, b, ldb, kdim, c + r0 * ldc, ldc, first);
+  const int tail = static_cast<int>(rows - r0);
+  c += r0 * ldc;
+  [&]<int... T>(std::integer_sequence<int, T...>) {
+    ((tail == T + 1 ? flash_tile_masked<T + 1>(a, a_k, b, ldb, kdim, c, ldc, first) : void()), ...);
+  }(std::make_integer_sequence<int, MR - 1>{});
+}
