@@ -71,7 +71,7 @@ struct RankEngine {
   }
 
   void forward(RankBuffers& x) {
-    const auto& pr = plan.problem;
+    const auto& pr = plan.problem();
     using CV = TensorView<const float>;
     attn.template forward<float>(plan, CV::bshd(x.q.data(), pr.batch, x.len, pr.heads, pr.head_dim),
                                  CV::bshd(x.k.data(), pr.batch, x.len, pr.kv_heads, pr.head_dim),
@@ -91,7 +91,7 @@ struct TeamReport {
   double max_bytes() const { return double(*std::max_element(bytes.begin(), bytes.end())); }
   double imbalance() const {
     double mx = 0, sum = 0;
-    const int world = plan.mesh.world();
+    const int world = plan.mesh().world();
     for (int w = 0; w < world; ++w) {
       const double x = double(plan.work(w));
       mx = std::max(mx, x);
@@ -124,15 +124,15 @@ RankTeam::Setup engines_setup(int ranks, bool causal, std::int64_t seq, TeamRepo
 }
 
 void common_counters(benchmark::State& state, const TeamReport& r, double seconds) {
-  const auto& pr = r.plan.problem;
-  const double min_bytes = bench::min_forward_bytes(pr, r.seq, r.plan.mesh.ulysses, r.plan.mesh.ring);
+  const auto& pr = r.plan.problem();
+  const double min_bytes = bench::min_forward_bytes(pr, r.seq, r.plan.mesh().ulysses, r.plan.mesh().ring);
   state.counters["ms_per_fwd"] = seconds * 1e3;
   state.counters["bytes_per_rank"] = r.max_bytes();
   state.counters["bytes_min"] = min_bytes;
   state.counters["bytes_ratio"] = min_bytes > 0 ? r.max_bytes() / min_bytes : (r.max_bytes() == 0 ? 1.0 : 0.0);
   state.counters["imbalance"] = r.imbalance();
-  state.counters["U"] = r.plan.mesh.ulysses;
-  state.counters["R"] = r.plan.mesh.ring;
+  state.counters["U"] = r.plan.mesh().ulysses;
+  state.counters["R"] = r.plan.mesh().ring;
   state.counters["GFLOPs"] =
       bench::attention_flops(pr.batch, pr.heads, r.seq, r.seq, pr.head_dim, pr.causal) * 1e-9 / seconds;
   state.counters["seq"] = double(r.seq);

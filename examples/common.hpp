@@ -239,7 +239,7 @@ ErrorStats reduce_errors(Comm& comm, const ErrorStats& mine) {
 template <class T, class Attention>
 ErrorStats forward_error(Attention& attn, const Plan& plan, const GlobalInputs& g) {
   const GlobalShape& s = g.shape;
-  const int me = plan.world_rank;
+  const int me = plan.world_rank();
   const PositionMap qpos = plan.q_positions(me);
   LocalSlices<T> l = local_slices<T>(g, qpos, plan.kv_positions(me));
   std::vector<std::byte> workspace(plan.workspace_bytes());

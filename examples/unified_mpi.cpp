@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   const examples::ErrorStats mine = examples::forward_error<float>(attn, plan, examples::make_inputs(shape));
   const examples::ErrorStats err = examples::reduce_errors(world, mine);
   const std::uint64_t sent = world.stats().bytes_sent;  // world + both sub-groups
-  const auto rows = examples::gather_rows(world, {plan.ring_rank, plan.ulysses_rank, attn.ulysses_comm().size(),
+  const auto rows = examples::gather_rows(world, {plan.ring_rank(), plan.ulysses_rank(), attn.ulysses_comm().size(),
                                                   attn.ring_comm().size(), static_cast<std::int64_t>(sent)});
   for (int r = 0; r < 4 && world.rank() == 0; ++r)
     std::printf("unified_mpi: rank %d = (ring %lld, ulysses %lld): ulysses group of %lld, ring of %lld, "

@@ -135,10 +135,10 @@ TEST_CASE("errors: ranks that disagree on the problem all throw the same ConfigE
       {"ranks disagree on kv_heads: rank 0 has 2, rank 2 has 4", [](AttentionProblem& p) { p.kv_heads = 4; }},
       {"ranks disagree on head_dim: rank 0 has 8, rank 2 has 16", [](AttentionProblem& p) { p.head_dim = 16; }},
       {"ranks disagree on batch: rank 0 has 2, rank 2 has 3", [](AttentionProblem& p) { p.batch = 3; }},
-      {"ranks disagree on causal: rank 0 has 1, rank 2 has 0", [](AttentionProblem& p) { p.causal = false; }},
-      {"ranks disagree on dtype", [](AttentionProblem& p) { p.dtype = DType::f64; }},
-      {"ranks disagree on scale", [](AttentionProblem& p) { p.scale = 0.5; }},
-      {"ranks disagree on with_lse: rank 0 has 1, rank 2 has 0", [](AttentionProblem& p) { p.with_lse = false; }},
+      {"ranks disagree on causal: rank 0 has true, rank 2 has false", [](AttentionProblem& p) { p.causal = false; }},
+      {"ranks disagree on dtype: rank 0 has f32, rank 2 has f64", [](AttentionProblem& p) { p.dtype = DType::f64; }},
+      {"ranks disagree on scale: rank 0 has 0.353553, rank 2 has 0.5", [](AttentionProblem& p) { p.scale = 0.5; }},
+      {"ranks disagree on with_lse: rank 0 has true, rank 2 has false", [](AttentionProblem& p) { p.with_lse = false; }},
   };
   for (const auto& c : cases) {
     CAPTURE(c.needle);
@@ -198,7 +198,9 @@ TEST_CASE("errors: degrees whose product is not the world size") {
   CHECK(all_same_config_error(a, "ulysses_degree x ring_degree = 2 x 3 must equal the world size 4"));
   auto b = rank_outcomes(4, [&](Comm& c) { build(c, UnifiedPolicy<>{3, 0}); });
   INFO(describe(b));
-  CHECK(all_same_config_error(b, "3 x 0 must equal the world size 4"));
+  // The derived degree is never printed as 0: the message names the degree that was given.
+  CHECK(all_same_config_error(b, "ulysses_degree 3 does not divide the world size 4"));
+  CHECK(!all_same_config_error(b, "x 0"));
   auto z = rank_outcomes(2, [&](Comm& c) { build(c, UnifiedPolicy<>{0, 0}); });
   INFO(describe(z));
   CHECK(all_same_config_error(z, "set ulysses_degree or ring_degree"));
@@ -299,7 +301,7 @@ TEST_CASE("errors: wrong sizes, strides and pointers in a forward view") {
       {"forward: q: null data pointer for a non-empty tensor", [](int, R& r) { r.qv.data = nullptr; }},
       {"forward: out: null data pointer", [](int, R& r) { r.ov.data = nullptr; }},
       {"forward: lse.seq: expected 8, got 4", [](int, R& r) { r.lv.extent[1] = 4; }},
-      {"forward: lse.batch: expected 2, got 0", [](int, R& r) { r.lv = {}; }},
+      {"forward: lse: this plan needs an LSE view (with_lse = true), got none", [](int, R& r) { r.lv = {}; }},
       {"workspace: expected at least", [](int, R& r) { r.wsv = r.wsv.first(r.wsv.size() / 4); }},
       {"workspace: expected at least", [](int, R& r) { r.wsv = {}; }},
       {"workspace: null data pointer with a size of 64 bytes",

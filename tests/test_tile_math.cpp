@@ -15,7 +15,7 @@
 #include <set>
 #include <vector>
 
-#include "seqpar/kernel/host_ops.hpp"
+#include "seqpar/kernel/merge_state.hpp"
 #include "seqpar/kernel/reference_kernel.hpp"
 #include "seqpar/kernel/tile_math.hpp"
 
@@ -480,7 +480,7 @@ TEST_CASE("tile math: merge_row of two disjoint key blocks equals attention over
             float li = l[i];
             merge_row(&o[i * dim + d], li, &b[d], lb, 1);
           }
-          merge_row<float>(nullptr, l[i], nullptr, lb, 0);
+          merge_row<float, float>(nullptr, l[i], nullptr, lb, 0);
         } else {
           merge_row(&o[i * dim], l[i], b.data(), lb, dim);
         }

@@ -22,6 +22,12 @@ namespace seqpar {
 /// `plan(problem, my_lengths)` once per shape (collective: all ranks validate that they agree,
 /// or all throw the same ConfigError), allocate `plan.workspace_bytes()` once, then call
 /// `forward` as often as needed: it allocates nothing and exchanges no metadata.
+///
+/// Only the phases the policy uses are compiled (policy_traits): a kernel needs a backward only
+/// if backward is called, and a kernel that writes only T works with every policy.
+///
+/// Thread safety: one object is used by one thread at a time (its calls are collective with
+/// the other ranks' objects, in the same order on every rank).
 template <class Policy, class Comm, class Kernel>
 class SequenceParallelAttention {
   static_assert(is_policy_v<Policy>,
@@ -44,10 +50,22 @@ class SequenceParallelAttention {
   /// Collective over `world`: checks that every rank has the same policy and degrees, then
   /// builds the mesh. `world` must outlive this object.
   explicit SequenceParallelAttention(Comm& world, Policy policy = {}, Kernel kernel = {})
-      : engine_(world, mesh_request(policy), std::move(kernel)) {}
+      : policy_(policy), engine_(world, mesh_request(policy), std::move(kernel)) {}
 
   /// Collective: makes the plan for `problem` with this rank's local lengths.
   Plan plan(const AttentionProblem& problem, LocalLengths lengths) { return engine_.plan(problem, lengths); }
+  /// Collective: makes the plan for element type T (problem.dtype is set from T, so forward<T>
+  /// cannot disagree with it).
+  template <class T>
+  Plan plan(AttentionProblem problem, LocalLengths lengths) {
+    problem.dtype = dtype_v<T>;
+    return engine_.plan(problem, lengths);
+  }
+  /// Would `problem` run with these local lengths (one per world rank)? Asks no rank: the
+  /// same checks as plan, as a value (see seqpar::can_implement).
+  Implementable can_implement(const AttentionProblem& problem, std::span<const LocalLengths> all_local_lengths) const {
+    return seqpar::can_implement(policy_, problem, all_local_lengths);
+  }
 
   /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).
   /// q [B, Lq, H, D], k and v [B, Lkv, K, D], out [B, Lq, H, D], lse [B, Lq, H, 1] or absent.
@@ -104,7 +122,8 @@ class SequenceParallelAttention {
   PhaseProfile* profile() const { return engine_.profile(); }
 
  private:
-  detail::MeshEngine<Comm, Kernel> engine_;
+  Policy policy_;
+  detail::MeshEngine<Policy, Comm, Kernel> engine_;
 };
 
 }  // namespace seqpar

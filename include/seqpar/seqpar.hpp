@@ -18,5 +18,7 @@
 #include "seqpar/kernel/cpu_flash_kernel.hpp"
 #include "seqpar/kernel/host_ops.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/kernel/merge_state.hpp"
 #include "seqpar/kernel/reference_kernel.hpp"
+#include "seqpar/policy/plan_builder.hpp"
 #include "seqpar/policy/policies.hpp"

@@ -40,15 +40,16 @@ void move_rows(TensorView<S> from, const PositionMap& positions, TensorView<D> t
 
 /// Copies the global rows at `positions` into `local` (local row i = global row
 /// positions(i)), for every batch and head. Use plan.q_positions(rank) or kv_positions(rank).
+/// `global` may be a view of const or mutable elements.
 template <class S, class D>
-void scatter_sequence(TensorView<const S> global, const PositionMap& positions, TensorView<D> local) {
+void scatter_sequence(TensorView<S> global, const PositionMap& positions, TensorView<D> local) {
   detail::move_rows<true>(global, positions, local, "scatter_sequence");
 }
 
 /// The inverse: copies local rows back to their global positions (run it for every rank's
 /// slice, e.g. after gathering the slices on one rank, to rebuild the global output).
 template <class S, class D>
-void gather_sequence(TensorView<const S> local, const PositionMap& positions, TensorView<D> global) {
+void gather_sequence(TensorView<S> local, const PositionMap& positions, TensorView<D> global) {
   detail::move_rows<false>(local, positions, global, "gather_sequence");
 }
 

@@ -3,7 +3,7 @@
 /// TensorOps<CudaSpace>: the operations the policies run between kernel calls (strided copy
 /// with type conversion for all-to-all packing, accumulate, fill, and the float32 LSE merge of
 /// ring partial results), as CUDA kernels on a caller-given stream. The merge runs the same
-/// merge_row as the host (kernel/host_ops.hpp).
+/// merge_row as the host (kernel/merge_state.hpp).
 
 #include <cuda_runtime.h>
 
@@ -107,8 +107,8 @@ __global__ void fill_kernel(DeviceView<D> dst, D value, std::int64_t total) {
 
 /// merge_row per row, one warp per row: every lane merges its columns with the row's old
 /// LSE, then lane 0 writes the new LSE (after the warp has read the old one).
-template <class A>
-__global__ void merge_kernel(DeviceView<A> o1, DeviceView<A> l1, DeviceView<const A> o2, DeviceView<const A> l2,
+template <class A, class P>
+__global__ void merge_kernel(DeviceView<A> o1, DeviceView<A> l1, DeviceView<const P> o2, DeviceView<const A> l2,
                              std::int64_t rows) {
   const int lane = threadIdx.x & 31;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -118,7 +118,7 @@ __global__ void merge_kernel(DeviceView<A> o1, DeviceView<A> l1, DeviceView<cons
     const A la = *l1.row(r.b, r.s, r.h);
     const A lb = *l2.row(r.b, r.s, r.h);
     A* out = o1.row(r.b, r.s, r.h);
-    const A* in = o2.row(r.b, r.s, r.h);
+    const P* in = o2.row(r.b, r.s, r.h);
     for (std::int64_t d = lane; d < o1.dim; d += 32) {
       A l = la;
       merge_row(out + d, l, in + d, lb, 1);
@@ -126,7 +126,7 @@ __global__ void merge_kernel(DeviceView<A> o1, DeviceView<A> l1, DeviceView<cons
     __syncwarp();
     if (lane == 0) {
       A l = la;
-      merge_row<A>(nullptr, l, nullptr, lb, 0);
+      merge_row<A, P>(nullptr, l, nullptr, lb, 0);
       *l1.row(r.b, r.s, r.h) = l;
     }
   }
@@ -177,15 +177,16 @@ struct TensorOps<CudaSpace> {
     cuda_detail::launch(cuda_detail::fill_kernel<D>, cuda_detail::grid_for(total, threads), threads, 0, stream_,
                         cuda_detail::device_view(dst), value, total);
   }
-  /// Merges (o2, l2) into (o1, l1) row by row with merge_row (float32 LSE rule).
-  template <class A>
-  void merge(TensorView<A, CudaSpace> o1, TensorView<A, CudaSpace> l1, TensorView<const A, CudaSpace> o2,
+  /// Merges (o2, l2) into (o1, l1) row by row with merge_row (float32 LSE rule); o2 may be of
+  /// the element type (a kernel that writes only T).
+  template <class A, class P>
+  void merge(TensorView<A, CudaSpace> o1, TensorView<A, CudaSpace> l1, TensorView<const P, CudaSpace> o2,
              TensorView<const A, CudaSpace> l2) const {
     cuda_detail::check_same_extents(o2, o1, "merge");
     const std::int64_t rows = o1.batch() * o1.seq() * o1.heads();
     if (rows == 0) return;
     constexpr int threads = 256;
-    cuda_detail::launch(cuda_detail::merge_kernel<A>, cuda_detail::grid_for(rows * 32, threads), threads, 0, stream_,
+    cuda_detail::launch(cuda_detail::merge_kernel<A, P>, cuda_detail::grid_for(rows * 32, threads), threads, 0, stream_,
                         cuda_detail::device_view(o1), cuda_detail::device_view(l1), cuda_detail::device_view(o2),
                         cuda_detail::device_view(l2), rows);
   }

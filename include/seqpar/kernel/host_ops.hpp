@@ -1,34 +1,17 @@
 #pragma once
 /// \file
 /// Host tensor operations the policies need between kernel calls: strided copy with type
-/// conversion (all-to-all packing), filling empty rows, and the LSE merge of partial results.
+/// conversion (all-to-all packing), filling empty rows, and the LSE merge of partial results
+/// (the rule itself is merge_row, kernel/merge_state.hpp).
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
-#include "seqpar/core/host_device.hpp"
 #include "seqpar/core/tensor_view.hpp"
+#include "seqpar/kernel/merge_state.hpp"
 
 namespace seqpar {
-
-/// Merges a partial result (o2, l2) over a disjoint key set into (o1, l1), in place:
-/// O = O1 - sigmoid(L2 - L1) (O1 - O2), L = max + log1p(exp(min - max)). A side with
-/// L = -inf contributes nothing, so a row no block saw stays O = 0, L = -inf (never NaN).
-/// Works per row so that a device kernel can share it (SEQPAR_HOST_DEVICE).
-template <class A>
-SEQPAR_HOST_DEVICE constexpr void merge_row(A* o1, A& l1, const A* o2, A l2, std::int64_t dim) {
-  if (l2 == -std::numeric_limits<A>::infinity()) return;
-  if (l1 == -std::numeric_limits<A>::infinity()) {
-    for (std::int64_t d = 0; d < dim; ++d) o1[d] = o2[d];
-    l1 = l2;
-    return;
-  }
-  const A w = A(1) / (A(1) + std::exp(l1 - l2));  // sigmoid(l2 - l1)
-  for (std::int64_t d = 0; d < dim; ++d) o1[d] -= w * (o1[d] - o2[d]);
-  const A hi = l1 > l2 ? l1 : l2, lo = l1 > l2 ? l2 : l1;
-  l1 = hi + std::log1p(std::exp(lo - hi));
-}
 
 /// Operations on tensors in host memory.
 template <class Space>
@@ -69,9 +52,9 @@ struct TensorOps<HostSpace> {
           for (std::int64_t d = 0; d < dst.dim(); ++d) out[d] = value;
         }
   }
-  /// Merges (o2, l2) into (o1, l1) row by row with merge_row.
-  template <class A>
-  static void merge(TensorView<A, HostSpace> o1, TensorView<A, HostSpace> l1, TensorView<const A, HostSpace> o2,
+  /// Merges (o2, l2) into (o1, l1) row by row with merge_row; o2 may be of the element type.
+  template <class A, class P>
+  static void merge(TensorView<A, HostSpace> o1, TensorView<A, HostSpace> l1, TensorView<const P, HostSpace> o2,
                     TensorView<const A, HostSpace> l2) {
     for (std::int64_t b = 0; b < o1.batch(); ++b)
       for (std::int64_t s = 0; s < o1.seq(); ++s)

@@ -9,7 +9,7 @@
 /// - causal tile classification from global positions, and device copies of PositionMap and
 ///   of the query-to-K/V head map (plain structs, cheap to pass to a kernel by value);
 /// - the register layout of the mma.sync m16n8k16 fragments the tensor-core kernel uses.
-/// The LSE merge of partial results is merge_row (kernel/host_ops.hpp), shared the same way.
+/// The LSE merge of partial results is merge_row (kernel/merge_state.hpp), shared the same way.
 
 #include <cmath>
 #include <cstdint>

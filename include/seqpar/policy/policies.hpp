@@ -1,8 +1,11 @@
 #pragma once
 /// \file
 /// The policies: small config types that say how the work and the communication are
-/// arranged. All of them run on one engine (policy/mesh_engine.hpp) as a U x R mesh.
+/// arranged, and policy_traits: which engine phases each one instantiates. All of them run on
+/// one engine (policy/mesh_engine.hpp) as a U x R mesh.
 
+#include <sstream>
+#include <string>
 #include <type_traits>
 
 #include "seqpar/core/error.hpp"
@@ -49,6 +52,7 @@ template <class L>
 struct base_policy<RingPolicy<L>> : std::true_type {};
 template <class L>
 struct base_policy<UnifiedPolicy<L>> : std::true_type {};
+
 }  // namespace detail
 
 /// True for UlyssesPolicy, RingPolicy<L>, UnifiedPolicy<L> and AnythingPolicy of those.
@@ -57,6 +61,55 @@ inline constexpr bool is_policy_v = detail::base_policy<P>::value;
 /// AnythingPolicy<P> is a policy when P is one of the three base policies (no nesting).
 template <class Inner>
 inline constexpr bool is_policy_v<AnythingPolicy<Inner>> = detail::base_policy<Inner>::value;
+
+/// What a policy is made of, at compile time: which phases of the engine it instantiates
+/// (`ulysses`: the all-to-all exchange; `ring`: the ring loop), whether the divisibility rules
+/// are lifted, and its name as C++ (for messages that suggest code). The primary template
+/// fails with a message for anything that is not a policy.
+template <class P>
+struct policy_traits {
+  static_assert(sizeof(P) == 0,
+                "seqpar: not a policy; use UlyssesPolicy, RingPolicy<Layout>, UnifiedPolicy<Layout> or "
+                "AnythingPolicy<one of those>");
+};
+/// The phases a base policy instantiates: `ulysses` (the all-to-all exchange) and `ring` (the
+/// ring loop); `anything` says whether the divisibility rules are lifted.
+template <bool Ulysses, bool Ring>
+struct policy_phases {
+  static constexpr bool ulysses = Ulysses;  ///< instantiates the Ulysses exchange
+  static constexpr bool ring = Ring;        ///< instantiates the ring loop
+  static constexpr bool anything = false;   ///< divisibility rules lifted
+};
+/// Ulysses: the all-to-all only.
+template <>
+struct policy_traits<UlyssesPolicy> : policy_phases<true, false> {
+  static constexpr const char* name = "UlyssesPolicy";  ///< C++ spelling
+};
+/// Ring: the ring loop only.
+template <class L>
+struct policy_traits<RingPolicy<L>> : policy_phases<false, true> {
+  static constexpr const char* name = std::is_same_v<L, Zigzag>   ? "RingPolicy<Zigzag>"
+                                      : std::is_same_v<L, Stripe> ? "RingPolicy<Stripe>"
+                                                                  : "RingPolicy<Contiguous>";  ///< C++ spelling
+};
+/// Unified: both phases (a degree of 1 skips one at run time).
+template <class L>
+struct policy_traits<UnifiedPolicy<L>> : policy_phases<true, true> {
+  static constexpr const char* name = std::is_same_v<L, Zigzag>   ? "UnifiedPolicy<Zigzag>"
+                                      : std::is_same_v<L, Stripe> ? "UnifiedPolicy<Stripe>"
+                                                                  : "UnifiedPolicy<Contiguous>";  ///< C++ spelling
+};
+/// Anything: the phases of its inner policy, with the divisibility rules lifted.
+template <class Inner>
+struct policy_traits<AnythingPolicy<Inner>> {
+  static_assert(detail::base_policy<Inner>::value,
+                "seqpar: AnythingPolicy<P> needs P = UlyssesPolicy, RingPolicy<Layout> or UnifiedPolicy<Layout> "
+                "(AnythingPolicy does not nest)");
+  static constexpr bool ulysses = policy_traits<Inner>::ulysses;  ///< instantiates the Ulysses exchange
+  static constexpr bool ring = policy_traits<Inner>::ring;        ///< instantiates the ring loop
+  static constexpr bool anything = true;                          ///< divisibility rules lifted
+  static constexpr const char* name = "AnythingPolicy";           ///< C++ spelling (of the outer template)
+};
 
 /// The mesh a policy asks for, before the world size is known: a degree of 0 means "derive
 /// it from the world size" (Ulysses asks for U = world, Ring for R = world). Nothing is
@@ -68,42 +121,60 @@ MeshConfig mesh_request(const P& policy) {
                   "seqpar: AnythingPolicy<P> needs P = UlyssesPolicy, RingPolicy<Layout> or UnifiedPolicy<Layout>");
     MeshConfig m = mesh_request(policy.inner);
     m.anything = true;
-    return m;
+    return m;  // m.policy keeps the inner name: messages suggest AnythingPolicy<that>
   } else {
     static_assert(detail::base_policy<P>::value,
                   "seqpar: a policy must be UlyssesPolicy, RingPolicy<Layout>, UnifiedPolicy<Layout> or AnythingPolicy<...>");
     MeshConfig m;
     if constexpr (std::is_same_v<P, UlyssesPolicy>) {
       m.ulysses = 0;
-      m.policy = "UlyssesPolicy";
+      m.policy = policy_traits<P>::name;
     } else if constexpr (requires { policy.ring_degree; }) {
       m.ulysses = policy.ulysses_degree;
       m.ring = policy.ring_degree;
       m.placement = policy.placement;
       m.layout = layout_kind_of<typename P::layout>();
-      m.policy = "UnifiedPolicy";
+      m.policy = policy_traits<P>::name;
     } else {
       m.ring = 0;
       m.layout = layout_kind_of<typename P::layout>();
-      m.policy = "RingPolicy";
+      m.policy = policy_traits<P>::name;
     }
     return m;
   }
 }
 
-/// Fills the derived degree of a request for `world` ranks; throws ConfigError when the
-/// degrees are negative, both derived, or do not multiply to the world size.
-inline MeshConfig resolve_mesh(MeshConfig m, int world) {
-  SEQPAR_CHECK(world >= 1, ConfigError, "world size: expected >= 1, got ", world);
+/// Fills the derived degree of a request for `world` ranks; returns the reason it cannot
+/// (degrees negative, both derived, or not multiplying to the world size), or "" when it can.
+/// A derived degree is never printed as 0: the message says which given degree does not fit.
+inline std::string resolve_mesh_reason(MeshConfig& m, int world) {
+  std::ostringstream why;
   const int u = m.ulysses, r = m.ring;
-  SEQPAR_CHECK(u >= 0 && r >= 0, ConfigError, m.policy, ": degrees must be >= 0, got ulysses_degree ", u,
-               ", ring_degree ", r);
-  SEQPAR_CHECK(u > 0 || r > 0, ConfigError, m.policy, ": set ulysses_degree or ring_degree (both are 0)");
-  if (m.ulysses == 0) m.ulysses = world % r == 0 ? world / r : 0;
-  if (m.ring == 0) m.ring = world % u == 0 ? world / u : 0;
-  SEQPAR_CHECK(m.ulysses > 0 && m.ring > 0 && m.ulysses * m.ring == world, ConfigError, m.policy,
-               ": ulysses_degree x ring_degree = ", u, " x ", r, " must equal the world size ", world,
-               " (a degree of 0 is derived from the other)");
+  if (world < 1) {
+    why << "world size: expected >= 1, got " << world;
+  } else if (u < 0 || r < 0) {
+    why << m.policy << ": degrees must be >= 0, got ulysses_degree " << u << ", ring_degree " << r;
+  } else if (u == 0 && r == 0) {
+    why << m.policy << ": set ulysses_degree or ring_degree (both are 0)";
+  } else if (u == 0 && world % r != 0) {
+    why << m.policy << ": ring_degree " << r << " does not divide the world size " << world;
+  } else if (r == 0 && world % u != 0) {
+    why << m.policy << ": ulysses_degree " << u << " does not divide the world size " << world;
+  } else if (u > 0 && r > 0 && u * r != world) {
+    why << m.policy << ": ulysses_degree x ring_degree = " << u << " x " << r << " must equal the world size "
+        << world << " (it is " << u * r << "; leave one degree 0 to derive it from the other)";
+  } else {
+    if (u == 0) m.ulysses = world / r;
+    if (r == 0) m.ring = world / u;
+  }
+  return why.str();
+}
+
+/// Fills the derived degree of a request for `world` ranks; throws ConfigError with
+/// resolve_mesh_reason's message when it cannot.
+inline MeshConfig resolve_mesh(MeshConfig m, int world) {
+  const std::string why = resolve_mesh_reason(m, world);
+  SEQPAR_CHECK(why.empty(), ConfigError, why);
   return m;
 }
 

@@ -1,0 +1,188 @@
+#pragma once
+/// \file
+/// Plan building and validation. `plan` is collective: every rank contributes the fields it
+/// must agree on (PlanField) in one host all-gather, and every rank then runs the same checks
+/// on the same gathered copy, so all reach the same verdict and throw the same message (none
+/// hangs waiting for a rank that threw). The shape rules themselves are `shape_reason`, a pure
+/// function: `can_implement` asks it without communicating, and `plan` throws its answer.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "seqpar/core/error.hpp"
+#include "seqpar/core/plan.hpp"
+#include "seqpar/policy/policies.hpp"
+#include "seqpar/policy/workspace_layout.hpp"
+
+namespace seqpar {
+
+/// The answer of can_implement: whether a shape runs, and if not why, in plan's words.
+struct Implementable {
+  bool ok = true;      ///< true: plan would accept the shape
+  std::string reason;  ///< why not (empty when ok)
+  /// True when the shape runs.
+  explicit operator bool() const { return ok; }
+};
+
+namespace detail {
+
+/// Bytes of one element of a DType.
+constexpr std::size_t dtype_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
+
+/// Every field ranks must agree on, gathered once per plan.
+enum PlanField : int {
+  f_batch, f_heads, f_kv_heads, f_head_dim, f_causal, f_dtype, f_scale, f_with_lse,
+  f_ulysses, f_ring, f_placement, f_layout, f_anything, f_q_len, f_kv_len, f_count
+};
+inline constexpr const char* plan_field_names[f_count] = {
+    "batch", "heads", "kv_heads", "head_dim", "causal", "dtype", "scale", "with_lse",
+    "ulysses_degree", "ring_degree", "placement", "layout", "anything (AnythingPolicy)", "q_len", "kv_len"};
+inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one must match
+
+/// This rank's contribution to the gather.
+inline std::array<std::int64_t, f_count> plan_fields(const AttentionProblem& pr, const MeshConfig& m, LocalLengths l) {
+  return {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim, pr.causal, static_cast<std::int64_t>(pr.dtype),
+          std::bit_cast<std::int64_t>(pr.softmax_scale()), pr.with_lse, m.ulysses, m.ring,
+          static_cast<std::int64_t>(m.placement), static_cast<std::int64_t>(m.layout), m.anything, l.q, l.kv_count()};
+}
+
+/// A gathered field's value as a reader wants it: a number, a name or true/false.
+inline std::string field_value(int field, std::int64_t v) {
+  std::ostringstream os;
+  switch (field) {
+    case f_scale: os << std::bit_cast<double>(v); break;
+    case f_dtype: os << dtype_name(static_cast<DType>(v)); break;
+    case f_layout: os << layout_name(static_cast<LayoutKind>(v)); break;
+    case f_placement: os << (v == 0 ? "ulysses_adjacent" : "ring_adjacent"); break;
+    case f_causal: case f_with_lse: case f_anything: os << (v ? "true" : "false"); break;
+    default: os << v;
+  }
+  return os.str();
+}
+
+/// "" when every rank agrees on the agreed fields, else which ranks differ from rank 0.
+inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int world) {
+  for (int f = 0; f < plan_agreed_fields; ++f) {
+    std::string who;
+    for (int w = 1; w < world; ++w)
+      if (all[w * f_count + f] != all[f])
+        who += ", rank " + std::to_string(w) + " has " + field_value(f, all[w * f_count + f]);
+    if (!who.empty()) return std::string("plan: ranks disagree on ") + plan_field_names[f] + ": rank 0 has " +
+                             field_value(f, all[f]) + who;
+  }
+  return "";
+}
+
+/// The shape rules of a resolved mesh: "" when `problem` with these per-rank lengths (indexed
+/// by world rank) runs, else the reason (naming the rule and the fix).
+inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem,
+                                std::span<const std::int64_t> q_len, std::span<const std::int64_t> kv_len) {
+  const std::int64_t B = problem.batch, H = problem.heads, K = problem.kv_head_count(), D = problem.head_dim;
+  const int world = static_cast<int>(q_len.size());
+  std::ostringstream why;
+  const double scale = problem.softmax_scale();
+  if (B < 0) why << "plan: batch: expected >= 0, got " << B;
+  else if (H < 1) why << "plan: heads: expected >= 1, got " << H;
+  else if (K < 1 || H % K != 0) why << "plan: kv_heads: expected a divisor of heads " << H << ", got " << K;
+  else if (D < 1) why << "plan: head_dim: expected >= 1, got " << D;
+  else if (!std::isfinite(scale))
+    why << "plan: scale: expected a finite number (or 0 for 1/sqrt(head_dim)), got " << problem.scale;
+  if (!why.str().empty()) return why.str();
+  for (int w = 0; w < world; ++w)
+    if (q_len[w] < 0 || kv_len[w] < 0)
+      return "plan: rank " + std::to_string(w) + " gives negative local lengths (q " + std::to_string(q_len[w]) +
+             ", kv " + std::to_string(kv_len[w]) + ")";
+  if (mesh.anything) return "";
+  const std::string fix = std::string("; use AnythingPolicy<") + mesh.policy + "> for any shape";
+  for (int w = 0; w < world; ++w) {
+    if (q_len[w] != q_len[0])
+      return std::string("plan: ") + mesh.policy + " needs the same local length on every rank (global length " +
+             "divisible by the world size " + std::to_string(world) + "): rank 0 holds " + std::to_string(q_len[0]) +
+             " tokens, rank " + std::to_string(w) + " holds " + std::to_string(q_len[w]) + fix;
+    if (kv_len[w] != q_len[w])
+      return std::string("plan: ") + mesh.policy + " needs kv_len == q_len, rank " + std::to_string(w) + " has q " +
+             std::to_string(q_len[w]) + " kv " + std::to_string(kv_len[w]) +
+             " (joint and cross attention need AnythingPolicy)" + fix;
+  }
+  if (H % mesh.ulysses != 0)
+    return std::string("plan: ") + mesh.policy + " needs heads divisible by the Ulysses degree: heads " +
+           std::to_string(H) + ", ulysses_degree " + std::to_string(mesh.ulysses) + fix;
+  if (mesh.layout == LayoutKind::zigzag && world > 0 && (q_len[0] * mesh.ulysses) % 2 != 0)
+    return std::string("plan: ") + mesh.policy + " with the zigzag layout needs an even ring block length, got " +
+           std::to_string(q_len[0] * mesh.ulysses) + fix;
+  return "";
+}
+
+/// Builds this rank's plan from the gathered fields (validated already).
+inline Plan build_plan(const std::vector<std::int64_t>& all, const AttentionProblem& problem, const MeshConfig& mesh,
+                       int me, std::uint64_t owner) {
+  const int world = mesh.world(), U = mesh.ulysses, R = mesh.ring;
+  std::vector<std::int64_t> qlen(static_cast<std::size_t>(world)), kvlen(static_cast<std::size_t>(world));
+  for (int w = 0; w < world; ++w) {
+    const auto m = static_cast<std::size_t>(mesh.ring_rank(w) * U + mesh.ulysses_rank(w));
+    qlen[m] = all[w * f_count + f_q_len];
+    kvlen[m] = all[w * f_count + f_kv_len];
+  }
+  const std::int64_t H = problem.heads, G = problem.heads / problem.kv_head_count();
+  std::vector<HeadRange> q_heads, kv_heads;
+  std::int64_t begin = 0;
+  for (std::int64_t count : split_evenly(H, U)) {
+    q_heads.push_back({begin, count});
+    const std::int64_t kb = begin / G, ke = count > 0 ? (begin + count - 1) / G + 1 : kb;
+    kv_heads.push_back({kb, ke - kb});
+    begin += count;
+  }
+  AttentionProblem agreed = problem;
+  agreed.kv_heads = problem.kv_head_count();
+  Plan p;
+  PlanAccess::fill(p, agreed, mesh, me, owner, SequenceLayout(mesh.layout, R, U, qlen),
+                   SequenceLayout(mesh.layout, R, U, kvlen), std::move(q_heads), std::move(kv_heads),
+                   dtype_bytes(problem.dtype), problem.dtype == DType::f64 ? 8 : 4);
+
+  PlanSchedule& s = PlanAccess::schedule(p);
+  s.tables = PlanAccess::exchange_tables(p);
+  const int r = p.ring_rank();
+  const PositionMap& qb = p.q_layout().block(r);
+  for (int step = 0; step < R; ++step) {
+    const PositionMap& kb = p.kv_layout().block((r - step + R) % R);
+    s.max_kv_block = std::max(s.max_kv_block, kb.size());
+    const bool any = qb.size() > 0 && kb.size() > 0 && p.q_heads(p.ulysses_rank()).count > 0 && problem.batch > 0 &&
+                     !(problem.causal && kb.first() > qb.last());
+    s.ring_step_computes.push_back(any);
+  }
+  s.forward = forward_layout(p);
+  s.backward = backward_layout(p);
+  return p;
+}
+
+}  // namespace detail
+
+/// Would `problem` run under `policy` with these local lengths (one per world rank, in world
+/// rank order)? A pure function: no communication, nothing allocated on a device. The answer
+/// says why not in the words `plan` would throw (plan runs the same checks).
+template <class Policy>
+Implementable can_implement(const Policy& policy, const AttentionProblem& problem,
+                            std::span<const LocalLengths> all_local_lengths) {
+  MeshConfig mesh = mesh_request(policy);
+  std::string why = resolve_mesh_reason(mesh, static_cast<int>(all_local_lengths.size()));
+  if (why.empty()) {
+    std::vector<std::int64_t> q, kv;
+    for (const LocalLengths& l : all_local_lengths) {
+      q.push_back(l.q);
+      kv.push_back(l.kv_count());
+    }
+    why = detail::shape_reason(mesh, problem, q, kv);
+  }
+  return {why.empty(), why};
+}
+
+}  // namespace seqpar

@@ -1,0 +1,253 @@
+#pragma once
+/// \file
+/// The ring loop, forward and backward: K/V blocks travel the ring in a double buffer while the
+/// current block computes; each step's partial output merges into the running output by the
+/// LSE rule (kernel/merge_state.hpp); steps whose keys no local query sees are skipped (the
+/// plan's ring_step_computes). Only policies with a ring phase (policy_traits<P>::ring)
+/// instantiate it, and it runs only when the ring degree is above 1.
+///
+/// On a communicator that can poll (test(), e.g. MPI), the kernel runs in chunks of heads with
+/// a progress poll after each while a hop is in flight, since such a communicator may move a
+/// large message only when called. Every head is computed on its own whatever the chunk, so the
+/// bits do not change.
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "seqpar/core/plan.hpp"
+#include "seqpar/core/tensor_view.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/policy/engine_context.hpp"
+
+namespace seqpar::detail {
+
+/// The ring phase of one engine: its context and its kernel.
+template <class Comm, class Kernel>
+struct RingLoop {
+  using Space = typename Comm::memory_space;  ///< where tensors live
+  EngineContext<Comm>& cx;                    ///< communicators, ops, clock
+  Kernel& kernel;                             ///< the local kernel
+
+  /// True when the communicator can make progress on a started exchange without blocking.
+  static constexpr bool can_poll = requires(Comm& c, typename Comm::request_type& r) {
+    { c.test(r) } -> std::convertible_to<bool>;
+  };
+  /// Progress polls per ring step while a hop is in flight (see the file comment).
+  static constexpr std::int64_t progress_chunks = 8;
+
+  /// One ring hop in flight: started, maybe seen complete by a progress poll, then waited.
+  struct Hop {
+    typename Comm::request_type req{};
+    PhaseClock::time_point started{}, done{};
+    int step = -1;  // -1: no hop
+    bool complete = false;
+
+    void start(EngineContext<Comm>& c, typename Comm::request_type&& r, int s) {
+      started = c.clock.now();
+      req = std::move(r);
+      step = s;
+      c.lap(Phase::wait, s);  // posting the hop is communication, charged with its wait
+    }
+    /// Lets the communicator move bytes while the rank computes; true once the hop is done.
+    bool poll(EngineContext<Comm>& c) {
+      if constexpr (can_poll) {
+        if (step >= 0 && !complete && c.ring.test(req)) {
+          complete = true;
+          done = c.clock.now();
+        }
+      }
+      return step < 0 || complete;
+    }
+    void finish(EngineContext<Comm>& c) {
+      c.ring.wait(req);
+      c.lap(Phase::wait, step);
+      c.clock.hop(c.pass, step, started, complete ? done : c.mark);
+    }
+  };
+
+  /// Runs `run(first, count)` over `units` heads: in one call, or, while `a` (or `b`) is in
+  /// flight on a communicator that can poll, in chunks with a poll after each.
+  template <class Run>
+  void compute_polling(std::int64_t units, Run run, Hop& a, Hop* b = nullptr) {
+    auto done = [&] {
+      const bool da = a.poll(cx), db = b ? b->poll(cx) : true;  // poll both, always
+      return da && db;
+    };
+    const std::int64_t chunk = std::max<std::int64_t>(1, (units + progress_chunks - 1) / progress_chunks);
+    std::int64_t h = 0;
+    if constexpr (can_poll)
+      for (; h < units && !done(); h += std::min(chunk, units - h)) run(h, std::min(chunk, units - h));
+    if (h < units) run(h, units - h);
+  }
+
+  /// Starts the hop of the block from ring rank `src` (elements of type E: K/V or their
+  /// gradients): mine to the next rank, the previous rank's into `into`. Both sides know every
+  /// block's size from the plan, with the sizes Plan::forward_bytes counts.
+  template <class E>
+  typename Comm::request_type start_hop(const Plan& p, const E* from, int src, E* into) {
+    const int R = p.mesh().ring, r = p.ring_rank();
+    return cx.ring.start_exchange(reinterpret_cast<const std::byte*>(from),
+                                  sizeof(E) * PlanAccess::ring_block_elems(p, src), (r + 1) % R,
+                                  reinterpret_cast<std::byte*>(into),
+                                  sizeof(E) * PlanAccess::ring_block_elems(p, (src - 1 + R) % R), (r - 1 + R) % R);
+  }
+
+  /// kernel.forward over query heads with progress polls.
+  template <class T, class O>
+  void compute_forward(TensorView<const T, Space> q, TensorView<const T, Space> k, TensorView<const T, Space> v,
+                       TensorView<O, Space> o, TensorView<acc_t<T>, Space> l, const KernelParams& params, Hop& hop) {
+    compute_polling(q.heads(), [&](std::int64_t h, std::int64_t c) {
+      KernelParams part = params;
+      part.q_head_begin += h;
+      if (c == q.heads())
+        kernel.forward(q, k, v, o, l, params);
+      else
+        kernel.forward(q.slice_heads(h, c), k, v, o.slice_heads(h, c), l.slice_heads(h, c), part);
+    }, hop);
+  }
+
+  /// Forward over R > 1 steps; the running output and LSE end in o_acc, l_acc. The first step
+  /// that computes writes them directly (no zeroing, no merge); later steps compute into the
+  /// step buffers (o_part, l_part) and merge. A kernel that writes only T (not the
+  /// accumulation type A) computes into o_part's bytes as T, and the merge converts.
+  template <class T>
+  void forward(const Plan& p, TensorView<const T, Space> qb, T* ring0, T* ring1, acc_t<T>* o_part_bytes,
+               acc_t<T>* l_part_bytes, KernelParams params, TensorView<acc_t<T>, Space> o_acc,
+               TensorView<acc_t<T>, Space> l_acc) {
+    using A = acc_t<T>;
+    const int R = p.mesh().ring, r = p.ring_rank();
+    const auto B = p.problem().batch, D = p.problem().head_dim, hk = p.kv_heads(p.ulysses_rank()).count;
+    const auto Q = o_acc.seq(), hq = o_acc.heads();
+    constexpr bool writes_acc = kernel_writes_acc<Kernel, T>;
+    using Part = std::conditional_t<writes_acc, A, T>;
+    const auto o_part = TensorView<Part, Space>::sbhd(reinterpret_cast<Part*>(o_part_bytes), B, Q, hq, D);
+    const auto l_part = TensorView<A, Space>::sbhd(l_part_bytes, B, Q, hq, 1);
+    T* cur = ring0;
+    T* nxt = ring1;
+    bool empty = true;  // no step has written o_acc yet
+    for (int s = 0; s < R; ++s) {
+      const int src = (r - s + R) % R;
+      const std::int64_t kb = p.kv_layout().block(src).size();
+      Hop hop;
+      if (s + 1 < R) hop.start(cx, start_hop(p, cur, src, nxt), s);
+      if (PlanAccess::schedule(p).ring_step_computes[static_cast<std::size_t>(s)]) {
+        params.k_positions = p.kv_layout().block(src);
+        const auto k = TensorView<const T, Space>::sbhd(cur, B, kb, hk, D);
+        const auto v = TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, D);
+        if constexpr (writes_acc) {
+          compute_forward(qb, k, v, empty ? o_acc : o_part, empty ? l_acc : l_part, params, hop);
+        } else {
+          compute_forward(qb, k, v, o_part, empty ? l_acc : l_part, params, hop);
+          if (empty) cx.ops.copy(TensorView<const T, Space>(o_part), o_acc);
+        }
+        cx.lap(Phase::compute, s);
+        if (!empty) {
+          cx.ops.merge(o_acc, l_acc, TensorView<const Part, Space>(o_part), TensorView<const A, Space>(l_part));
+          cx.lap(Phase::merge, s);
+        }
+        empty = false;
+      }
+      if (s + 1 < R) {
+        hop.finish(cx);
+        std::swap(cur, nxt);
+      }
+    }
+    if (empty) {  // no key block reached any of my queries
+      cx.ops.fill(o_acc, A(0));
+      cx.ops.fill(l_acc, -std::numeric_limits<A>::infinity());
+      cx.lap(Phase::finish);
+    }
+  }
+
+  /// kernel.backward over K/V heads with progress polls. Chunks of K/V heads own their dK/dV
+  /// and their query heads' dQ, so chunking changes no bit.
+  template <class T>
+  void compute_backward(TensorView<const T, Space> dob, TensorView<const T, Space> q, TensorView<const T, Space> k,
+                        TensorView<const T, Space> v, TensorView<const T, Space> ob,
+                        TensorView<const acc_t<T>, Space> lb, TensorView<acc_t<T>, Space> dq,
+                        TensorView<acc_t<T>, Space> dk, TensorView<acc_t<T>, Space> dv, const KernelParams& params,
+                        Hop& a, Hop* b) {
+    const std::int64_t hk = k.heads();
+    compute_polling(hk, [&](std::int64_t j, std::int64_t c) {
+      if (c == hk) return kernel.backward(dob, q, k, v, ob, lb, dq, dk, dv, params);
+      const std::int64_t G = params.group_size, hq = q.heads();
+      const std::int64_t h0 = std::max<std::int64_t>(0, (params.kv_head_begin + j) * G - params.q_head_begin);
+      const std::int64_t h1 = std::min<std::int64_t>(hq, (params.kv_head_begin + j + c) * G - params.q_head_begin);
+      KernelParams part = params;
+      part.q_head_begin += h0;
+      part.kv_head_begin += j;
+      kernel.backward(dob.slice_heads(h0, h1 - h0), q.slice_heads(h0, h1 - h0), k.slice_heads(j, c),
+                      v.slice_heads(j, c), ob.slice_heads(h0, h1 - h0), lb.slice_heads(h0, h1 - h0),
+                      dq.slice_heads(h0, h1 - h0), dk.slice_heads(j, c), dv.slice_heads(j, c), part);
+    }, a, b);
+  }
+
+  /// Backward over R > 1 steps; returns the buffer holding this rank's own block's [dK | dV]
+  /// (the sum of every rank's contributions). Each block's gradient accumulator follows the
+  /// block one hop behind: step s computes into a zeroed `grad_part` while the accumulator of
+  /// the same block is still arriving from the previous rank, then adds it in and sends it on,
+  /// so the hop overlaps the compute. After the last step the hop brings each block home.
+  /// `ring` and `grad` are the two buffers of each; `grad[0]` is zeroed by the caller.
+  template <class T>
+  const acc_t<T>* backward(const Plan& p, TensorView<const T, Space> q, TensorView<const T, Space> dob,
+                           TensorView<const T, Space> ob, TensorView<const acc_t<T>, Space> lb, T* const ring[2],
+                           acc_t<T>* const grad[2], acc_t<T>* grad_part, KernelParams params,
+                           TensorView<acc_t<T>, Space> dq_acc) {
+    using A = acc_t<T>;
+    using CView = TensorView<const T, Space>;
+    using AView = TensorView<A, Space>;
+    const int R = p.mesh().ring, r = p.ring_rank();
+    const auto B = p.problem().batch, D = p.problem().head_dim, hk = p.kv_heads(p.ulysses_rank()).count;
+    const auto& computes = PlanAccess::schedule(p).ring_step_computes;
+    auto grad_view = [&](A* g, std::int64_t kb) { return AView::sbhd(g, B, 2 * kb, hk, D); };
+    auto compute = [&](const T* kv, std::int64_t kb, int src, A* g, Hop& a, Hop* b) {
+      const std::int64_t k_elems = kb * B * hk * D;
+      params.k_positions = p.kv_layout().block(src);
+      compute_backward<T>(dob, q, CView::sbhd(kv, B, kb, hk, D), CView::sbhd(kv + k_elems, B, kb, hk, D), ob, lb,
+                          dq_acc, AView::sbhd(g, B, kb, hk, D), AView::sbhd(g + k_elems, B, kb, hk, D), params, a, b);
+    };
+    T* cur = ring[0];
+    T* nxt = ring[1];
+    A* g_cur = grad[0];
+    A* g_nxt = grad[1];
+    Hop g_hop;
+    for (int s = 0; s < R; ++s) {
+      const int src = (r - s + R) % R;
+      const std::int64_t kb = p.kv_layout().block(src).size();
+      Hop kv_hop;
+      if (s + 1 < R) kv_hop.start(cx, start_hop(p, cur, src, nxt), s);
+      if (s == 0) {
+        if (computes[0]) compute(cur, kb, src, g_cur, kv_hop, nullptr);
+        cx.lap(Phase::compute, s);
+      } else {
+        // Requests to one peer complete in the order they started: the gradient hop first.
+        if (computes[static_cast<std::size_t>(s)]) {
+          cx.ops.fill(grad_view(grad_part, kb), A(0));
+          cx.lap(Phase::pack, s);
+          compute(cur, kb, src, grad_part, kv_hop, &g_hop);
+          cx.lap(Phase::compute, s);
+        }
+        g_hop.finish(cx);
+        std::swap(g_cur, g_nxt);
+        if (computes[static_cast<std::size_t>(s)]) {
+          cx.ops.accumulate(TensorView<const A, Space>(grad_view(grad_part, kb)), grad_view(g_cur, kb));
+          cx.lap(Phase::merge, s);
+        }
+      }
+      g_hop = Hop{};
+      g_hop.start(cx, start_hop(p, g_cur, src, g_nxt), s);
+      if (s + 1 < R) {
+        kv_hop.finish(cx);
+        std::swap(cur, nxt);
+      }
+    }
+    g_hop.finish(cx);
+    return g_nxt;
+  }
+};
+
+}  // namespace seqpar::detail
