@@ -1,0 +1,201 @@
+// Compile-time composition (issue 16): which phases a policy instantiates, a kernel that writes
+// only T under every policy (a 2-byte type whose partials the ring must convert), can_implement
+// answering in plan's words without communicating, the read-only plan, and the workspace's
+// declared aliasing.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "custom_kernel.hpp"  // examples/: the user kernel of examples/custom_kernel.cpp
+#include "seqpar/seqpar.hpp"
+#include "support/host_bf16.hpp"
+
+using namespace seqpar;
+
+namespace {
+
+// The phases each policy instantiates, decided at compile time.
+static_assert(policy_traits<UlyssesPolicy>::ulysses && !policy_traits<UlyssesPolicy>::ring);
+static_assert(!policy_traits<RingPolicy<Zigzag>>::ulysses && policy_traits<RingPolicy<Zigzag>>::ring);
+static_assert(policy_traits<UnifiedPolicy<>>::ulysses && policy_traits<UnifiedPolicy<>>::ring);
+static_assert(policy_traits<AnythingPolicy<RingPolicy<>>>::ring && policy_traits<AnythingPolicy<RingPolicy<>>>::anything);
+// The user kernel writes only T: for bf16 it cannot write the ring's float partials.
+static_assert(LocalAttentionKernel<examples::PlainKernel, test::bf16>);
+static_assert(!kernel_writes_acc<examples::PlainKernel, test::bf16>);
+static_assert(kernel_writes_acc<examples::PlainKernel, float>);  // T == A
+// The plan is read-only: its accessors return values or const references.
+static_assert(std::is_const_v<std::remove_reference_t<decltype(std::declval<Plan&>().problem())>>);
+static_assert(std::is_const_v<std::remove_reference_t<decltype(std::declval<Plan&>().q_layout())>>);
+static_assert(!std::is_assignable_v<decltype(std::declval<Plan&>().mesh()), MeshConfig>);
+
+constexpr std::int64_t B = 2, H = 4, K = 2, D = 16;
+
+/// Random global Q, K, V (rounded to T, so that the reference sees the same values).
+template <class T>
+struct Inputs {
+  std::int64_t S;
+  std::vector<T> q, k, v;
+  explicit Inputs(std::int64_t seq) : S(seq) {
+    std::mt19937_64 rng(77 + static_cast<unsigned>(seq));
+    std::normal_distribution<float> n(0.f, 1.f);
+    for (auto* x : {&q, &k, &v}) {
+      x->resize(static_cast<std::size_t>(B * S * (x == &q ? H : K) * D));
+      for (T& e : *x) e = static_cast<T>(n(rng));
+    }
+  }
+};
+
+/// Max |got - want| / max |want| of one rank's rows against the global reference.
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    num = std::max(num, std::abs(got[i] - want[i]));
+    den = std::max(den, std::abs(want[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+/// Runs PlainKernel with element type T under `policy` on `lengths.size()` thread ranks;
+/// returns the worst relative error of O (and of the LSE, absolute) over the ranks.
+template <class T, class Policy>
+std::pair<double, double> run_plain(Policy policy, const std::vector<std::int64_t>& lengths, bool causal) {
+  std::int64_t S = 0;
+  for (std::int64_t l : lengths) S += l;
+  const Inputs<T> g(S);
+  // The exact answer: ReferenceKernel in double over the whole sequence.
+  std::vector<double> ro(static_cast<std::size_t>(B * S * H * D)), rl(static_cast<std::size_t>(B * S * H));
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(D));
+  p.causal = causal;
+  p.q_positions = p.k_positions = PositionMap::run(S, 0);
+  p.group_size = H / K;
+  ReferenceKernel{}.forward(TensorView<const T>::bshd(g.q.data(), B, S, H, D),
+                            TensorView<const T>::bshd(g.k.data(), B, S, K, D),
+                            TensorView<const T>::bshd(g.v.data(), B, S, K, D), TensorView<double>::bshd(ro.data(), B, S, H, D),
+                            TensorView<double>::lse_bhs(rl.data(), B, S, H), p);
+  std::vector<double> err_o(lengths.size()), err_l(lengths.size());
+  run_ranks(static_cast<int>(lengths.size()), [&](ThreadCommunicator& world) {
+    const int me = world.rank();
+    SequenceParallelAttention<Policy, ThreadCommunicator, examples::PlainKernel> attn(world, policy);
+    const AttentionProblem problem{.batch = B, .heads = H, .kv_heads = K, .head_dim = D, .causal = causal, .with_lse = true};
+    const Plan plan = attn.template plan<T>(problem, {lengths[static_cast<std::size_t>(me)]});
+    const PositionMap qp = plan.q_positions(me), kp = plan.kv_positions(me);
+    auto take = [&](const std::vector<T>& x, std::int64_t h, const PositionMap& rows) {
+      std::vector<T> local(static_cast<std::size_t>(B * rows.size() * h * D));
+      scatter_sequence(TensorView<const T>::bshd(x.data(), B, S, h, D), rows,
+                       TensorView<T>::bshd(local.data(), B, rows.size(), h, D));
+      return local;
+    };
+    const std::vector<T> q = take(g.q, H, qp), k = take(g.k, K, kp), v = take(g.v, K, kp);
+    std::vector<T> out(q.size());
+    std::vector<float> lse(static_cast<std::size_t>(B * qp.size() * H));
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    using In = TensorView<const T>;
+    attn.template forward<T>(plan, In::bshd(q.data(), B, qp.size(), H, D), In::bshd(k.data(), B, kp.size(), K, D),
+                             In::bshd(v.data(), B, kp.size(), K, D), TensorView<T>::bshd(out.data(), B, qp.size(), H, D),
+                             TensorView<float>::lse_bhs(lse.data(), B, qp.size(), H), ws);
+    std::vector<double> want(out.size()), want_l(lse.size()), got(out.begin(), out.end());
+    scatter_sequence(TensorView<const double>::bshd(ro.data(), B, S, H, D), qp,
+                     TensorView<double>::bshd(want.data(), B, qp.size(), H, D));
+    scatter_sequence(TensorView<const double>::lse_bhs(rl.data(), B, S, H), qp,
+                     TensorView<double>::lse_bhs(want_l.data(), B, qp.size(), H));
+    double el = 0;
+    for (std::size_t i = 0; i < lse.size(); ++i) el = std::max(el, std::abs(double(lse[i]) - want_l[i]));
+    err_o[static_cast<std::size_t>(me)] = rel_err(got, want);
+    err_l[static_cast<std::size_t>(me)] = el;
+  });
+  return {*std::max_element(err_o.begin(), err_o.end()), *std::max_element(err_l.begin(), err_l.end())};
+}
+
+/// Checks one policy with float (tolerance 1e-5) and bf16 (output rounded to 8 bits: 1e-2).
+template <class Policy>
+void check_plain(const char* name, Policy policy, const std::vector<std::int64_t>& lengths) {
+  for (bool causal : {false, true}) {
+    CAPTURE(name);
+    CAPTURE(causal);
+    const auto [f_o, f_l] = run_plain<float>(policy, lengths, causal);
+    CHECK(f_o < 1e-5);
+    CHECK(f_l < 1e-4);
+    const auto [b_o, b_l] = run_plain<test::bf16>(policy, lengths, causal);
+    CHECK(b_o < 1e-2);  // measured 2-5e-3: about one bf16 rounding (2^-8) of the output
+    CHECK(b_l < 1e-3);  // the LSE stays in float
+  }
+}
+
+}  // namespace
+
+TEST_CASE("composition: a kernel that writes only T runs under all four policies (float and bf16)") {
+  const std::vector<std::int64_t> even(4, 24);
+  check_plain("UlyssesPolicy", UlyssesPolicy{}, even);
+  check_plain("RingPolicy<Zigzag>", RingPolicy<Zigzag>{}, even);
+  check_plain("RingPolicy<Stripe>", RingPolicy<Stripe>{}, even);
+  check_plain("UnifiedPolicy 2x2", UnifiedPolicy<Contiguous>{2, 2}, even);
+  check_plain("Anything<Unified<Zigzag>> 2x2 uneven", AnythingPolicy<UnifiedPolicy<Zigzag>>{{2, 2}},
+              std::vector<std::int64_t>{31, 0, 17, 9});
+  check_plain("Anything<Ring> 3 ranks", AnythingPolicy<RingPolicy<Contiguous>>{}, std::vector<std::int64_t>{13, 22, 5});
+}
+
+TEST_CASE("composition: can_implement answers without communicating, in plan's words") {
+  const AttentionProblem pr{.batch = 1, .heads = 6, .kv_heads = 2, .head_dim = 8};
+  const std::vector<LocalLengths> even(4, LocalLengths{16}), uneven{{16}, {15}, {16}, {16}};
+  CHECK(can_implement(RingPolicy<Zigzag>{}, pr, even));
+  CHECK(can_implement(AnythingPolicy<UlyssesPolicy>{}, pr, uneven));
+  const Implementable heads = can_implement(UlyssesPolicy{}, pr, even);
+  CHECK(!heads);
+  CHECK(heads.reason.find("heads divisible by the Ulysses degree: heads 6, ulysses_degree 4") != std::string::npos);
+  CHECK(heads.reason.find("use AnythingPolicy<UlyssesPolicy> for any shape") != std::string::npos);
+  const Implementable len = can_implement(RingPolicy<Zigzag>{}, pr, uneven);
+  CHECK(len.reason.find("AnythingPolicy<RingPolicy<Zigzag>>") != std::string::npos);
+  const Implementable mesh = can_implement(UnifiedPolicy<>{3, 0}, pr, even);
+  CHECK(mesh.reason == "UnifiedPolicy<Contiguous>: ulysses_degree 3 does not divide the world size 4");
+  AttentionProblem nan_scale = pr;
+  nan_scale.scale = std::nan("");
+  CHECK(can_implement(AnythingPolicy<UlyssesPolicy>{}, nan_scale, even).reason.find("plan: scale") == 0);
+
+  // plan throws exactly can_implement's reason (plus where it was thrown) on every rank.
+  std::vector<std::string> thrown(4);
+  run_ranks(4, [&](ThreadCommunicator& world) {
+    SequenceParallelAttention<UlyssesPolicy, ThreadCommunicator, ReferenceKernel> attn(world);
+    CHECK(!attn.can_implement(pr, even));
+    try {
+      (void)attn.plan(pr, {16});
+    } catch (const ConfigError& e) {
+      thrown[static_cast<std::size_t>(world.rank())] = e.what();
+    }
+  });
+  for (const std::string& t : thrown) CHECK(t.rfind(heads.reason + " (at ", 0) == 0);
+}
+
+TEST_CASE("composition: workspace slots alias only as their lifetimes declare; a short workspace names the slot") {
+  const WorkspaceLayout<4> layout({{{"kept", 100, SlotLife::whole_call, true},
+                                    {"packing", 1000, SlotLife::exchange_in, true},
+                                    {"unused", 5000, SlotLife::whole_call, false},
+                                    {"returned", 600, SlotLife::exchange_out, true}}});
+  std::vector<std::byte> bytes(layout.bytes());
+  auto* kept = layout.get<std::byte>(bytes, 0);
+  auto* packing = layout.get<std::byte>(bytes, 1);
+  auto* returned = layout.get<std::byte>(bytes, 3);
+  CHECK(layout.get<std::byte>(bytes, 2) == nullptr);
+  CHECK(packing == returned);       // never live together: they share bytes
+  CHECK(packing >= kept + 100);     // the whole-call slot is never overlapped
+  CHECK(layout.bytes() == 256 + 1000 + workspace_alignment);  // kept (aligned) + the larger group + slack
+  std::vector<std::byte> small(700);
+  CHECK_THROWS_WITH_AS(layout.get<std::byte>(small, 1), doctest::Contains("workspace: slot packing needs bytes"),
+                       ConfigError);
+}
+
+TEST_CASE("composition: plan<T> takes the dtype from T; scatter_sequence takes mutable views") {
+  run_ranks(2, [&](ThreadCommunicator& world) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> attn(world);
+    const Plan plan = attn.plan<double>(AttentionProblem{.heads = 2, .head_dim = 4}, {3});
+    CHECK(plan.problem().dtype == DType::f64);
+    CHECK(plan.acc_bytes() == 8);
+  });
+  std::vector<float> global{1, 2, 3, 4}, local(2);
+  scatter_sequence(TensorView<float>::bshd(global.data(), 1, 4, 1, 1), PositionMap::run(2, 1),
+                   TensorView<float>::bshd(local.data(), 1, 2, 1, 1));
+  CHECK(local == std::vector<float>{2, 3});
+}
