@@ -40,6 +40,7 @@ namespace examples {
 /// policies seqpar converts the partial outputs to the accumulation type itself.
 struct PlainKernel {
   static constexpr bool is_seqpar_kernel = true;  // the explicit opt-in
+  static constexpr bool supports_masks = true;    // handles windows, documents, key padding
   using memory_space = seqpar::HostSpace;         // where its tensors live
 
   /// out = softmax(q k^T * scale + mask) v and lse = log-sum-exp of the visible scores.
@@ -53,12 +54,13 @@ struct PlainKernel {
       for (std::int64_t h = 0; h < q.heads(); ++h)
         for (std::int64_t i = 0; i < q.seq(); ++i) {
           const std::int64_t kh = p.kv_head(h);  // GQA: the K/V head this query head reads
+          const seqpar::KeyRange seen = p.keys(b, p.q_positions(i));  // visible keys: one range
           double mx = -std::numeric_limits<double>::infinity(), sum = 0;
           std::fill(acc.begin(), acc.end(), 0.0);
           // Online softmax over the visible keys only: a hidden key (its value may be NaN or
           // garbage: padding, a stale cache slot) is never read.
           for (std::int64_t j = 0; j < k.seq(); ++j) {
-            if (!visible(p, i, j)) continue;
+            if (!in(seen, p.k_positions(j))) continue;
             const double s = dot(q.row(b, i, h), k.row(b, j, kh), dim) * p.scale;
             const double m = std::max(mx, s), c = std::exp(mx - m), w = std::exp(s - m);
             const T* vj = v.row(b, j, kh);
@@ -91,9 +93,10 @@ struct PlainKernel {
           const double l = lse(b, i, h);
           if (l == -std::numeric_limits<double>::infinity()) continue;  // the row saw no key
           const std::int64_t kh = p.kv_head(h);
+          const seqpar::KeyRange seen = p.keys(b, p.q_positions(i));
           const double delta = dot(dout.row(b, i, h), out.row(b, i, h), dim);  // rowsum(dO * O)
           for (std::int64_t j = 0; j < k.seq(); ++j) {
-            if (!visible(p, i, j)) continue;
+            if (!in(seen, p.k_positions(j))) continue;
             const double pij = std::exp(dot(q.row(b, i, h), k.row(b, j, kh), dim) * p.scale - l);
             const double ds = pij * (dot(dout.row(b, i, h), v.row(b, j, kh), dim) - delta) * p.scale;
             for (std::int64_t d = 0; d < dim; ++d) {
@@ -106,10 +109,9 @@ struct PlainKernel {
   }
 
  private:
-  /// Key j is visible to query i unless a causal mask hides it (by global position).
-  static bool visible(const seqpar::KernelParams& p, std::int64_t i, std::int64_t j) {
-    return !p.causal || p.k_positions(j) <= p.q_positions(i);
-  }
+  /// True when key position `k` is inside a row's visible range (every mask family leaves
+  /// one contiguous range; causal, windows, documents and padding all come through it).
+  static bool in(seqpar::KeyRange r, std::int64_t k) { return r.lo <= k && k <= r.hi; }
   template <class X, class Y>
   static double dot(const X* x, const Y* y, std::int64_t n) {
     double s = 0;

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "seqpar/core/mask.hpp"
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/problem.hpp"
 #include "seqpar/core/sequence_layout.hpp"
@@ -121,14 +122,40 @@ class Plan {
   /// Global positions of world rank w's keys and values.
   PositionMap kv_positions(int w) const { return kv_layout_.positions(mesh_.ring_rank(w), mesh_.ulysses_rank(w)); }
 
-  /// Score elements (visible query-key pairs, times batch and heads) world rank w computes:
-  /// the measure of causal load balance.
+  /// The mask as kernels see it (causal, window, documents, key padding); it points into
+  /// this plan, so it is valid while the plan is.
+  MaskView mask() const {
+    MaskView m;
+    m.causal = problem_.causal;
+    m.window_left = problem_.window.left;
+    m.window_right = problem_.window.right;
+    m.doc_count = doc_count_;
+    m.doc_starts = doc_count_ > 0 ? doc_starts_.data() : nullptr;
+    m.doc_batch_stride = doc_stride_;
+    m.kv_valid = kv_valid_.empty() ? nullptr : kv_valid_.data();
+    return m;
+  }
+  /// Diagonal positions of ring rank r's queries: their global positions, shifted by
+  /// S_kv - S_q under bottom-right alignment (what the mask compares keys with).
+  PositionMap q_diagonals(int r) const {
+    PositionMap m = q_layout_.block(r);
+    if (problem_.causal_align == CausalAlign::bottom_right)
+      for (int s = 0; s < m.segments; ++s) m.seg[s].start += global_kv() - global_q();
+    return m;
+  }
+
+  /// Score elements (visible query-key pairs under the mask, times batch and heads) world rank
+  /// w computes: the measure of load balance.
   std::int64_t work(int w) const {
     const int r = mesh_.ring_rank(w), u = mesh_.ulysses_rank(w);
+    const MaskView m = mask();
+    // Only key padding and per-batch documents make batch elements differ.
+    const bool per_batch = m.kv_valid != nullptr || m.doc_batch_stride > 0;
     std::int64_t pairs = 0;
-    for (int src = 0; src < mesh_.ring; ++src)
-      pairs += visible_pairs(q_layout_.block(r), kv_layout_.block(src), problem_.causal);
-    return pairs * problem_.batch * q_heads(u).count;
+    for (std::int64_t b = 0; b < (per_batch ? problem_.batch : std::min<std::int64_t>(problem_.batch, 1)); ++b)
+      for (int src = 0; src < mesh_.ring; ++src)
+        pairs += visible_pairs(m, b, q_diagonals(r), kv_layout_.block(src));
+    return pairs * (per_batch ? 1 : problem_.batch) * q_heads(u).count;
   }
 
   /// Bytes world rank w sends to other ranks in one forward: Q, K, V out and O (and the LSE)
@@ -203,6 +230,9 @@ class Plan {
   SequenceLayout q_layout_, kv_layout_;
   std::vector<HeadRange> q_heads_, kv_heads_;
   std::size_t elem_bytes_ = 4, acc_bytes_ = 4;
+  std::vector<std::int64_t> doc_starts_;     // per batch row (or shared): document starts, then the total
+  std::int64_t doc_count_ = 0, doc_stride_ = 0;
+  std::vector<std::int64_t> kv_valid_;
   detail::PlanSchedule schedule_;
 };
 
@@ -228,7 +258,39 @@ struct PlanAccess {
     p.kv_heads_ = std::move(kv_heads);
     p.elem_bytes_ = elem_bytes;
     p.acc_bytes_ = acc_bytes;
+    p.doc_starts_.clear();
+    p.doc_count_ = problem.documents.empty() ? 0 : static_cast<std::int64_t>(problem.documents[0].size());
+    p.doc_stride_ = problem.documents.size() > 1 ? p.doc_count_ + 1 : 0;
+    for (const auto& docs : problem.documents) {
+      if (static_cast<std::int64_t>(docs.size()) != p.doc_count_) {  // lists of different lengths: pad
+        p.doc_count_ = -1;
+        break;
+      }
+      std::int64_t at = 0;
+      for (std::int64_t n : docs) p.doc_starts_.push_back(std::exchange(at, at + n));
+      p.doc_starts_.push_back(at);
+    }
+    if (p.doc_count_ < 0) pad_documents(p, problem.documents);
+    p.kv_valid_ = problem.kv_valid;
   }
+
+ private:
+  /// Per-batch document lists of different lengths: each row gets the longest count, the
+  /// missing documents as empty ones at the end (never found by the search: starts equal).
+  static void pad_documents(Plan& p, const std::vector<std::vector<std::int64_t>>& lists) {
+    std::size_t n = 0;
+    for (const auto& docs : lists) n = std::max(n, docs.size());
+    p.doc_count_ = static_cast<std::int64_t>(n);
+    p.doc_stride_ = p.doc_count_ + 1;
+    p.doc_starts_.clear();
+    for (const auto& docs : lists) {
+      std::int64_t at = 0;
+      for (std::int64_t len : docs) p.doc_starts_.push_back(std::exchange(at, at + len));
+      for (std::size_t d = docs.size(); d <= n; ++d) p.doc_starts_.push_back(at);
+    }
+  }
+
+ public:
   /// The schedule, for the builder to fill.
   static PlanSchedule& schedule(Plan& p) { return p.schedule_; }
 };

@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
+#include "seqpar/core/mask.hpp"
 #include "seqpar/core/types.hpp"
 
 namespace seqpar {
@@ -21,7 +23,20 @@ struct AttentionProblem {
   double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim)
   DType dtype = DType::f32;   ///< element type of Q, K, V, O
   bool with_lse = false;      ///< forward also returns the LSE (every rank must agree: it changes the traffic)
+  /// Where the causal diagonal (and a window's centre) sits when S_q != S_kv.
+  CausalAlign causal_align = CausalAlign::top_left;
+  /// Sliding window around the diagonal ({-1, -1}: none), composable with causal.
+  Window window{};
+  /// Packed documents (varlen): lengths summing to the global sequence, either one list shared
+  /// by every batch element or one list per batch element; attention stays inside a
+  /// document. Needs S_q == S_kv. Empty: one document.
+  std::vector<std::vector<std::int64_t>> documents;
+  /// Key padding: valid keys per batch element (keys at positions >= kv_valid[b] are hidden).
+  /// Empty: every key is valid.
+  std::vector<std::int64_t> kv_valid;
 
+  /// True when a mask family besides causal is on (window, documents, key padding).
+  bool has_extra_mask() const { return window.active() || !documents.empty() || !kv_valid.empty(); }
   /// K, with 0 resolved to H.
   constexpr std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
   /// The scale actually applied.

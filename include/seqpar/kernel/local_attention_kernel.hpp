@@ -5,19 +5,23 @@
 #include <concepts>
 #include <cstdint>
 
+#include "seqpar/core/mask.hpp"
 #include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/types.hpp"
 
 namespace seqpar {
 
-/// Everything a local kernel needs besides the tensors: the scale, the causal mask as global
-/// positions of the query and key rows, and how local query heads map to local K/V heads.
+/// Everything a local kernel needs besides the tensors: the scale, the mask as global
+/// positions of the query and key rows plus the mask's families, and how local query heads map
+/// to local K/V heads.
 struct KernelParams {
   double scale = 1.0;          ///< multiplies Q K^T
-  bool causal = false;         ///< key j is visible to query i iff k_positions(j) <= q_positions(i)
-  PositionMap q_positions;     ///< global position of each query row (used when causal)
-  PositionMap k_positions;     ///< global position of each key row (used when causal)
+  bool causal = false;         ///< key j is visible to query i only if k_positions(j) <= q_positions(i)
+  PositionMap q_positions;     ///< diagonal position of each query row (its global position, shifted by
+                               ///< S_kv - S_q for bottom-right alignment)
+  PositionMap k_positions;     ///< global position of each key row
+  MaskView mask;               ///< window, documents, key padding (see core/mask.hpp); causal is `causal`
   std::int64_t group_size = 1; ///< query heads per K/V head in the global problem (H / K)
   std::int64_t q_head_begin = 0;  ///< global index of local query head 0
   std::int64_t kv_head_begin = 0; ///< global index of local K/V head 0
@@ -25,10 +29,28 @@ struct KernelParams {
   /// Local K/V head that local query head `h` reads.
   constexpr std::int64_t kv_head(std::int64_t h) const { return (q_head_begin + h) / group_size - kv_head_begin; }
 
-  /// True when no key of [k_lo, k_hi] can be seen by a query in [q_lo, q_hi] (global
-  /// positions, inclusive): such a tile is skipped.
+  /// The visible key positions of the query with diagonal position `q` in batch element `b`
+  /// (every family, causal included): a contiguous range.
+  constexpr KeyRange keys(std::int64_t b, std::int64_t q) const {
+    MaskView m = mask;
+    m.causal = m.causal || causal;
+    return m.keys(b, q);
+  }
+  /// True when key position `k` is visible to query diagonal `q` in batch element `b`.
+  constexpr bool visible(std::int64_t b, std::int64_t q, std::int64_t k) const {
+    const KeyRange r = keys(b, q);
+    return r.lo <= k && k <= r.hi;
+  }
+  /// True when a window, documents or key padding is on (a kernel without
+  /// kernel_supports_masks is never given one: the plan refuses it).
+  constexpr bool extra_mask() const {
+    return mask.window_left >= 0 || mask.window_right >= 0 || mask.doc_count > 0 || mask.kv_valid != nullptr;
+  }
+
+  /// Causal masks only: true when no key of [k_lo, k_hi] can be seen by a query in [q_lo, q_hi]
+  /// (global positions, inclusive): such a tile is skipped.
   constexpr bool fully_masked(std::int64_t q_hi, std::int64_t k_lo) const { return causal && k_lo > q_hi; }
-  /// True when every key of the tile is visible to every query: no mask work needed.
+  /// Causal masks only: true when every key of the tile is visible to every query.
   constexpr bool fully_visible(std::int64_t q_lo, std::int64_t k_hi) const { return !causal || k_hi <= q_lo; }
 };
 
@@ -49,8 +71,8 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   and lse `TensorView<A, Space>` [B, Sq, H, 1] (may be absent: then not written). It writes
 ///   out = softmax(q k^T * scale + mask) v and lse = natural-log sum of exp of the visible
 ///   scores, per row; a row that sees no key gets out = 0 and lse = -inf, never NaN, and a NaN
-///   in a row stays in that row. Query head h reads K/V head params.kv_head(h). Key j is
-///   visible to query i iff not params.causal or k_positions(j) <= q_positions(i);
+///   in a row stays in that row. Query head h reads K/V head params.kv_head(h). Batch element b
+///   of the view is batch element b of the problem (key padding and per-batch documents use it);
 /// - views may have any strides with head_dim contiguous (the engine passes packed
 ///   [S, B, H, D] blocks), any extent may be 0, and positions strictly increase within a call
 ///   (a kernel may stop at the first key tile a causal mask hides);
@@ -61,10 +83,17 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   [B, Sk, Hkv, D] as `TensorView<A, Space>`: it ADDS this key block's contribution to dq, dk
 ///   and dv (so ring steps and the query heads sharing a K/V head accumulate). It recomputes
 ///   the probabilities as exp(q k^T * scale - lse); rows with lse = -inf contribute nothing;
+/// - masks: key j is visible to query i iff params.visible(b, q_positions(i), k_positions(j));
+///   the visible keys of a row are one contiguous range (params.keys). A kernel that handles
+///   windows, documents and key padding declares `static constexpr bool supports_masks = true`
+///   (kernel_supports_masks); without it, plans with those masks are refused (causal, of
+///   either alignment, needs nothing: q_positions already carry the alignment). Hidden keys
+///   must never be read into a row: a NaN stored there stays out;
 /// - optional: `k.prepare(max_head_dim)` (and `k.prepare_backward(max_head_dim)`) is called when
 ///   a plan is made, so that forward (backward) allocates nothing; a forward that also accepts
 ///   `out` of type `TensorView<A, Space>` lets ring policies keep partial outputs in A.
 /// The concept checks the forward's syntax; the semantics above are what the policies rely on.
+/// examples/custom_kernel.hpp is a kernel that meets every rule.
 template <class K, class T>
 concept LocalAttentionKernel =
     enable_kernel<K> &&
@@ -82,6 +111,10 @@ inline constexpr bool kernel_has_backward =
              TensorView<acc_t<T>, typename K::memory_space> grad, const KernelParams& p) {
       kern.backward(in, in, in, in, in, lse, grad, grad, grad, p);
     };
+
+/// True when kernel K handles windows, documents and key padding (not only causal masks).
+template <class K>
+inline constexpr bool kernel_supports_masks = requires { requires K::supports_masks; };
 
 /// True when kernel K can write its output directly in the accumulation type.
 template <class K, class T>

@@ -37,6 +37,7 @@ double dot_in_double(const A* a, const B* b, std::int64_t n) {
 /// It allocates a row of scores per call; it is the yardstick, not a fast path.
 struct ReferenceKernel {
   static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
+  static constexpr bool supports_masks = true;    ///< windows, documents, key padding
   using memory_space = HostSpace;                 ///< host tensors
 
   /// See LocalAttentionKernel. Accepts any output and LSE element types.
@@ -51,8 +52,9 @@ struct ReferenceKernel {
         const std::int64_t kh = p.kv_head(h);
         for (std::int64_t i = 0; i < q.seq(); ++i) {
           double mx = -std::numeric_limits<double>::infinity();
+          const KeyRange seen = p.keys(b, p.q_positions(i));
           for (std::int64_t j = 0; j < sk; ++j) {
-            if (p.causal && p.k_positions(j) > p.q_positions(i)) {
+            if (p.k_positions(j) < seen.lo || p.k_positions(j) > seen.hi) {
               score[j] = -std::numeric_limits<double>::infinity();
               continue;
             }
@@ -99,8 +101,9 @@ struct ReferenceKernel {
           const T* orow = out.row(b, i, h);
           const double delta = detail::dot_in_double(dor, orow, dim);
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
+          const KeyRange seen = p.keys(b, p.q_positions(i));
           for (std::int64_t j = 0; j < k.seq(); ++j) {
-            if (p.causal && p.k_positions(j) > p.q_positions(i)) continue;
+            if (p.k_positions(j) < seen.lo || p.k_positions(j) > seen.hi) continue;
             const T* kr = k.row(b, j, kh);
             const T* vr = v.row(b, j, kh);
             const double s = detail::dot_in_double(qr, kr, dim), dp = detail::dot_in_double(dor, vr, dim);

@@ -73,6 +73,9 @@ class MeshEngine {
       }
       why = shape_reason(cx_.mesh, problem, q, kv);
     }
+    if (why.empty() && problem.has_extra_mask() && !kernel_supports_masks<Kernel>)
+      why = "plan: this kernel handles causal masks only, not windows, documents or key padding (a kernel "
+            "declares supports_masks = true when it does; ReferenceKernel does)";
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan(all, problem, cx_.mesh, cx_.world.rank(), id_);
     if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(problem.head_dim);
@@ -308,7 +311,8 @@ class MeshEngine {
     KernelParams params;
     params.scale = p.problem().softmax_scale();
     params.causal = p.problem().causal;
-    params.q_positions = p.q_layout().block(p.ring_rank());
+    params.q_positions = p.q_diagonals(p.ring_rank());  // bottom-right alignment shifts them
+    params.mask = p.mask();
     params.group_size = p.problem().heads / p.problem().kv_heads;
     params.q_head_begin = p.q_heads(p.ulysses_rank()).begin;
     params.kv_head_begin = p.kv_heads(p.ulysses_rank()).begin;

@@ -41,17 +41,36 @@ constexpr std::size_t dtype_bytes(DType t) { return t == DType::f64 ? 8 : t == D
 /// Every field ranks must agree on, gathered once per plan.
 enum PlanField : int {
   f_batch, f_heads, f_kv_heads, f_head_dim, f_causal, f_dtype, f_scale, f_with_lse,
+  f_causal_align, f_window_left, f_window_right, f_documents, f_kv_valid,
   f_ulysses, f_ring, f_placement, f_layout, f_anything, f_q_len, f_kv_len, f_count
 };
 inline constexpr const char* plan_field_names[f_count] = {
     "batch", "heads", "kv_heads", "head_dim", "causal", "dtype", "scale", "with_lse",
+    "causal_align", "window.left", "window.right", "documents (a hash of the lengths)",
+    "kv_valid (a hash of the counts)",
     "ulysses_degree", "ring_degree", "placement", "layout", "anything (AnythingPolicy)", "q_len", "kv_len"};
+
+/// A 64-bit FNV-1a hash of a list of integer lists (sizes included), so that ranks can agree
+/// on variable-length mask data in one fixed-size gather.
+inline std::int64_t hash_lists(const std::vector<std::vector<std::int64_t>>& lists) {
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&](std::int64_t v) {
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((static_cast<std::uint64_t>(v) >> (8 * byte)) & 0xff)) * 1099511628211ull;
+  };
+  mix(static_cast<std::int64_t>(lists.size()));
+  for (const auto& l : lists) {
+    mix(static_cast<std::int64_t>(l.size()));
+    for (std::int64_t v : l) mix(v);
+  }
+  return static_cast<std::int64_t>(h);
+}
 inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one must match
 
 /// This rank's contribution to the gather.
 inline std::array<std::int64_t, f_count> plan_fields(const AttentionProblem& pr, const MeshConfig& m, LocalLengths l) {
   return {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim, pr.causal, static_cast<std::int64_t>(pr.dtype),
-          std::bit_cast<std::int64_t>(pr.softmax_scale()), pr.with_lse, m.ulysses, m.ring,
+          std::bit_cast<std::int64_t>(pr.softmax_scale()), pr.with_lse, static_cast<std::int64_t>(pr.causal_align),
+          pr.window.left, pr.window.right, hash_lists(pr.documents), hash_lists({pr.kv_valid}), m.ulysses, m.ring,
           static_cast<std::int64_t>(m.placement), static_cast<std::int64_t>(m.layout), m.anything, l.q, l.kv_count()};
 }
 
@@ -63,6 +82,7 @@ inline std::string field_value(int field, std::int64_t v) {
     case f_dtype: os << dtype_name(static_cast<DType>(v)); break;
     case f_layout: os << layout_name(static_cast<LayoutKind>(v)); break;
     case f_placement: os << (v == 0 ? "ulysses_adjacent" : "ring_adjacent"); break;
+    case f_causal_align: os << (v == 0 ? "top_left" : "bottom_right"); break;
     case f_causal: case f_with_lse: case f_anything: os << (v ? "true" : "false"); break;
     default: os << v;
   }
@@ -79,6 +99,46 @@ inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int
     if (!who.empty()) return std::string("plan: ranks disagree on ") + plan_field_names[f] + ": rank 0 has " +
                              field_value(f, all[f]) + who;
   }
+  return "";
+}
+
+/// The mask rules: "" when the mask description is valid for these lengths, else the reason.
+inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
+                               std::span<const std::int64_t> kv_len) {
+  std::int64_t sq = 0, skv = 0;
+  for (std::size_t w = 0; w < q_len.size(); ++w) sq += q_len[w], skv += kv_len[w];
+  std::ostringstream why;
+  const auto B = static_cast<std::size_t>(pr.batch);
+  if (pr.causal_align != CausalAlign::top_left && pr.causal_align != CausalAlign::bottom_right)
+    why << "plan: causal_align: expected top_left or bottom_right, got " << static_cast<int>(pr.causal_align);
+  else if (pr.window.left < -1 || pr.window.right < -1)
+    why << "plan: window: expected sides >= 0, or -1 for unbounded, got {" << pr.window.left << ", "
+        << pr.window.right << "}";
+  else if (!pr.documents.empty() && pr.documents.size() != 1 && pr.documents.size() != B)
+    why << "plan: documents: expected one list shared by every batch element or one per batch element (" << B
+        << "), got " << pr.documents.size() << " lists";
+  else if (!pr.documents.empty() && sq != skv)
+    why << "plan: documents need equal query and key/value lengths, got " << sq << " and " << skv;
+  else if (!pr.kv_valid.empty() && pr.kv_valid.size() != B)
+    why << "plan: kv_valid: expected one count per batch element (" << B << "), got " << pr.kv_valid.size();
+  if (!why.str().empty()) return why.str();
+  for (std::size_t b = 0; b < pr.documents.size(); ++b) {
+    std::int64_t total = 0;
+    for (std::size_t d = 0; d < pr.documents[b].size(); ++d) {
+      const std::int64_t n = pr.documents[b][d];
+      if (n < 1)
+        return "plan: documents[" + std::to_string(b) + "][" + std::to_string(d) + "]: expected a length >= 1, got " +
+               std::to_string(n) + " (empty documents are not allowed)";
+      total += n;
+    }
+    if (total != sq)
+      return "plan: documents[" + std::to_string(b) + "]: lengths sum to " + std::to_string(total) +
+             ", expected the global sequence length " + std::to_string(sq);
+  }
+  for (std::size_t b = 0; b < pr.kv_valid.size(); ++b)
+    if (pr.kv_valid[b] < 0 || pr.kv_valid[b] > skv)
+      return "plan: kv_valid[" + std::to_string(b) + "]: expected 0.." + std::to_string(skv) + " (the key length), got " +
+             std::to_string(pr.kv_valid[b]);
   return "";
 }
 
@@ -101,6 +161,8 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
     if (q_len[w] < 0 || kv_len[w] < 0)
       return "plan: rank " + std::to_string(w) + " gives negative local lengths (q " + std::to_string(q_len[w]) +
              ", kv " + std::to_string(kv_len[w]) + ")";
+  const std::string mask = mask_reason(problem, q_len, kv_len);
+  if (!mask.empty()) return mask;
   if (mesh.anything) return "";
   const std::string fix = std::string("; use AnythingPolicy<") + mesh.policy + "> for any shape";
   for (int w = 0; w < world; ++w) {
@@ -150,13 +212,18 @@ inline Plan build_plan(const std::vector<std::int64_t>& all, const AttentionProb
 
   PlanSchedule& s = PlanAccess::schedule(p);
   s.tables = PlanAccess::exchange_tables(p);
+  // A ring step computes only if some query of this rank's block sees some key of the block
+  // arriving (under every mask family), in some batch element.
   const int r = p.ring_rank();
-  const PositionMap& qb = p.q_layout().block(r);
+  const PositionMap qd = p.q_diagonals(r);
+  const MaskView mask = p.mask();
+  const std::int64_t batches = mask.kv_valid != nullptr || mask.doc_batch_stride > 0 ? problem.batch : 1;
   for (int step = 0; step < R; ++step) {
     const PositionMap& kb = p.kv_layout().block((r - step + R) % R);
     s.max_kv_block = std::max(s.max_kv_block, kb.size());
-    const bool any = qb.size() > 0 && kb.size() > 0 && p.q_heads(p.ulysses_rank()).count > 0 && problem.batch > 0 &&
-                     !(problem.causal && kb.first() > qb.last());
+    bool any = false;
+    if (p.q_heads(p.ulysses_rank()).count > 0 && problem.batch > 0)
+      for (std::int64_t b = 0; b < batches && !any; ++b) any = any_visible(mask, b, qd, kb);
     s.ring_step_computes.push_back(any);
   }
   s.forward = forward_layout(p);

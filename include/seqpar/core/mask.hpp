@@ -1,0 +1,132 @@
+#pragma once
+/// \file
+/// Attention masks by global position: causal (top-left or bottom-right), a sliding window,
+/// packed documents and key padding, in any combination.
+///
+/// Every mask family this library offers leaves each query row a *contiguous range* of
+/// visible key positions: with d(i) the query's diagonal (i top-left, i + S_kv - S_q
+/// bottom-right),
+///   lo = max(start of i's document, d(i) - window.left),
+///   hi = min(end of i's document - 1, d(i) if causal, d(i) + window.right, kv_valid[b] - 1),
+/// and key j is visible iff lo <= j <= hi. Since positions increase within a kernel call, the
+/// visible keys of a row are a contiguous run of its key block too: a kernel needs one range
+/// per row (MaskView::keys), skips a tile no row's range reaches, and masks only the tiles a
+/// range boundary cuts. Hidden keys are never read, so a NaN or Inf stored there (padding, a
+/// stale cache slot) reaches no row.
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "seqpar/core/host_device.hpp"
+#include "seqpar/core/sequence_layout.hpp"
+
+namespace seqpar {
+
+/// Where the causal diagonal sits when S_q != S_kv.
+enum class CausalAlign : std::uint8_t {
+  top_left = 0,      ///< query i sees keys 0..i (by global position)
+  bottom_right = 1,  ///< the last query sees the last key: query i sees keys 0..i + S_kv - S_q (FlashAttention 2+)
+};
+
+/// A sliding window around the diagonal: query i sees keys d(i) - left .. d(i) + right.
+/// -1 on a side means unbounded; {-1, -1} is no window.
+struct Window {
+  std::int64_t left = -1;   ///< keys before the diagonal (-1: all)
+  std::int64_t right = -1;  ///< keys after the diagonal (-1: all; causal caps it at 0)
+  /// True when a side is bounded.
+  constexpr bool active() const { return left >= 0 || right >= 0; }
+};
+
+/// An inclusive range of key positions; empty when lo > hi.
+struct KeyRange {
+  std::int64_t lo = 0;   ///< first visible key position
+  std::int64_t hi = -1;  ///< last visible key position
+  /// True when no key is visible.
+  SEQPAR_HOST_DEVICE constexpr bool empty() const { return lo > hi; }
+};
+
+/// The mask as a kernel sees it: plain values and pointers into the plan (host memory), cheap
+/// to copy. Built by the engine from the agreed problem; kernels call keys() and visible().
+/// Queries are given by their *diagonal* position d(i): KernelParams::q_positions already
+/// hold d(i) (the engine adds S_kv - S_q for bottom-right alignment; documents need
+/// S_q == S_kv, so there d(i) = i).
+struct MaskView {
+  bool causal = false;                 ///< keys after the diagonal are hidden
+  std::int64_t window_left = -1;       ///< -1: unbounded
+  std::int64_t window_right = -1;      ///< -1: unbounded
+  const std::int64_t* doc_starts = nullptr;  ///< per batch row: starts of the documents, then the total
+  std::int64_t doc_count = 0;          ///< documents per batch row (0: no documents)
+  std::int64_t doc_batch_stride = 0;   ///< entries between batch rows of doc_starts (0: shared)
+  const std::int64_t* kv_valid = nullptr;  ///< valid keys per batch element (null: all)
+
+  /// True when some key can be hidden (any family is on).
+  SEQPAR_HOST_DEVICE constexpr bool any() const {
+    return causal || window_left >= 0 || window_right >= 0 || doc_count > 0 || kv_valid != nullptr;
+  }
+
+  /// The visible key positions of the query with diagonal position `d` in batch element `b`.
+  SEQPAR_HOST_DEVICE constexpr KeyRange keys(std::int64_t b, std::int64_t d) const {
+    constexpr std::int64_t big = std::numeric_limits<std::int64_t>::max() / 4;
+    KeyRange r{-big, big};
+    const std::int64_t q = d;  // documents: S_q == S_kv, so the diagonal is the position
+    if (causal) r.hi = d;
+    if (window_left >= 0) r.lo = d - window_left;
+    if (window_right >= 0) r.hi = r.hi < d + window_right ? r.hi : d + window_right;
+    if (doc_count > 0) {
+      const std::int64_t* starts = doc_starts + b * doc_batch_stride;
+      // The document holding q: the last start <= q (binary search; documents are not empty).
+      std::int64_t a = 0, z = doc_count;  // starts[a] <= q < starts[z]
+      while (z - a > 1) {
+        const std::int64_t m = (a + z) / 2;
+        if (starts[m] <= q) a = m; else z = m;
+      }
+      r.lo = r.lo > starts[a] ? r.lo : starts[a];
+      r.hi = r.hi < starts[a + 1] - 1 ? r.hi : starts[a + 1] - 1;
+    }
+    if (kv_valid) r.hi = r.hi < kv_valid[b] - 1 ? r.hi : kv_valid[b] - 1;
+    if (r.lo < 0) r.lo = 0;
+    return r;
+  }
+
+  /// True when key position `k` is visible to the query with diagonal `d` of batch element `b`.
+  SEQPAR_HOST_DEVICE constexpr bool visible(std::int64_t b, std::int64_t d, std::int64_t k) const {
+    const KeyRange r = keys(b, d);
+    return r.lo <= k && k <= r.hi;
+  }
+};
+
+/// Keys of `k` (positions) inside the inclusive range `r`: each run is an arithmetic sequence.
+inline std::int64_t count_in_range(const PositionMap& k, KeyRange r) {
+  if (r.empty()) return 0;
+  std::int64_t n = 0;
+  for (int s = 0; s < k.segments; ++s) {
+    const PositionSegment& g = k.seg[s];
+    // first t with start + t * stride >= lo, last t with start + t * stride <= hi
+    const std::int64_t first = r.lo <= g.start ? 0 : (r.lo - g.start + g.stride - 1) / g.stride;
+    const std::int64_t last = r.hi < g.start ? -1 : std::min(g.count - 1, (r.hi - g.start) / g.stride);
+    if (last >= first) n += last - first + 1;
+  }
+  return n;
+}
+
+/// Visible (query, key) pairs between query diagonals `q` and key positions `k` of batch
+/// element `b`.
+inline std::int64_t visible_pairs(const MaskView& m, std::int64_t b, const PositionMap& q, const PositionMap& k) {
+  if (!m.any()) return q.size() * k.size();
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < q.size(); ++i) n += count_in_range(k, m.keys(b, q(i)));
+  return n;
+}
+
+/// True when some query of `q` sees some key of `k` in batch element `b`.
+inline bool any_visible(const MaskView& m, std::int64_t b, const PositionMap& q, const PositionMap& k) {
+  if (q.size() == 0 || k.size() == 0) return false;
+  if (!m.any()) return true;
+  for (std::int64_t i = 0; i < q.size(); ++i)
+    if (count_in_range(k, m.keys(b, q(i))) > 0) return true;
+  return false;
+}
+
+}  // namespace seqpar

@@ -1,0 +1,300 @@
+// Masks beyond causal (issue 17): bottom-right causal, sliding windows, packed documents and key
+// padding, alone and combined, under every policy and layout, against a brute-force reference
+// written from the definitions (not from MaskView), forward and backward; plan.work counts
+// visible pairs; masks change no byte on the wire; ring steps no query sees are skipped; bad
+// descriptions fail alike on every rank.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "seqpar/seqpar.hpp"
+#include "support/rank_outcomes.hpp"
+
+using namespace seqpar;
+
+namespace {
+
+constexpr std::int64_t H = 4, K = 2, D = 8;
+
+/// Key j visible to query i of batch b, straight from the definitions in AttentionProblem.
+bool visible_brute(const AttentionProblem& pr, std::int64_t sq, std::int64_t skv, std::int64_t b, std::int64_t i,
+                   std::int64_t j) {
+  const std::int64_t d = i + (pr.causal_align == CausalAlign::bottom_right ? skv - sq : 0);
+  if (pr.causal && j > d) return false;
+  if (pr.window.left >= 0 && j < d - pr.window.left) return false;
+  if (pr.window.right >= 0 && j > d + pr.window.right) return false;
+  if (!pr.kv_valid.empty() && j >= pr.kv_valid[static_cast<std::size_t>(b)]) return false;
+  if (!pr.documents.empty()) {
+    const auto& docs = pr.documents[pr.documents.size() == 1 ? 0 : static_cast<std::size_t>(b)];
+    auto doc_of = [&](std::int64_t pos) {
+      std::int64_t at = 0;
+      for (std::size_t n = 0; n < docs.size(); ++n)
+        if (pos < (at += docs[n])) return static_cast<std::int64_t>(n);
+      return std::int64_t{-1};
+    };
+    if (doc_of(i) != doc_of(j)) return false;
+  }
+  return true;
+}
+
+/// Global tensors of one case: Q [B, Sq, H, D], K/V [B, Skv, K, D], dO like Q.
+struct Global {
+  std::int64_t B, sq, skv;
+  std::vector<double> q, k, v, dout;
+  Global(std::int64_t b, std::int64_t s_q, std::int64_t s_kv, unsigned seed) : B(b), sq(s_q), skv(s_kv) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<double> n(0, 1);
+    auto fill = [&](std::vector<double>& x, std::int64_t rows, std::int64_t heads) {
+      x.resize(static_cast<std::size_t>(B * rows * heads * D));
+      for (double& e : x) e = static_cast<float>(n(rng));  // float-representable
+    };
+    fill(q, sq, H), fill(k, skv, K), fill(v, skv, K), fill(dout, sq, H);
+  }
+};
+
+/// Brute-force forward in double: O [B, Sq, H, D] and LSE [B, H, Sq] (TensorView::lse_bhs).
+void brute_forward(const AttentionProblem& pr, const Global& g, std::vector<double>& o, std::vector<double>& l) {
+  o.assign(g.q.size(), 0.0);
+  l.assign(static_cast<std::size_t>(g.B * g.sq * H), -std::numeric_limits<double>::infinity());
+  const double scale = pr.softmax_scale();
+  for (std::int64_t b = 0; b < g.B; ++b)
+    for (std::int64_t i = 0; i < g.sq; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t kh = h / (H / K);
+        std::vector<double> s(static_cast<std::size_t>(g.skv), -std::numeric_limits<double>::infinity());
+        double mx = -std::numeric_limits<double>::infinity();
+        for (std::int64_t j = 0; j < g.skv; ++j) {
+          if (!visible_brute(pr, g.sq, g.skv, b, i, j)) continue;
+          double dot = 0;
+          for (std::int64_t d = 0; d < D; ++d)
+            dot += g.q[((b * g.sq + i) * H + h) * D + d] * g.k[((b * g.skv + j) * K + kh) * D + d];
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        if (mx == -std::numeric_limits<double>::infinity()) continue;  // no key: O = 0, LSE = -inf
+        double sum = 0;
+        for (std::int64_t j = 0; j < g.skv; ++j) sum += std::exp(s[j] - mx);
+        for (std::int64_t j = 0; j < g.skv; ++j) {
+          const double w = std::exp(s[j] - mx) / sum;
+          if (w == 0) continue;
+          for (std::int64_t d = 0; d < D; ++d)
+            o[((b * g.sq + i) * H + h) * D + d] += w * g.v[((b * g.skv + j) * K + kh) * D + d];
+        }
+        l[(b * H + h) * g.sq + i] = mx + std::log(sum);
+      }
+}
+
+/// What one distributed run returns, gathered into global order.
+struct Result {
+  std::vector<double> o, l, dq, dk, dv;
+  std::vector<std::int64_t> work;  // plan.work(w) per rank
+  std::uint64_t bytes = 0;         // bytes rank 0 sent in forward + backward
+};
+
+/// Runs forward and backward of `pr` under `policy` on lengths.size() thread ranks (query and
+/// key lengths per rank) with ReferenceKernel, and gathers everything.
+template <class Policy>
+Result run(Policy policy, const AttentionProblem& pr, const Global& g, const std::vector<std::int64_t>& lq,
+           const std::vector<std::int64_t>& lk) {
+  const int P = static_cast<int>(lq.size());
+  Result res;
+  res.o.assign(g.q.size(), 0), res.dq.assign(g.q.size(), 0), res.dk.assign(g.k.size(), 0), res.dv.assign(g.v.size(), 0);
+  res.l.assign(static_cast<std::size_t>(g.B * g.sq * H), 0);
+  res.work.assign(static_cast<std::size_t>(P), 0);
+  using CV = TensorView<const double>;
+  using V = TensorView<double>;
+  const std::int64_t B = g.B;
+  run_ranks(P, [&](ThreadCommunicator& world) {
+    const int me = world.rank();
+    SequenceParallelAttention<Policy, ThreadCommunicator, ReferenceKernel> attn(world, policy);
+    const Plan plan = attn.template plan<double>(pr, {lq[static_cast<std::size_t>(me)], lk[static_cast<std::size_t>(me)]});
+    const PositionMap qp = plan.q_positions(me), kp = plan.kv_positions(me);
+    const std::int64_t nq = qp.size(), nk = kp.size();
+    auto take = [&](const std::vector<double>& x, std::int64_t rows, std::int64_t heads, const PositionMap& at) {
+      std::vector<double> local(static_cast<std::size_t>(B * at.size() * heads * D));
+      scatter_sequence(CV::bshd(x.data(), B, rows, heads, D), at, V::bshd(local.data(), B, at.size(), heads, D));
+      return local;
+    };
+    const auto q = take(g.q, g.sq, H, qp), k = take(g.k, g.skv, K, kp), v = take(g.v, g.skv, K, kp),
+               dout = take(g.dout, g.sq, H, qp);
+    std::vector<double> o(q.size()), l(static_cast<std::size_t>(B * nq * H)), dq(q.size()), dk(k.size()), dv(v.size());
+    std::vector<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+    world.stats().reset();
+    attn.template forward<double>(plan, CV::bshd(q.data(), B, nq, H, D), CV::bshd(k.data(), B, nk, K, D),
+                                  CV::bshd(v.data(), B, nk, K, D), V::bshd(o.data(), B, nq, H, D),
+                                  V::lse_bhs(l.data(), B, nq, H), ws);
+    attn.template backward<double>(plan, CV::bshd(dout.data(), B, nq, H, D), CV::bshd(q.data(), B, nq, H, D),
+                                   CV::bshd(k.data(), B, nk, K, D), CV::bshd(v.data(), B, nk, K, D),
+                                   CV::bshd(o.data(), B, nq, H, D), CV::lse_bhs(l.data(), B, nq, H),
+                                   V::bshd(dq.data(), B, nq, H, D), V::bshd(dk.data(), B, nk, K, D),
+                                   V::bshd(dv.data(), B, nk, K, D), ws);
+    if (me == 0) res.bytes = world.stats().bytes_sent;
+    res.work[static_cast<std::size_t>(me)] = plan.work(me);
+    // Ranks own disjoint rows: each writes its own into the global result.
+    gather_sequence(CV::bshd(o.data(), B, nq, H, D), qp, V::bshd(res.o.data(), B, g.sq, H, D));
+    gather_sequence(CV::lse_bhs(l.data(), B, nq, H), qp, V::lse_bhs(res.l.data(), B, g.sq, H));
+    gather_sequence(CV::bshd(dq.data(), B, nq, H, D), qp, V::bshd(res.dq.data(), B, g.sq, H, D));
+    gather_sequence(CV::bshd(dk.data(), B, nk, K, D), kp, V::bshd(res.dk.data(), B, g.skv, K, D));
+    gather_sequence(CV::bshd(dv.data(), B, nk, K, D), kp, V::bshd(res.dv.data(), B, g.skv, K, D));
+  });
+  return res;
+}
+
+/// Max |a - b| / max |b| (0 when both are all zeros); -inf entries must match exactly.
+double rel(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(b[i]) || std::isinf(a[i])) {
+      if (a[i] != b[i]) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    num = std::max(num, std::abs(a[i] - b[i]));
+    den = std::max(den, std::abs(b[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+/// Visible pairs of the whole problem times heads, brute force: what sum(plan.work) must be.
+std::int64_t brute_work(const AttentionProblem& pr, const Global& g) {
+  std::int64_t n = 0;
+  for (std::int64_t b = 0; b < g.B; ++b)
+    for (std::int64_t i = 0; i < g.sq; ++i)
+      for (std::int64_t j = 0; j < g.skv; ++j) n += visible_brute(pr, g.sq, g.skv, b, i, j);
+  return n * H;
+}
+
+/// One mask case checked under one policy: forward against the brute force (1e-12, double),
+/// backward against a one-rank run of the same engine, work, and bytes equal to the run
+/// without the mask.
+template <class Policy>
+void check(const char* name, Policy policy, const AttentionProblem& pr, const Global& g, const std::vector<std::int64_t>& lq,
+           const std::vector<std::int64_t>& lk) {
+  CAPTURE(name);
+  std::vector<double> o, l;
+  brute_forward(pr, g, o, l);
+  const Result got = run(policy, pr, g, lq, lk);
+  CHECK(rel(got.o, o) < 1e-12);
+  CHECK(rel(got.l, l) < 1e-12);
+  const Result one = run(AnythingPolicy<RingPolicy<>>{}, pr, g, {g.sq}, {g.skv});
+  CHECK(rel(got.dq, one.dq) < 1e-12);
+  CHECK(rel(got.dk, one.dk) < 1e-12);
+  CHECK(rel(got.dv, one.dv) < 1e-12);
+  CHECK(std::accumulate(got.work.begin(), got.work.end(), std::int64_t{0}) == brute_work(pr, g));
+  AttentionProblem plain = pr;
+  plain.causal = false, plain.window = {}, plain.documents.clear(), plain.kv_valid.clear();
+  CHECK(run(policy, plain, g, lq, lk).bytes == got.bytes);  // a mask is metadata: no byte changes
+}
+
+/// The mask families, alone and combined, for a self-attention problem of length S and B = 2.
+std::vector<std::pair<std::string, AttentionProblem>> families(std::int64_t S) {
+  AttentionProblem base{.batch = 2, .heads = H, .kv_heads = K, .head_dim = D, .dtype = DType::f64, .with_lse = true};
+  std::vector<std::pair<std::string, AttentionProblem>> out;
+  auto add = [&](std::string n, auto edit) {
+    AttentionProblem p = base;
+    edit(p);
+    out.emplace_back(std::move(n), p);
+  };
+  add("window 5,3", [](AttentionProblem& p) { p.window = {5, 3}; });
+  add("causal window 7", [](AttentionProblem& p) { p.causal = true, p.window = {7, -1}; });
+  add("window wider than the sequence", [&](AttentionProblem& p) { p.window = {3 * S, 2 * S}; });
+  add("documents causal", [&](AttentionProblem& p) { p.causal = true, p.documents = {{S / 3, 2, S - S / 3 - 2}}; });
+  add("documents per batch", [&](AttentionProblem& p) { p.documents = {{S}, {1, S - 4, 3}}; });
+  add("documents + causal + window", [&](AttentionProblem& p) {
+    p.causal = true, p.window = {4, 0}, p.documents = {{5, S - 11, 6}};
+  });
+  add("key padding (one element fully padded)", [&](AttentionProblem& p) { p.kv_valid = {S - 5, 0}; });
+  add("key padding + causal", [&](AttentionProblem& p) { p.causal = true, p.kv_valid = {S / 2, S}; });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("masks: every family under every policy and layout, forward and backward, against brute force") {
+  const std::int64_t S = 40;
+  const Global g(2, S, S, 1701);
+  const std::vector<std::int64_t> even4(4, S / 4), uneven4{13, 0, 20, 7}, uneven3{9, 17, 14};
+  for (const auto& [name, pr] : families(S)) {
+    CAPTURE(name);
+    check("Ulysses 4", UlyssesPolicy{}, pr, g, even4, even4);
+    check("Ring<Contiguous> 4", RingPolicy<Contiguous>{}, pr, g, even4, even4);
+    check("Ring<Zigzag> 4", RingPolicy<Zigzag>{}, pr, g, even4, even4);
+    check("Ring<Stripe> 4", RingPolicy<Stripe>{}, pr, g, even4, even4);
+    check("Unified<Zigzag> 2x2", UnifiedPolicy<Zigzag>{2, 2}, pr, g, even4, even4);
+    check("Anything<Unified<Contiguous>> 2x2 uneven", AnythingPolicy<UnifiedPolicy<>>{{2, 2}}, pr, g, uneven4, uneven4);
+    check("Anything<Ring<Zigzag>> 3 uneven", AnythingPolicy<RingPolicy<Zigzag>>{}, pr, g, uneven3, uneven3);
+    check("Anything<Ulysses> 3 uneven", AnythingPolicy<UlyssesPolicy>{}, pr, g, uneven3, uneven3);
+  }
+}
+
+TEST_CASE("masks: causal alignment top-left and bottom-right with S_q != S_kv (joint / cross attention)") {
+  for (const auto& [sq, skv] : {std::pair<std::int64_t, std::int64_t>{12, 30}, {30, 12}}) {
+    const Global g(2, sq, skv, 99 + static_cast<unsigned>(sq));
+    for (CausalAlign align : {CausalAlign::top_left, CausalAlign::bottom_right})
+      for (Window w : {Window{}, Window{3, 2}}) {
+        AttentionProblem pr{.batch = 2, .heads = H, .kv_heads = K, .head_dim = D, .causal = w.left < 0,
+                            .dtype = DType::f64, .with_lse = true, .causal_align = align, .window = w};
+        CAPTURE(sq);
+        CAPTURE(static_cast<int>(align));
+        const std::vector<std::int64_t> lq{sq / 3, sq - sq / 3 - 2, 2}, lk{skv - 9, 4, 5};
+        check("Anything<Ring<Contiguous>> 3", AnythingPolicy<RingPolicy<>>{}, pr, g, lq, lk);
+        check("Anything<Unified<Zigzag>> 1x3", AnythingPolicy<UnifiedPolicy<Zigzag>>{{1, 3}}, pr, g, lq, lk);
+        check("Anything<Ulysses> 3", AnythingPolicy<UlyssesPolicy>{}, pr, g, lq, lk);
+      }
+  }
+}
+
+TEST_CASE("masks: a ring step whose keys no local query sees is skipped") {
+  // Four documents, one per contiguous ring block: every rank computes only its own block.
+  run_ranks(4, [&](ThreadCommunicator& world) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> attn(world);
+    const Plan plan = attn.plan<double>({.heads = 2, .head_dim = 4, .documents = {{8, 8, 8, 8}}}, {8});
+    const auto& steps = detail::PlanAccess::schedule(plan).ring_step_computes;
+    CHECK(steps == std::vector<unsigned char>{1, 0, 0, 0});
+    CHECK(plan.work(world.rank()) == 8 * 8 * 2);
+  });
+}
+
+TEST_CASE("masks: invalid descriptions fail alike on every rank; a causal-only kernel refuses the rest") {
+  struct Bad {
+    const char* needle;
+    void (*edit)(AttentionProblem&);
+  };
+  const Bad bad[] = {
+      {"plan: documents[0][1]: expected a length >= 1, got 0 (empty documents are not allowed)",
+       [](AttentionProblem& p) { p.documents = {{16, 0, 16}}; }},
+      {"plan: documents[0]: lengths sum to 30, expected the global sequence length 32",
+       [](AttentionProblem& p) { p.documents = {{10, 20}}; }},
+      {"plan: documents: expected one list shared by every batch element or one per batch element (2), got 3 lists",
+       [](AttentionProblem& p) { p.documents = {{32}, {32}, {32}}; }},
+      {"plan: kv_valid[1]: expected 0..32 (the key length), got 33", [](AttentionProblem& p) { p.kv_valid = {3, 33}; }},
+      {"plan: kv_valid: expected one count per batch element (2), got 1", [](AttentionProblem& p) { p.kv_valid = {3}; }},
+      {"plan: window: expected sides >= 0, or -1 for unbounded, got {-2, 4}", [](AttentionProblem& p) { p.window = {-2, 4}; }},
+  };
+  for (const Bad& b : bad) {
+    CAPTURE(b.needle);
+    auto outcomes = test::rank_outcomes(4, [&](ThreadCommunicator& c) {
+      SequenceParallelAttention<AnythingPolicy<RingPolicy<Zigzag>>, ThreadCommunicator, ReferenceKernel> attn(c);
+      AttentionProblem p{.batch = 2, .heads = 2, .head_dim = 4};
+      b.edit(p);
+      (void)attn.plan(p, {8});
+    });
+    CHECK(test::all_same_config_error(outcomes, b.needle));
+  }
+  // Ranks that disagree on a mask list throw the same error (the lists travel as a hash).
+  auto differ = test::rank_outcomes(2, [&](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> attn(c);
+    (void)attn.plan({.heads = 2, .head_dim = 4, .documents = {{c.rank() == 0 ? 4 : 3, c.rank() == 0 ? 4 : 5}}}, {4});
+  });
+  CHECK(test::all_same_config_error(differ, "plan: ranks disagree on documents"));
+  // CpuFlashKernel handles causal masks only (for now): a window is refused at plan time.
+  auto cpu = test::rank_outcomes(2, [&](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CpuFlashKernel> attn(c);
+    (void)attn.plan({.heads = 2, .head_dim = 4, .window = {2, 2}}, {4});
+  });
+  CHECK(test::all_same_config_error(cpu, "this kernel handles causal masks only"));
+}
