@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <new>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -35,6 +36,33 @@
 #include "seqpar/policy/workspace_layout.hpp"
 
 namespace seqpar::detail {
+
+/// Marks an engine busy for one call, so that a second thread calling the same object at the
+/// same time gets a ConfigError instead of corrupting the first call's communication. Moving
+/// an engine moves no call in progress, so a moved-to flag starts free.
+class BusyFlag {
+ public:
+  BusyFlag() = default;
+  BusyFlag(BusyFlag&&) noexcept {}
+  /// Holds the flag for one call.
+  class Hold {
+   public:
+    Hold(BusyFlag& f, const char* call) : f_(f) {
+      SEQPAR_CHECK(!f.busy_.exchange(true, std::memory_order_acquire), ConfigError, call,
+                   ": called while another call on this SequenceParallelAttention runs in another thread (an object "
+                   "and its communicator serve one thread at a time; give each thread its own)");
+    }
+    ~Hold() { f_.busy_.store(false, std::memory_order_release); }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    BusyFlag& f_;
+  };
+
+ private:
+  std::atomic<bool> busy_{false};
+};
 
 /// A process-wide id per engine, so that a call can refuse a plan another object made.
 inline std::uint64_t next_engine_id() {
@@ -60,6 +88,7 @@ class MeshEngine {
   /// Collective: gathers every rank's problem and lengths once, validates them identically on
   /// every rank (all throw the same ConfigError, none hangs), and builds the plan.
   Plan plan(const AttentionProblem& problem, LocalLengths lengths) {
+    const BusyFlag::Hold hold(busy_, "plan");
     const int world = cx_.world.size();
     const auto mine = plan_fields(problem, cx_.mesh, lengths);
     std::vector<std::int64_t> all(static_cast<std::size_t>(f_count * world));
@@ -78,8 +107,13 @@ class MeshEngine {
             "declares supports_masks = true when it does; ReferenceKernel does)";
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan(all, problem, cx_.mesh, cx_.world.rank(), id_);
-    if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(problem.head_dim);
-    if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(problem.head_dim);
+    try {  // every rank has the same head_dim, so every rank fails alike
+      if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(problem.head_dim);
+      if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(problem.head_dim);
+    } catch (const std::bad_alloc&) {
+      SEQPAR_THROW(ConfigError, "plan: the kernel could not allocate its scratch for head_dim ", problem.head_dim,
+                   " (std::bad_alloc)");
+    }
     return p;
   }
 
@@ -92,6 +126,7 @@ class MeshEngine {
     static_assert(LocalAttentionKernel<Kernel, T>,
                   "seqpar: the kernel does not model LocalAttentionKernel for this element type: it needs "
                   "forward(q, k, v, out, lse, params) with out a TensorView<T> (see kernel/local_attention_kernel.hpp)");
+    const BusyFlag::Hold hold(busy_, "forward");
     check_call(p, dtype_v<T>, "forward", workspace, p.workspace_bytes());
     check_inputs(p, q, k, v, "forward");
     check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().head_dim, true);
@@ -161,6 +196,7 @@ class MeshEngine {
     static_assert(LocalAttentionKernel<Kernel, T> && kernel_has_backward<Kernel, T>,
                   "seqpar: the kernel has no backward for this element type (see the backward requirement in "
                   "kernel/local_attention_kernel.hpp)");
+    const BusyFlag::Hold hold(busy_, "backward");
     check_call(p, dtype_v<T>, "backward", workspace, p.backward_workspace_bytes());
     SEQPAR_CHECK(p.problem().with_lse, ConfigError,
                  "backward: needs the forward's LSE, but the plan's problem has with_lse = false");
@@ -357,6 +393,7 @@ class MeshEngine {
   EngineContext<Comm> cx_;
   Kernel kernel_;
   std::uint64_t id_ = next_engine_id();
+  BusyFlag busy_;
 };
 
 }  // namespace seqpar::detail

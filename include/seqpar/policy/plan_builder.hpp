@@ -102,6 +102,28 @@ inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int
   return "";
 }
 
+/// Every buffer of a call (tensors, all-to-all pieces, ring blocks, workspace slots) holds at
+/// most batch x global length x heads x head_dim elements of at most 8 bytes, and a workspace
+/// has fewer than 32 slots. Requiring that product below 2^58 bytes keeps every size the plan
+/// computes inside 64 bits; the reason names the fields, so a size never wraps silently.
+inline std::string size_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
+                               std::span<const std::int64_t> kv_len) {
+  constexpr std::int64_t limit = std::int64_t{1} << 58;
+  std::int64_t sq = 0, skv = 0;
+  bool wrap = false;
+  for (std::size_t w = 0; w < q_len.size(); ++w)
+    wrap |= __builtin_add_overflow(sq, q_len[w], &sq) | __builtin_add_overflow(skv, kv_len[w], &skv);
+  const std::int64_t heads = std::max(pr.heads, pr.kv_head_count());
+  std::int64_t bytes = 8;
+  for (std::int64_t f : {pr.batch, std::max(sq, skv), heads, pr.head_dim})
+    wrap |= __builtin_mul_overflow(bytes, f, &bytes) || bytes > limit;
+  if (!wrap) return "";
+  std::ostringstream why;
+  why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(sq, skv) << " x heads " << heads
+      << " x head_dim " << pr.head_dim << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
+  return why.str();
+}
+
 /// The mask rules: "" when the mask description is valid for these lengths, else the reason.
 inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
                                std::span<const std::int64_t> kv_len) {
@@ -161,6 +183,8 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
     if (q_len[w] < 0 || kv_len[w] < 0)
       return "plan: rank " + std::to_string(w) + " gives negative local lengths (q " + std::to_string(q_len[w]) +
              ", kv " + std::to_string(kv_len[w]) + ")";
+  const std::string size = size_reason(problem, q_len, kv_len);
+  if (!size.empty()) return size;
   const std::string mask = mask_reason(problem, q_len, kv_len);
   if (!mask.empty()) return mask;
   if (mesh.anything) return "";

@@ -1,0 +1,111 @@
+// Misuse of the public API that used to hang, wrap or crash (issue 18 items 2, 4 and 5): a plan
+// from another object, sizes that overflow, a head_dim no kernel can allocate for, and two
+// threads calling one object at once. Each must be a ConfigError naming the cause.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <latch>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "seqpar/seqpar.hpp"
+#include "support/rank_outcomes.hpp"
+
+using namespace seqpar;
+using test::all_same_config_error;
+using test::rank_outcomes;
+
+TEST_CASE("misuse: a plan made by another object is refused, even with the same degrees") {
+  // Unified 2 x 2 with the Ulysses groups adjacent, and with the rings adjacent: same degrees,
+  // different rank placement. Accepting A's plan in B deadlocked in the all-to-all.
+  auto out = rank_outcomes(4, [](ThreadCommunicator& c) {
+    using P = UnifiedPolicy<>;
+    SequenceParallelAttention<P, ThreadCommunicator, ReferenceKernel> a(c, P{2, 2, MeshPlacement::ulysses_adjacent});
+    SequenceParallelAttention<P, ThreadCommunicator, ReferenceKernel> b(c, P{2, 2, MeshPlacement::ring_adjacent});
+    const Plan plan = a.plan({.heads = 4, .head_dim = 8}, {4});
+    std::vector<float> x(4 * 4 * 8), o(x.size());
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    using CV = TensorView<const float>;
+    const CV in = CV::bshd(x.data(), 1, 4, 4, 8);
+    b.forward<float>(plan, in, in, in, TensorView<float>::bshd(o.data(), 1, 4, 4, 8), ws);
+  });
+  CHECK(all_same_config_error(out, "forward: the plan was made by another SequenceParallelAttention"));
+
+  auto empty = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> a(c);
+    std::vector<std::byte> ws(256);
+    a.forward<float>(Plan{}, {}, {}, {}, {}, ws);
+  });
+  CHECK(all_same_config_error(empty, "forward: the plan is empty (make it with plan())"));
+}
+
+TEST_CASE("misuse: sizes that overflow 64 bits are a ConfigError naming the fields") {
+  auto out = rank_outcomes(4, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<AnythingPolicy<RingPolicy<>>, ThreadCommunicator, ReferenceKernel> a(c);
+    (void)a.plan({.batch = std::int64_t{1} << 24, .heads = 128, .head_dim = 128}, {std::int64_t{1} << 30});
+  });
+  CHECK(all_same_config_error(out, "plan: size overflow: batch 16777216 x global length 4294967296 x heads 128 x "
+                                   "head_dim 128 x 8 bytes exceeds the 2^58-byte limit"));
+  // A sum of lengths that wraps.
+  auto sum = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<AnythingPolicy<RingPolicy<>>, ThreadCommunicator, ReferenceKernel> a(c);
+    (void)a.plan({.heads = 1, .head_dim = 1}, {std::numeric_limits<std::int64_t>::max() - 1});
+  });
+  CHECK(all_same_config_error(sum, "plan: size overflow"));
+}
+
+TEST_CASE("misuse: a head_dim the kernel cannot allocate for is a ConfigError, not std::bad_alloc") {
+  auto out = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CpuFlashKernel> a(c);
+    (void)a.plan({.heads = 1, .head_dim = std::int64_t{1} << 40}, {2});
+  });
+  CHECK(all_same_config_error(out, "plan: the kernel could not allocate its scratch for head_dim 1099511627776"));
+}
+
+namespace {
+/// ReferenceKernel that, on its first forward, says it started and waits to be released: a
+/// call in progress for as long as the test needs.
+struct HeldKernel : ReferenceKernel {
+  std::latch* started = nullptr;
+  std::atomic<bool>* release = nullptr;
+  template <class... Args>
+  void forward(Args&&... args) {
+    if (started) {
+      started->count_down();
+      while (!release->load()) std::this_thread::yield();
+      started = nullptr;
+    }
+    ReferenceKernel::forward(std::forward<Args>(args)...);
+  }
+};
+}  // namespace
+
+TEST_CASE("misuse: two threads calling one object at once get a ConfigError, not a crash") {
+  std::latch started(1);
+  std::atomic<bool> release{false};
+  std::string second_error;
+  run_ranks(1, [&](ThreadCommunicator& c) {
+    HeldKernel k;
+    k.started = &started;
+    k.release = &release;
+    SequenceParallelAttention<UlyssesPolicy, ThreadCommunicator, HeldKernel> a(c, {}, k);
+    const Plan plan = a.plan({.heads = 2, .head_dim = 4}, {3});
+    std::vector<float> x(3 * 2 * 4, 0.5f), o1(x.size()), o2(x.size());
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    using CV = TensorView<const float>;
+    const CV in = CV::bshd(x.data(), 1, 3, 2, 4);
+    std::thread first([&] { a.forward<float>(plan, in, in, in, TensorView<float>::bshd(o1.data(), 1, 3, 2, 4), ws); });
+    started.wait();  // the first call is inside the kernel now
+    try {
+      a.forward<float>(plan, in, in, in, TensorView<float>::bshd(o2.data(), 1, 3, 2, 4), ws);
+    } catch (const ConfigError& e) {
+      second_error = e.what();
+    }
+    release = true;
+    first.join();
+    CHECK(o1[0] == doctest::Approx(0.5));  // the first call finished normally
+  });
+  CHECK(second_error.find("forward: called while another call on this SequenceParallelAttention runs in another "
+                          "thread") == 0);
+}
