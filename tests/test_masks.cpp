@@ -291,9 +291,12 @@ TEST_CASE("masks: invalid descriptions fail alike on every rank; a causal-only k
     (void)attn.plan({.heads = 2, .head_dim = 4, .documents = {{c.rank() == 0 ? 4 : 3, c.rank() == 0 ? 4 : 5}}}, {4});
   });
   CHECK(test::all_same_config_error(differ, "plan: ranks disagree on documents"));
-  // CpuFlashKernel handles causal masks only (for now): a window is refused at plan time.
+  // A kernel that handles causal masks only is refused a window at plan time.
+  struct CausalOnlyKernel : ReferenceKernel {
+    static constexpr bool supports_masks = false;
+  };
   auto cpu = test::rank_outcomes(2, [&](ThreadCommunicator& c) {
-    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CpuFlashKernel> attn(c);
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CausalOnlyKernel> attn(c);
     (void)attn.plan({.heads = 2, .head_dim = 4, .window = {2, 2}}, {4});
   });
   CHECK(test::all_same_config_error(cpu, "this kernel handles causal masks only"));

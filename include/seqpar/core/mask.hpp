@@ -60,10 +60,16 @@ struct MaskView {
   std::int64_t doc_count = 0;          ///< documents per batch row (0: no documents)
   std::int64_t doc_batch_stride = 0;   ///< entries between batch rows of doc_starts (0: shared)
   const std::int64_t* kv_valid = nullptr;  ///< valid keys per batch element (null: all)
+  /// Per query row: the keys before this *local index* are the row's keys, [B x row_stride]
+  /// entries indexed by the row's diagonal (decode over a cache shard gives every row its own
+  /// count of visible local slots; q_positions are then 0..T-1). Null: not used.
+  const std::int64_t* row_key_end = nullptr;
+  std::int64_t row_stride = 0;  ///< entries per batch element of row_key_end
 
   /// True when some key can be hidden (any family is on).
   SEQPAR_HOST_DEVICE constexpr bool any() const {
-    return causal || window_left >= 0 || window_right >= 0 || doc_count > 0 || kv_valid != nullptr;
+    return causal || window_left >= 0 || window_right >= 0 || doc_count > 0 || kv_valid != nullptr ||
+           row_key_end != nullptr;
   }
 
   /// The visible key positions of the query with diagonal position `d` in batch element `b`.
@@ -86,6 +92,10 @@ struct MaskView {
       r.hi = r.hi < starts[a + 1] - 1 ? r.hi : starts[a + 1] - 1;
     }
     if (kv_valid) r.hi = r.hi < kv_valid[b] - 1 ? r.hi : kv_valid[b] - 1;
+    if (row_key_end) {
+      const std::int64_t end = row_key_end[b * row_stride + d];
+      r.hi = r.hi < end - 1 ? r.hi : end - 1;
+    }
     if (r.lo < 0) r.lo = 0;
     return r;
   }

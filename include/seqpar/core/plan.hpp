@@ -9,6 +9,7 @@
 /// ring block sizes the engine sends with (exchange_tables, ring_block_elems); the tests hold
 /// them against an independent closed form.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -71,6 +72,12 @@ struct PlanSchedule {
 };
 
 struct PlanAccess;
+
+/// A process-wide id per engine, so that a call can refuse a plan another object made.
+inline std::uint64_t next_engine_id() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
 
 }  // namespace detail
 

@@ -44,7 +44,8 @@ struct KernelParams {
   /// True when a window, documents or key padding is on (a kernel without
   /// kernel_supports_masks is never given one: the plan refuses it).
   constexpr bool extra_mask() const {
-    return mask.window_left >= 0 || mask.window_right >= 0 || mask.doc_count > 0 || mask.kv_valid != nullptr;
+    return mask.window_left >= 0 || mask.window_right >= 0 || mask.doc_count > 0 || mask.kv_valid != nullptr ||
+           mask.row_key_end != nullptr;
   }
 
   /// Causal masks only: true when no key of [k_lo, k_hi] can be seen by a query in [q_lo, q_hi]

@@ -64,12 +64,6 @@ class BusyFlag {
   std::atomic<bool> busy_{false};
 };
 
-/// A process-wide id per engine, so that a call can refuse a plan another object made.
-inline std::uint64_t next_engine_id() {
-  static std::atomic<std::uint64_t> next{1};
-  return next.fetch_add(1, std::memory_order_relaxed);
-}
-
 /// The engine of policy `Policy` over `Comm` with `Kernel`.
 template <class Policy, class Comm, class Kernel>
 class MeshEngine {

@@ -1,0 +1,176 @@
+#pragma once
+/// \file
+/// Decode over a sharded KV cache: the problem, the cache layouts and the plan.
+///
+/// After a context-parallel prefill the KV cache is already split across the ranks. A decode
+/// step leaves it there: every rank attends the step's queries (T new tokens per sequence,
+/// causal among themselves) to the keys it stores and gets a partial (O, LSE); one exchange of
+/// the partials and the LSE merge (kernel/merge_state.hpp) give the exact output. Bytes per
+/// step depend on B x T x heads x head_dim, never on the cache length.
+///
+/// Cache layouts, per sequence (batch element):
+///  - contiguous (as a contiguous prefill leaves it): the first `kv_len[b]` tokens split as
+///    evenly as possible over the ranks in rank order; tokens appended later go to the last
+///    rank;
+///  - paged: pages of `page` tokens round-robin over the ranks (page p on rank p mod P), so
+///    the cache stays balanced as it grows; page = 1 stripes single tokens (SGLang's layout).
+/// A rank stores its tokens of a sequence in increasing position order in local slots 0, 1,
+/// ...: `owner(b, pos)` and `slot(b, pos)` say where the K/V of a token live, so the engine
+/// appends new K/V in the right place. Plans advance by k tokens (`advance`) without a
+/// collective: every rank computes the new lengths itself.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "seqpar/core/error.hpp"
+#include "seqpar/core/plan.hpp"
+#include "seqpar/core/sequence_layout.hpp"
+#include "seqpar/core/types.hpp"
+
+namespace seqpar {
+
+/// How the partials of a step are combined.
+enum class DecodeExchange : std::uint8_t {
+  all_gather = 0,  ///< queries replicated; every rank receives every partial and merges all heads
+  heads = 1,       ///< queries sharded by heads (as tensor parallelism leaves them): an all-to-all
+                   ///< by heads, each rank merges the heads it owns
+};
+
+/// One decode problem: the batch's shapes, the cache lengths before the first step, the layout
+/// of the cache over the ranks and the exchange.
+struct DecodeProblem {
+  std::int64_t batch = 1;       ///< sequences B
+  std::int64_t heads = 1;       ///< query heads H
+  std::int64_t kv_heads = 0;    ///< K/V heads (0: H)
+  std::int64_t head_dim = 64;   ///< D
+  double scale = 0.0;           ///< softmax scale; 0: 1/sqrt(D)
+  DType dtype = DType::f32;     ///< element type of Q, the cache and O
+  std::int64_t new_tokens = 1;  ///< T: query tokens per sequence per step (1..16), causal among themselves
+  std::vector<std::int64_t> kv_len;  ///< global cache length of each sequence before the first step
+  std::int64_t capacity = 0;    ///< most tokens a sequence's cache will hold (sizes each rank's shard)
+  std::int64_t page = 0;        ///< 0: contiguous layout; N > 0: pages of N tokens round-robin
+  DecodeExchange exchange = DecodeExchange::all_gather;  ///< how partials are combined
+
+  /// K/V heads with 0 resolved.
+  std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
+};
+
+/// Where cache tokens live: the decode plan's layout part (no communication, any rank can ask).
+class CacheLayout {
+ public:
+  /// An empty layout.
+  CacheLayout() = default;
+  /// `initial[b]`: tokens of sequence b at plan time (they fix the contiguous split).
+  CacheLayout(int ranks, std::int64_t page, std::vector<std::int64_t> initial)
+      : ranks_(ranks), page_(page), initial_(std::move(initial)) {}
+
+  /// Rank that stores the K/V of token `pos` of sequence `b`.
+  int owner(std::int64_t b, std::int64_t pos) const {
+    if (page_ > 0) return static_cast<int>((pos / page_) % ranks_);
+    const std::int64_t n = initial_[static_cast<std::size_t>(b)];
+    if (pos >= n) return ranks_ - 1;  // appended tokens stay with the last rank
+    // split_evenly: the first n % P ranks hold one token more.
+    const std::int64_t base = n / ranks_, extra = n % ranks_, cut = extra * (base + 1);
+    return static_cast<int>(pos < cut ? pos / (base + 1) : extra + (pos - cut) / (base > 0 ? base : 1));
+  }
+  /// Tokens of sequence b among positions [0, end) that rank r stores.
+  std::int64_t count(int r, std::int64_t b, std::int64_t end) const {
+    if (end <= 0) return 0;
+    if (page_ > 0) {
+      const std::int64_t full = end / page_, rest = end % page_;  // whole pages, then a partial one
+      const std::int64_t mine = full / ranks_ + (r < full % ranks_ ? 1 : 0);
+      return mine * page_ + (full % ranks_ == r ? rest : 0);
+    }
+    const std::int64_t n = initial_[static_cast<std::size_t>(b)];
+    const std::int64_t base = n / ranks_, extra = n % ranks_;
+    const std::int64_t begin = r * base + std::min<std::int64_t>(r, extra), len = base + (r < extra ? 1 : 0);
+    std::int64_t c = std::clamp<std::int64_t>(end - begin, 0, len);
+    if (r == ranks_ - 1 && end > n) c += end - n;
+    return c;
+  }
+  /// Local slot of token `pos` of sequence b on its owner: its rank among the owner's tokens.
+  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return count(owner(b, pos), b, pos); }
+  /// Ranks.
+  int ranks() const { return ranks_; }
+  /// Page size (0: contiguous).
+  std::int64_t page() const { return page_; }
+
+ private:
+  int ranks_ = 1;
+  std::int64_t page_ = 0;
+  std::vector<std::int64_t> initial_;
+};
+
+namespace detail {
+template <class Comm, class Kernel>
+class DecodeEngine;
+}  // namespace detail
+
+/// The plan of SequenceParallelDecode: made once per cache layout (collective), reused every
+/// step, advanced without communication. Read-only to users except advance().
+class DecodePlan {
+ public:
+  /// An empty plan.
+  DecodePlan() = default;
+  /// The agreed problem.
+  const DecodeProblem& problem() const { return problem_; }
+  /// Where tokens live.
+  const CacheLayout& layout() const { return layout_; }
+  /// This rank.
+  int rank() const { return rank_; }
+  /// Current global cache length of sequence b (before this step's tokens).
+  std::int64_t kv_len(std::int64_t b) const { return len_[static_cast<std::size_t>(b)]; }
+  /// Rank that stores token `pos` of sequence b.
+  int owner(std::int64_t b, std::int64_t pos) const { return layout_.owner(b, pos); }
+  /// Local slot of token `pos` of sequence b on its owner.
+  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return layout_.slot(b, pos); }
+  /// Slots of this rank's cache shard per sequence ([B, shard_capacity, K, D] tensors).
+  std::int64_t shard_capacity() const { return shard_capacity_; }
+  /// Tokens of sequence b this rank stores once the step's T tokens are appended.
+  std::int64_t local_len(std::int64_t b) const { return layout_.count(rank_, b, kv_len(b) + problem_.new_tokens); }
+  /// Heads whose merged output this rank returns (all of them with DecodeExchange::all_gather).
+  HeadRange out_heads() const { return out_heads_; }
+  /// Query heads this rank provides: all heads (all_gather) or its own (heads exchange).
+  HeadRange q_heads() const { return out_heads_; }
+  /// Bytes this rank sends per step: partial O and LSE (accumulation type) to the ranks that
+  /// merge them, the gathered queries in the heads exchange, and an 8-byte step tag per
+  /// message that lets every rank detect a step whose lengths disagree.
+  std::size_t step_bytes() const { return step_bytes_; }
+  /// Workspace bytes of a step.
+  std::size_t workspace_bytes() const { return workspace_; }
+  /// Moves every sequence on by `tokens` (after a step: its T tokens are now cache). Local:
+  /// every rank must advance alike, and a step detects when they did not.
+  void advance(std::int64_t tokens) {
+    SEQPAR_CHECK(tokens >= 0, ConfigError, "DecodePlan::advance: tokens: expected >= 0, got ", tokens);
+    for (std::size_t b = 0; b < len_.size(); ++b) {
+      SEQPAR_CHECK(len_[b] + tokens <= problem_.capacity, ConfigError, "DecodePlan::advance: sequence ", b,
+                   " would hold ", len_[b] + tokens, " tokens, more than the capacity ", problem_.capacity);
+      len_[b] += tokens;
+    }
+    ++step_;
+  }
+  /// Steps advanced so far.
+  std::int64_t steps() const { return step_; }
+
+ private:
+  template <class Comm, class Kernel>
+  friend class detail::DecodeEngine;
+
+  DecodeProblem problem_;
+  CacheLayout layout_;
+  int rank_ = 0;
+  std::uint64_t owner_ = 0;
+  std::vector<std::int64_t> len_;
+  std::int64_t step_ = 0;
+  std::int64_t shard_capacity_ = 0;
+  HeadRange out_heads_;
+  std::vector<HeadRange> heads_of_;  // heads each rank merges (heads exchange)
+  std::size_t step_bytes_ = 0, workspace_ = 0;
+  std::vector<std::int64_t> row_key_end_;  // [B x T] per step, filled without allocating
+};
+
+}  // namespace seqpar
