@@ -259,6 +259,13 @@ TEST_CASE("masks: a ring step whose keys no local query sees is skipped") {
   });
 }
 
+namespace {
+/// A kernel that says it handles causal masks only.
+struct CausalOnlyKernel : ReferenceKernel {
+  static constexpr bool supports_masks = false;
+};
+}  // namespace
+
 TEST_CASE("masks: invalid descriptions fail alike on every rank; a causal-only kernel refuses the rest") {
   struct Bad {
     const char* needle;
@@ -292,9 +299,6 @@ TEST_CASE("masks: invalid descriptions fail alike on every rank; a causal-only k
   });
   CHECK(test::all_same_config_error(differ, "plan: ranks disagree on documents"));
   // A kernel that handles causal masks only is refused a window at plan time.
-  struct CausalOnlyKernel : ReferenceKernel {
-    static constexpr bool supports_masks = false;
-  };
   auto cpu = test::rank_outcomes(2, [&](ThreadCommunicator& c) {
     SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CausalOnlyKernel> attn(c);
     (void)attn.plan({.heads = 2, .head_dim = 4, .window = {2, 2}}, {4});
