@@ -1,0 +1,92 @@
+#pragma once
+/// \file
+/// What every CudaFlashKernel device kernel shares: the argument blocks FwdArgs and BwdArgs
+/// (the whole of what a kernel reads besides shared memory, passed by value at launch), the
+/// warp reductions, and backward_row_stats (the per-query-row D_i and LSE that both backward
+/// kernels stage). Split out of kernel/cuda_flash_kernel.cuh so that the SIMT and tensor-core
+/// kernels (kernel/cuda_flash_simt.cuh, kernel/cuda_flash_tensor_core_forward.cuh,
+/// kernel/cuda_flash_tensor_core_backward.cuh) depend on one small header rather than on each
+/// other. Include kernel/cuda_flash_kernel.cuh to use the kernel.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "seqpar/core/cuda_types.hpp"
+#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/tile_math.hpp"
+
+namespace seqpar {
+namespace cuda_detail {
+
+/// Everything a forward kernel reads besides shared memory.
+template <class T, class O>
+struct FwdArgs {
+  DeviceView<const T> q, k, v;
+  DeviceView<O> out;
+  DeviceView<float> lse;  // data == nullptr: not written
+  std::int64_t sq, sk;
+  int dim;
+  float scale_log2;  // softmax scale * log2(e)
+  bool causal;
+  tile::Positions qpos, kpos;
+  tile::HeadMap heads;
+};
+
+/// Everything the backward kernel reads.
+template <class T>
+struct BwdArgs {
+  DeviceView<const T> dout, q, k, v, out;
+  DeviceView<const float> lse;
+  DeviceView<float> dq, dk, dv;
+  std::int64_t sq, sk;
+  int dim;
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e)
+  bool causal;
+  tile::Positions qpos, kpos;
+  tile::HeadMap heads;
+};
+
+/// The maximum of `x` over the 32 lanes of the warp (every lane gets it).
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+/// The sum of `x` over the 32 lanes of the warp (every lane gets it).
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+/// A query position after every key: the row of a non-causal call, or past the tile, hides none.
+inline constexpr std::int64_t no_position = std::numeric_limits<std::int64_t>::max();
+
+/// What the backward needs per query row besides Q and dO: D_i = rowsum(dO * O) into sD and
+/// the LSE in log2 units into sL, for query rows i0 .. i0 + nq of head h; each warp fills ROWS
+/// consecutive rows. Rows past nq get D = 0 and LSE = -inf, the marker of a row that
+/// contributes nothing (so does a row that saw no key in the forward).
+template <int ROWS, class T>
+__device__ __forceinline__ void backward_row_stats(const BwdArgs<T>& a, std::int64_t b, std::int64_t h,
+                                                   std::int64_t i0, int nq, float* sD, float* sL) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rr = 0; rr < ROWS; ++rr) {
+    const int r = warp * ROWS + rr;
+    float acc = 0.0f;
+    if (r < nq) {
+      const T* orow = a.out.row(b, i0 + r, h);
+      const T* grow = a.dout.row(b, i0 + r, h);
+      for (int d = lane; d < a.dim; d += 32) acc += to_float(orow[d]) * to_float(grow[d]);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) {
+      sD[r] = acc;
+      sL[r] = r < nq ? *a.lse.row(b, i0 + r, h) * tile::log2e : -INFINITY;
+    }
+  }
+}
+
+}  // namespace cuda_detail
+}  // namespace seqpar

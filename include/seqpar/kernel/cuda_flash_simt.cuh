@@ -1,0 +1,296 @@
+#pragma once
+/// \file
+/// The SIMT kernels of CudaFlashKernel: flash_fwd_simt and flash_bwd_simt, for every element
+/// type (__half, __nv_bfloat16, float), any head_dim <= 256 and any strides, float in shared
+/// memory. They are the path every call can take; the host class (kernel/cuda_flash_kernel.cuh)
+/// picks them whenever the tensor-core kernels do not apply. Kept apart from the tensor-core
+/// kernels because they share nothing with them but kernel/cuda_flash_args.cuh.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_launch.cuh"
+#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/tile_math.hpp"
+
+namespace seqpar {
+namespace cuda_detail {
+
+// ---------------------------------------------------------------------------------------
+// SIMT forward: any type, head_dim <= 32 * DC.
+
+inline constexpr int simt_bq = 32;       // query rows per block (8 per warp)
+inline constexpr int simt_bk = 32;       // keys per tile (one per lane)
+inline constexpr int simt_threads = 128;
+inline constexpr int simt_rows = simt_bq / (simt_threads / 32);  // rows per warp
+
+/// Padded row length of the float Q and K tiles (float4 loads of Q need a multiple of 4).
+__host__ __device__ constexpr int simt_padded_dim(int dim) { return (dim + 3) & ~3; }
+
+/// Dynamic shared memory of the SIMT forward: Q [bq][Dp], K [bk][Dp + 1] (odd stride: a lane
+/// per key reads without bank conflicts), V [bk][32 DC], P [bq][bk].
+constexpr std::size_t simt_fwd_smem(int dim, int dc) {
+  const int dp = simt_padded_dim(dim);
+  return sizeof(float) *
+         (static_cast<std::size_t>(simt_bq) * dp + static_cast<std::size_t>(simt_bk) * (dp + 1) +
+          static_cast<std::size_t>(simt_bk) * 32 * dc + static_cast<std::size_t>(simt_bq) * simt_bk);
+}
+
+/// The SIMT forward: one block per (32-row query tile, query head, batch), launched last tile
+/// first; each lane holds DC output columns of its rows (head_dim <= 32 DC).
+template <class T, class O, int DC>
+__global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) {
+  float* smem = dynamic_smem<float>();
+  const int D = a.dim, Dp = simt_padded_dim(D), Dv = 32 * DC;
+  float* sQ = smem;
+  float* sK = sQ + simt_bq * Dp;
+  float* sV = sK + simt_bk * (Dp + 1);
+  float* sP = sV + simt_bk * Dv;
+
+  const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * simt_bq;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nq = static_cast<int>(a.sq - i0 < simt_bq ? a.sq - i0 : simt_bq);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  for (int idx = tid; idx < simt_bq * Dp; idx += simt_threads) {
+    const int r = idx / Dp, d = idx - r * Dp;
+    sQ[idx] = (r < nq && d < D) ? to_float(a.q.row(b, i0 + r, h)[d]) * a.scale_log2 : 0.0f;
+  }
+  float m[simt_rows], l[simt_rows], o[simt_rows][DC];
+  std::int64_t qp[simt_rows];
+#pragma unroll
+  for (int rr = 0; rr < simt_rows; ++rr) {
+    m[rr] = -INFINITY;
+    l[rr] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DC; ++c) o[rr][c] = 0.0f;
+    const int r = warp * simt_rows + rr;
+    qp[rr] = (a.causal && r < nq) ? a.qpos(i0 + r) : no_position;
+  }
+  const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
+
+  for (std::int64_t j0 = 0; j0 < a.sk; j0 += simt_bk) {
+    const int nk = static_cast<int>(a.sk - j0 < simt_bk ? a.sk - j0 : simt_bk);
+    const tile::TileMask mask = tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(j0 + nk - 1));
+    if (mask == tile::TileMask::hidden) break;
+    __syncthreads();  // the previous tile's K, V, P are consumed
+    for (int idx = tid; idx < simt_bk * Dp; idx += simt_threads) {
+      const int j = idx / Dp, d = idx - j * Dp;
+      sK[j * (Dp + 1) + d] = (j < nk && d < D) ? to_float(a.k.row(b, j0 + j, kh)[d]) : 0.0f;
+    }
+    for (int idx = tid; idx < simt_bk * Dv; idx += simt_threads) {
+      const int j = idx / Dv, d = idx - j * Dv;
+      sV[idx] = (j < nk && d < D) ? to_float(a.v.row(b, j0 + j, kh)[d]) : 0.0f;
+    }
+    __syncthreads();
+
+    float s[simt_rows];
+#pragma unroll
+    for (int rr = 0; rr < simt_rows; ++rr) s[rr] = 0.0f;
+    const float* kr = sK + lane * (Dp + 1);
+    for (int d = 0; d < Dp; d += 4) {
+      const float k0 = kr[d], k1 = kr[d + 1], k2 = kr[d + 2], k3 = kr[d + 3];
+#pragma unroll
+      for (int rr = 0; rr < simt_rows; ++rr) {
+        const float4 qv = *reinterpret_cast<const float4*>(sQ + (warp * simt_rows + rr) * Dp + d);
+        s[rr] += qv.x * k0 + qv.y * k1 + qv.z * k2 + qv.w * k3;
+      }
+    }
+    const bool key_ok = lane < nk;
+    const std::int64_t kp = (mask == tile::TileMask::partial && key_ok) ? a.kpos(j0 + lane) : 0;
+#pragma unroll
+    for (int rr = 0; rr < simt_rows; ++rr) {
+      const bool visible = key_ok && (mask != tile::TileMask::partial || kp <= qp[rr]);
+      const float x = visible ? s[rr] : -INFINITY;
+      const float m_new = fmaxf(m[rr], warp_max(x));
+      const float alpha = tile::rescale_factor(m[rr], m_new);
+      const float p = tile::softmax_weight(x, m_new);
+      l[rr] = l[rr] * alpha + warp_sum(p);
+      m[rr] = m_new;
+#pragma unroll
+      for (int c = 0; c < DC; ++c) o[rr][c] *= alpha;
+      sP[(warp * simt_rows + rr) * simt_bk + lane] = p;
+    }
+    __syncwarp();
+    for (int j = 0; j < nk; ++j) {
+      float vv[DC];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) vv[c] = sV[j * Dv + lane + 32 * c];
+#pragma unroll
+      for (int rr = 0; rr < simt_rows; ++rr) {
+        const float p = sP[(warp * simt_rows + rr) * simt_bk + j];
+#pragma unroll
+        for (int c = 0; c < DC; ++c) o[rr][c] += p * vv[c];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int rr = 0; rr < simt_rows; ++rr) {
+    const int r = warp * simt_rows + rr;
+    if (r >= nq) continue;
+    const tile::RowFinish f = tile::finish_row(m[rr], l[rr]);
+    O* orow = a.out.row(b, i0 + r, h);
+#pragma unroll
+    for (int c = 0; c < DC; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) orow[d] = convert<O>(o[rr][c] * f.inv_sum);
+    }
+    if (lane == 0 && a.lse.data) *a.lse.row(b, i0 + r, h) = f.lse;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// SIMT backward: any type, head_dim <= 32 * DC. One block per (key tile, query head, batch).
+
+inline constexpr int bwd_bq = 32, bwd_bk = 32, bwd_threads = 128;
+inline constexpr int bwd_rows = bwd_bq / (bwd_threads / 32);  // query rows (or keys) per warp
+
+/// Dynamic shared memory of the backward: K, V [bk][Dp + 1]; Q, dO [bq][Dp]; P, dS [bq][bk + 1];
+/// D_i, LSE [bq].
+constexpr std::size_t simt_bwd_smem(int dim) {
+  const std::size_t dp = static_cast<std::size_t>(simt_padded_dim(dim));
+  return sizeof(float) * (2 * bwd_bk * (dp + 1) + 2 * bwd_bq * dp + 2 * bwd_bq * (bwd_bk + 1) + 2 * bwd_bq);
+}
+
+/// The SIMT backward: one block per (32-key tile, query head, batch) keeps that tile's dK, dV
+/// in registers while the query tiles stream past, and adds them and its share of dQ with atomics.
+template <class T, int DC>
+__global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
+  float* smem = dynamic_smem<float>();
+  const int D = a.dim, Dp = simt_padded_dim(D), Ks = Dp + 1, Ps = bwd_bk + 1;
+  float* sK = smem;
+  float* sV = sK + bwd_bk * Ks;
+  float* sQ = sV + bwd_bk * Ks;
+  float* sO = sQ + bwd_bq * Dp;  // dO
+  float* sP = sO + bwd_bq * Dp;
+  float* sS = sP + bwd_bq * Ps;  // dS
+  float* sD = sS + bwd_bq * Ps;  // rowsum(dO * O)
+  float* sL = sD + bwd_bq;       // LSE in log2 units; -inf: the row contributes nothing
+
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * bwd_bk;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nk = static_cast<int>(a.sk - j0 < bwd_bk ? a.sk - j0 : bwd_bk);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  for (int idx = tid; idx < bwd_bk * Dp; idx += bwd_threads) {
+    const int j = idx / Dp, d = idx - j * Dp;
+    const bool ok = j < nk && d < D;
+    sK[j * Ks + d] = ok ? to_float(a.k.row(b, j0 + j, kh)[d]) : 0.0f;
+    sV[j * Ks + d] = ok ? to_float(a.v.row(b, j0 + j, kh)[d]) : 0.0f;
+  }
+  const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
+  const std::int64_t kp = (a.causal && lane < nk) ? a.kpos(j0 + lane) : 0;
+
+  // dK, dV of keys warp * 8 + kk, columns lane + 32 c.
+  float dk[bwd_rows][DC], dv[bwd_rows][DC];
+#pragma unroll
+  for (int kk = 0; kk < bwd_rows; ++kk)
+#pragma unroll
+    for (int c = 0; c < DC; ++c) dk[kk][c] = dv[kk][c] = 0.0f;
+
+  for (std::int64_t i0 = 0; i0 < a.sq; i0 += bwd_bq) {
+    const int nq = static_cast<int>(a.sq - i0 < bwd_bq ? a.sq - i0 : bwd_bq);
+    const tile::TileMask mask = tile::classify_tile(a.causal, a.qpos(i0), a.qpos(i0 + nq - 1), k_first, k_last);
+    if (mask == tile::TileMask::hidden) continue;
+    __syncthreads();  // the previous query tile is consumed
+    for (int idx = tid; idx < bwd_bq * Dp; idx += bwd_threads) {
+      const int r = idx / Dp, d = idx - r * Dp;
+      const bool ok = r < nq && d < D;
+      sQ[idx] = ok ? to_float(a.q.row(b, i0 + r, h)[d]) : 0.0f;
+      sO[idx] = ok ? to_float(a.dout.row(b, i0 + r, h)[d]) : 0.0f;
+    }
+    backward_row_stats<bwd_rows>(a, b, h, i0, nq, sD, sL);
+    __syncthreads();
+
+    // P and dS: lane = key, warp rows.
+    const float* kr = sK + lane * Ks;
+    const float* vr = sV + lane * Ks;
+#pragma unroll
+    for (int rr = 0; rr < bwd_rows; ++rr) {
+      const int r = warp * bwd_rows + rr;
+      const float* qr = sQ + r * Dp;
+      const float* gr = sO + r * Dp;
+      float s = 0.0f, dp = 0.0f;
+      for (int d = 0; d < Dp; d += 4) {
+        const float4 q4 = *reinterpret_cast<const float4*>(qr + d);
+        const float4 g4 = *reinterpret_cast<const float4*>(gr + d);
+        s += q4.x * kr[d] + q4.y * kr[d + 1] + q4.z * kr[d + 2] + q4.w * kr[d + 3];
+        dp += g4.x * vr[d] + g4.y * vr[d + 1] + g4.z * vr[d + 2] + g4.w * vr[d + 3];
+      }
+      bool visible = lane < nk && r < nq && sL[r] != -INFINITY;
+      if (visible && mask == tile::TileMask::partial) visible = kp <= a.qpos(i0 + r);
+      const float p = visible ? tile::exp2_fast(s * a.scale_log2 - sL[r]) : 0.0f;
+      sP[r * Ps + lane] = p;
+      sS[r * Ps + lane] = p * (dp - sD[r]);
+    }
+    __syncthreads();
+
+    // dV += P^T dO, dK += dS^T Q: warp keys, lane columns.
+    for (int i = 0; i < nq; ++i) {
+      float gq[DC], qq[DC];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) {
+        const int d = lane + 32 * c;
+        gq[c] = d < Dp ? sO[i * Dp + d] : 0.0f;
+        qq[c] = d < Dp ? sQ[i * Dp + d] : 0.0f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < bwd_rows; ++kk) {
+        const float p = sP[i * Ps + warp * bwd_rows + kk], ds = sS[i * Ps + warp * bwd_rows + kk];
+#pragma unroll
+        for (int c = 0; c < DC; ++c) {
+          dv[kk][c] += p * gq[c];
+          dk[kk][c] += ds * qq[c];
+        }
+      }
+    }
+    // dQ += scale * dS K: warp rows, lane columns; other key tiles add to the same rows.
+#pragma unroll
+    for (int rr = 0; rr < bwd_rows; ++rr) {
+      const int r = warp * bwd_rows + rr;
+      if (r >= nq) continue;
+      float acc[DC];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) acc[c] = 0.0f;
+      for (int j = 0; j < nk; ++j) {
+        const float ds = sS[r * Ps + j];
+#pragma unroll
+        for (int c = 0; c < DC; ++c) {
+          const int d = lane + 32 * c;
+          acc[c] += ds * (d < Dp ? sK[j * Ks + d] : 0.0f);
+        }
+      }
+      float* dqr = a.dq.row(b, i0 + r, h);
+#pragma unroll
+      for (int c = 0; c < DC; ++c) {
+        const int d = lane + 32 * c;
+        if (d < D) atomicAdd(dqr + d, acc[c] * a.scale);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int kk = 0; kk < bwd_rows; ++kk) {
+    const int j = warp * bwd_rows + kk;
+    if (j >= nk) continue;
+    float* dkr = a.dk.row(b, j0 + j, kh);
+    float* dvr = a.dv.row(b, j0 + j, kh);
+#pragma unroll
+    for (int c = 0; c < DC; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) {
+        atomicAdd(dkr + d, dk[kk][c] * a.scale);
+        atomicAdd(dvr + d, dv[kk][c]);
+      }
+    }
+  }
+}
+
+}  // namespace cuda_detail
+}  // namespace seqpar

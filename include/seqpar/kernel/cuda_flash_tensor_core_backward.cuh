@@ -1,0 +1,216 @@
+#pragma once
+/// \file
+/// The tensor-core backward of CudaFlashKernel: flash_bwd_mma, for __half and __nv_bfloat16
+/// at head_dim 64 or 128 on sm_80+, all five products (S, dP, dV, dK, dQ) by mma.sync with
+/// ldmatrix operands, one block per 64-key tile keeping its dK, dV in registers. The host
+/// class (kernel/cuda_flash_kernel.cuh) picks it on the forward's conditions (and dout's rows
+/// 16-byte aligned) and the SIMT backward otherwise; its primitives are in
+/// kernel/cuda_flash_mma.cuh.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_flash_mma.cuh"
+#include "seqpar/kernel/cuda_launch.cuh"
+#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/tile_math.hpp"
+
+namespace seqpar {
+namespace cuda_detail {
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core backward: half / bf16, head_dim 64 or 128. One block per (key tile, query head,
+// batch); each of the four warps owns 16 keys of the tile and keeps their dK, dV in registers
+// while the query tiles stream past (FlashAttention-2's backward loop order).
+
+inline constexpr int mma_bwd_bk = 64;  // keys per block: 16 per warp
+
+/// Query rows per tile of the tensor-core backward: 64 at head_dim 64; 32 at 128, where the
+/// dK and dV accumulators take 64 registers each and 64-query S and dP tiles would take the
+/// rest (ptxas, sm_90: 255 registers with 64 query rows, 240 with 32).
+template <int D>
+inline constexpr int mma_bwd_bq = D <= 64 ? 64 : 32;
+
+/// Dynamic shared memory of the tensor-core backward: K, V [64][D + 8] for the whole block;
+/// Q, dO [BQ][D + 8] and dS [BQ][64 + 8] (T) per query tile; D_i and LSE [BQ] (float).
+template <class T, int D>
+constexpr std::size_t mma_bwd_smem() {
+  constexpr std::size_t bq = mma_bwd_bq<D>;
+  return sizeof(T) * ((2 * mma_bwd_bk + 2 * bq) * (D + 8) + bq * (mma_bwd_bk + 8)) + 2 * sizeof(float) * bq;
+}
+
+/// The tensor-core backward. Per query tile, warp w (keys 16w .. 16w + 15):
+///   S^T = K Q^T and dP^T = V dO^T (mma, B operands by ldmatrix exactly as K^T in the forward);
+///   P^T = exp2(S^T scale log2e - LSE), dS^T = P^T (dP^T - D) on the accumulators;
+///   dV += P^T dO and dK += dS^T Q, with P^T and dS^T fed back as A operands from registers;
+///   dS^T goes to shared memory as dS, and after one barrier each warp adds its share of
+///   dQ = scale dS K into global memory (float atomics: other key blocks add to the same rows),
+///   while the next query tile's Q and dO load.
+/// P and dS are rounded to T as mma inputs (FlashAttention-2 does the same); every product
+/// accumulates in float.
+template <class T, int D>
+__global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
+  constexpr int bk = mma_bwd_bk, bq = mma_bwd_bq<D>, stride = D + 8, ds_stride = bk + 8;
+  constexpr int nt_q = bq / 8, nt_d = D / 8;
+  // dQ: the tile's bq / 16 row blocks times column groups make four warp tasks.
+  constexpr int row_blocks = bq / 16, col_groups = (mma_threads / 32) / row_blocks, nt_per_group = nt_d / col_groups;
+  static_assert(row_blocks * col_groups == mma_threads / 32 && nt_per_group % 2 == 0, "flash_bwd_mma: dQ split");
+  T* sK = dynamic_smem<T>();
+  T* sV = sK + bk * stride;
+  T* sQ = sV + bk * stride;
+  T* sG = sQ + bq * stride;  // dO
+  T* sS = sG + bq * stride;  // dS, [query][key]
+  float* sL = reinterpret_cast<float*>(sS + bq * ds_stride);
+  float* sD = sL + bq;
+
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * bk;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nk = static_cast<int>(a.sk - j0 < bk ? a.sk - j0 : bk);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int key0 = warp * 16;  // this warp's first key in the tile
+
+  const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
+  auto rows_of = [&](std::int64_t i0) { return static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq); };
+  auto tile_mask = [&](std::int64_t i0) {
+    return tile::classify_tile(a.causal, a.qpos(i0), a.qpos(i0 + rows_of(i0) - 1), k_first, k_last);
+  };
+  // The first query tile at or after i0 that sees a key of this block (positions increase, so
+  // the hidden tiles of a causal mask come first), or sq.
+  auto next_tile = [&](std::int64_t i0) {
+    while (i0 < a.sq && tile_mask(i0) == tile::TileMask::hidden) i0 += bq;
+    return i0;
+  };
+  auto start_tile = [&](std::int64_t i0) {
+    const int nq = rows_of(i0);
+    load_tile_async<T, D, bq>(sQ, a.q, b, i0, h, nq);
+    load_tile_async<T, D, bq>(sG, a.dout, b, i0, h, nq);
+    cp_async_commit();
+    backward_row_stats<bq / 4>(a, b, h, i0, nq, sD, sL);
+  };
+  std::int64_t i0 = next_tile(0);
+  if (i0 >= a.sq) return;  // no query sees these keys: nothing to add (the same for every thread)
+
+  // This lane's keys: accumulator rows g and g + 8 of the warp's 16.
+  bool key_ok[2];
+  std::int64_t kp[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int kr = key0 + tile::mma_c_coord(lane, 2 * hf).row;
+    key_ok[hf] = kr < nk;
+    kp[hf] = key_ok[hf] ? a.kpos(j0 + kr) : 0;
+  }
+  float dk[nt_d][4], dv[nt_d][4];
+#pragma unroll
+  for (int n = 0; n < nt_d; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.0f;
+
+  const int off_b = tile::ldmatrix_k_offset(lane, stride);   // B = X^T from a row-major X tile
+  const int off_t = tile::ldmatrix_v_offset(lane, stride);   // B = X, loaded transposed
+  load_tile_async<T, D>(sK, a.k, b, j0, kh, nk);
+  load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
+  start_tile(i0);
+  cp_async_wait<0>();
+  __syncthreads();
+  while (i0 < a.sq) {
+    const int nq = rows_of(i0);
+    const tile::TileMask mask = tile_mask(i0);
+
+    float s[nt_q][4], dp[nt_q][4];
+#pragma unroll
+    for (int nt = 0; nt < nt_q; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      std::uint32_t ka[4], va[4];
+      ldmatrix_x4<false>(ka, sK + key0 * stride + kc * 16 + tile::ldmatrix_a_offset(lane, stride));
+      ldmatrix_x4<false>(va, sV + key0 * stride + kc * 16 + tile::ldmatrix_a_offset(lane, stride));
+#pragma unroll
+      for (int nt = 0; nt < nt_q; nt += 2) {
+        mma_x2<false>(s[nt], s[nt + 1], ka, sQ + nt * 8 * stride + kc * 16 + off_b);
+        mma_x2<false>(dp[nt], dp[nt + 1], va, sG + nt * 8 * stride + kc * 16 + off_b);
+      }
+    }
+    // P^T and dS^T: row = key, column = query (a column past nq has LSE = -inf). dS^T also
+    // goes to shared memory as dS, for dQ = dS K, which needs every warp's keys.
+#pragma unroll
+    for (int nt = 0; nt < nt_q; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const tile::FragCoord c = tile::mma_c_coord(lane, i);
+        const int col = nt * 8 + c.col;
+        const float lse = sL[col];
+        bool visible = key_ok[i >> 1] && lse != -INFINITY;
+        if (visible && mask == tile::TileMask::partial) visible = kp[i >> 1] <= a.qpos(i0 + col);
+        const float p = visible ? tile::exp2_fast(s[nt][i] * a.scale_log2 - lse) : 0.0f;
+        s[nt][i] = p;
+        dp[nt][i] = p * (dp[nt][i] - sD[col]);
+        sS[col * ds_stride + key0 + c.row] = convert<T>(dp[nt][i]);
+      }
+#pragma unroll
+    for (int kc = 0; kc < bq / 16; ++kc) {
+      std::uint32_t pa[4], da[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int t = 2 * kc + tile::a_from_c_tile(2 * r), e = tile::a_from_c_elem(2 * r);
+        pa[r] = pack_pair<T>(s[t][e], s[t][e + 1]);
+        da[r] = pack_pair<T>(dp[t][e], dp[t][e + 1]);
+      }
+#pragma unroll
+      for (int n = 0; n < nt_d; n += 2) {
+        mma_x2<true>(dv[n], dv[n + 1], pa, sG + kc * 16 * stride + n * 8 + off_t);
+        mma_x2<true>(dk[n], dk[n + 1], da, sQ + kc * 16 * stride + n * 8 + off_t);
+      }
+    }
+    __syncthreads();  // dS is complete; every warp is done with sQ, sG, sL, sD
+    const std::int64_t i1 = next_tile(i0 + bq);
+    if (i1 < a.sq) start_tile(i1);  // lands while dQ is computed
+
+    // dQ rows 16 rb .. 16 rb + 15, head-dim n-tiles of column group cg: A = dS rows, B = K.
+    const int rb = warp % row_blocks, cg = warp / row_blocks;
+    if (16 * rb < nq) {
+      std::uint32_t sa[bk / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < bk / 16; ++kc)
+        ldmatrix_x4<false>(sa[kc], sS + 16 * rb * ds_stride + kc * 16 + tile::ldmatrix_a_offset(lane, ds_stride));
+#pragma unroll
+      for (int n = cg * nt_per_group; n < (cg + 1) * nt_per_group; n += 2) {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int kc = 0; kc < bk / 16; ++kc)
+          mma_x2<true>(acc[0], acc[1], sa[kc], sK + kc * 16 * stride + n * 8 + off_t);
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const tile::FragCoord c = tile::mma_c_coord(lane, i);
+            const int row = 16 * rb + c.row;
+            if (row < nq) atomicAdd(a.dq.row(b, i0 + row, h) + (n + t) * 8 + c.col, acc[t][i] * a.scale);
+          }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next tile is in; every warp is done with sS
+    i0 = i1;
+  }
+
+#pragma unroll
+  for (int n = 0; n < nt_d; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const tile::FragCoord c = tile::mma_c_coord(lane, i);
+      const int kr = key0 + c.row;
+      if (kr < nk) {
+        atomicAdd(a.dk.row(b, j0 + kr, kh) + n * 8 + c.col, dk[n][i] * a.scale);
+        atomicAdd(a.dv.row(b, j0 + kr, kh) + n * 8 + c.col, dv[n][i]);
+      }
+    }
+}
+
+}  // namespace cuda_detail
+}  // namespace seqpar

@@ -1,0 +1,301 @@
+#pragma once
+/// \file
+/// The tensor-core forward of CudaFlashKernel: flash_fwd_mma, for __half and __nv_bfloat16 at
+/// head_dim 64 or 128 on sm_80+, 64 (or 128) query rows x 64 keys per tile, Q K^T and P V by
+/// mma.sync with P kept in registers, K/V streamed into shared memory with cp.async. The host
+/// class (kernel/cuda_flash_kernel.cuh) picks it when its conditions hold and SIMT otherwise;
+/// the primitives it is built from are in kernel/cuda_flash_mma.cuh.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_flash_mma.cuh"
+#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/tile_math.hpp"
+
+namespace seqpar {
+namespace cuda_detail {
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core forward: half / bf16, head_dim 64 or 128.
+
+/// Query rows per block of the tensor-core forward with MT m-tiles (16 rows each) per warp.
+template <int MT>
+inline constexpr int mma_block_rows = 16 * MT * (mma_threads / 32);
+
+/// Dynamic shared memory of the tensor-core forward: none with one m-tile per warp (K and V
+/// are static, Q lives in registers); with two, Q [128][D + 8], K and V [64][D + 8].
+template <class T, int D, int MT>
+constexpr std::size_t mma_fwd_smem() {
+  return MT == 1 ? 0 : sizeof(T) * static_cast<std::size_t>(mma_block_rows<MT> + 2 * mma_bk) * (D + 8);
+}
+
+/// The tensor-core forward. `ldsm`: K, V (and Q) fragments come from ldmatrix (four registers
+/// per instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant,
+/// kept as a cross-check and fallback). MT m-tiles of 16 query rows per warp: MT = 1 keeps Q
+/// in registers (64-row blocks, no dynamic shared memory); MT = 2 is FlashAttention-2's tile
+/// for H100 (128-row blocks): each K and V fragment feeds two m-tiles, halving shared-memory
+/// traffic per FLOP, and Q stays in shared memory to leave registers to the two accumulators.
+template <class T, class O, int D, bool ldsm, int MT>
+__global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
+  static_assert(MT == 1 || MT == 2, "flash_fwd_mma: one or two m-tiles per warp");
+  constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
+  constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8, bq = mma_block_rows<MT>;
+  T* sK;
+  T* sV;
+  T* sQ;
+  if constexpr (MT == 1) {
+    __shared__ __align__(16) T sK1[mma_bk * stride];
+    __shared__ __align__(16) T sV1[mma_bk * stride];
+    sK = sK1;
+    sV = sV1;
+    sQ = sK1;  // Q is staged through sK on its way to registers
+  } else {
+    sQ = dynamic_smem<T>();
+    sK = sQ + bq * stride;
+    sV = sK + mma_bk * stride;
+  }
+
+  const std::int64_t i0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * bq;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const int nq = static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq);
+  const std::int64_t kh = a.heads.kv_head(h);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp_row = warp * 16 * MT;  // first query row of this warp in the block
+
+  load_tile_async<T, D, bq>(sQ, a.q, b, i0, h, nq);
+  cp_async_commit();
+  // MT = 1: Q as A fragments in registers for the whole block. MT = 2: Q stays in shared
+  // memory; its group completes with the first K tile's wait below.
+  std::uint32_t qf[MT == 1 ? kc_steps : 1][4];
+  if constexpr (MT == 1) {
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kc = 0; kc < kc_steps; ++kc)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        qf[kc][r] = *reinterpret_cast<const std::uint32_t*>(sQ + warp_row * stride + kc * 16 +
+                                                            tile::mma_a_offset(lane, r, stride));
+    __syncthreads();
+  }
+  // The A fragment of m-tile mt, k-chunk kc.
+  auto q_fragment = [&](std::uint32_t(&qa)[4], int mt, int kc) {
+    if constexpr (MT == 1) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) qa[r] = qf[kc][r];
+    } else {
+      const T* base = sQ + (warp_row + 16 * mt) * stride + kc * 16;
+      if constexpr (ldsm) {
+        ldmatrix_x4<false>(qa, base + tile::ldmatrix_a_offset(lane, stride));
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          qa[r] = *reinterpret_cast<const std::uint32_t*>(base + tile::mma_a_offset(lane, r, stride));
+      }
+    }
+  };
+
+  // This thread's query rows: C fragment rows g and g + 8 of each of its warp's m-tiles.
+  std::int64_t qp[MT][2];
+  int rows[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      rows[mt][hf] = warp_row + 16 * mt + tile::mma_c_coord(lane, 2 * hf).row;
+      qp[mt][hf] = (a.causal && rows[mt][hf] < nq) ? a.qpos(i0 + rows[mt][hf]) : no_position;
+    }
+  const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
+  auto tile_mask = [&](std::int64_t j0) {
+    const std::int64_t last = (a.sk - j0 < mma_bk ? a.sk : j0 + mma_bk) - 1;
+    return tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(last));
+  };
+
+  float oacc[MT][nt_o][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) oacc[mt][n][i] = 0.0f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
+
+  bool tile_ok = a.sk > 0 && tile_mask(0) != tile::TileMask::hidden;
+  if (tile_ok) load_tile_async<T, D>(sK, a.k, b, 0, kh, static_cast<int>(a.sk < mma_bk ? a.sk : mma_bk));
+  cp_async_commit();
+
+  for (std::int64_t j0 = 0; tile_ok; j0 += mma_bk) {
+    const int nk = static_cast<int>(a.sk - j0 < mma_bk ? a.sk - j0 : mma_bk);
+    const tile::TileMask mask = tile_mask(j0);
+    load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
+    cp_async_commit();
+    cp_async_wait<1>();  // K(j0) (and Q) have landed; V may still be in flight
+    __syncthreads();
+
+    float sacc[MT][nt_s][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sacc[mt][nt][i] = 0.0f;
+    // B = K^T: element (k = dim, n = key) is K[key][dim]; a register holds two adjacent dims.
+#pragma unroll
+    for (int kc = 0; kc < kc_steps; ++kc) {
+      std::uint32_t qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) q_fragment(qa[mt], mt, kc);
+      if constexpr (ldsm) {
+        const int koff = tile::ldmatrix_k_offset(lane, stride);
+#pragma unroll
+        for (int nt = 0; nt < nt_s; nt += 2) {
+          std::uint32_t kb[4];
+          ldmatrix_x4<false>(kb, sK + nt * 8 * stride + kc * 16 + koff);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(sacc[mt][nt], qa[mt], kb[0], kb[1]);
+            mma_16816<T>(sacc[mt][nt + 1], qa[mt], kb[2], kb[3]);
+          }
+        }
+      } else {
+        const int kb0 = tile::mma_b_offset_nk(lane, 0, stride), kb1 = tile::mma_b_offset_nk(lane, 1, stride);
+#pragma unroll
+        for (int nt = 0; nt < nt_s; ++nt) {
+          const T* kr = sK + nt * 8 * stride + kc * 16;
+          const std::uint32_t b0 = *reinterpret_cast<const std::uint32_t*>(kr + kb0);
+          const std::uint32_t b1 = *reinterpret_cast<const std::uint32_t*>(kr + kb1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(sacc[mt][nt], qa[mt], b0, b1);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with sK: prefetch the next K tile into it
+    const std::int64_t j1 = j0 + mma_bk;
+    const bool next_ok = j1 < a.sk && tile_mask(j1) != tile::TileMask::hidden;
+    if (next_ok) load_tile_async<T, D>(sK, a.k, b, j1, kh, static_cast<int>(a.sk - j1 < mma_bk ? a.sk - j1 : mma_bk));
+    cp_async_commit();
+
+    // Online softmax on the S fragments (row half 0: elements 0, 1; half 1: elements 2, 3).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
+          bool visible = col < nk;
+          if (visible && mask == tile::TileMask::partial) visible = a.kpos(j0 + col) <= qp[mt][i >> 1];
+          const float x = visible ? sacc[mt][nt][i] * a.scale_log2 : -INFINITY;
+          sacc[mt][nt][i] = x;
+          mx[i >> 1] = fmaxf(mx[i >> 1], x);
+        }
+      float alpha[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        // A row lives in the four lanes of a quad.
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const float mn = fmaxf(m[mt][hf], mx[hf]);
+        alpha[hf] = tile::rescale_factor(m[mt][hf], mn);
+        m[mt][hf] = mn;
+      }
+      float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          sacc[mt][nt][i] = tile::softmax_weight(sacc[mt][nt][i], m[mt][i >> 1]);
+          sum[i >> 1] += sacc[mt][nt][i];
+        }
+      // Partial sums stay per lane (alpha is the same in the four lanes); the quad adds them
+      // at the end.
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) l[mt][hf] = l[mt][hf] * alpha[hf] + sum[hf];
+#pragma unroll
+      for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oacc[mt][n][i] *= alpha[i >> 1];
+    }
+
+    cp_async_wait<1>();  // V(j0) has landed (the next K may still be in flight)
+    __syncthreads();
+    int vb[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride);
+    const int voff = tile::ldmatrix_v_offset(lane, stride);
+#pragma unroll
+    for (int kc = 0; kc < mma_bk / 16; ++kc) {
+      // P's accumulator fragments of n-tiles 2kc, 2kc + 1 are exactly A's fragment of k-chunk kc.
+      std::uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float* c = sacc[mt][2 * kc + tile::a_from_c_tile(2 * r)];
+          const int e = tile::a_from_c_elem(2 * r);
+          pa[mt][r] = pack_pair<T>(c[e], c[e + 1]);
+        }
+      // B = V: element (k = key, n = dim); a register holds two adjacent keys of one dim.
+      const T* vk = sV + kc * 16 * stride;
+      if constexpr (ldsm) {
+#pragma unroll
+        for (int n = 0; n < nt_o; n += 2) {
+          std::uint32_t vb4[4];
+          ldmatrix_x4<true>(vb4, vk + n * 8 + voff);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(oacc[mt][n], pa[mt], vb4[0], vb4[1]);
+            mma_16816<T>(oacc[mt][n + 1], pa[mt], vb4[2], vb4[3]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < nt_o; ++n) {
+          const T* vc = vk + n * 8;
+          const std::uint32_t b0 = pack_bits(vc[vb[0]], vc[vb[1]]);
+          const std::uint32_t b1 = pack_bits(vc[vb[2]], vc[vb[3]]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(oacc[mt][n], pa[mt], b0, b1);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with sV before the next V load
+    tile_ok = next_ok;
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    tile::RowFinish f[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      l[mt][hf] += __shfl_xor_sync(0xffffffffu, l[mt][hf], 1);
+      l[mt][hf] += __shfl_xor_sync(0xffffffffu, l[mt][hf], 2);
+      f[hf] = tile::finish_row(m[mt][hf], l[mt][hf]);
+    }
+#pragma unroll
+    for (int n = 0; n < nt_o; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = rows[mt][i >> 1];
+        if (row < nq)
+          a.out.row(b, i0 + row, h)[n * 8 + tile::mma_c_coord(lane, i).col] = convert<O>(oacc[mt][n][i] * f[i >> 1].inv_sum);
+      }
+    if ((lane & 3) == 0 && a.lse.data) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        if (rows[mt][hf] < nq) *a.lse.row(b, i0 + rows[mt][hf], h) = f[hf].lse;
+    }
+  }
+}
+
+}  // namespace cuda_detail
+}  // namespace seqpar
