@@ -5,14 +5,17 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/attention_check.hpp"
+#include "support/rank_outcomes.hpp"
 
 using namespace seqpar;
 using namespace std::chrono_literals;
@@ -410,5 +413,160 @@ TEST_CASE("thread comm: bad peer ranks are ConfigErrors") {
     CHECK_THROWS_AS(c.start_exchange(&b, 1, 0, &b, 1, -1), ConfigError);
     std::vector<std::size_t> wrong(3, 0);
     CHECK_THROWS_AS(c.all_to_all_v(&b, wrong, wrong, &b, wrong, wrong), ConfigError);
+  });
+}
+
+namespace {
+
+/// One call of a blocking operation on `c`, the same on every rank.
+void block_in(ThreadCommunicator& c, const std::string& op) {
+  const auto n = static_cast<std::size_t>(c.size());
+  std::vector<std::byte> send(4 * n, std::byte{1}), recv(4 * n);
+  std::vector<std::size_t> counts(n, 4), displs(n);
+  for (std::size_t j = 0; j < n; ++j) displs[j] = 4 * j;
+  if (op == "all_to_all_v") c.all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs);
+  if (op == "barrier") c.barrier();
+  if (op == "all_gather_host") {
+    const std::int64_t mine[1] = {c.rank()};
+    std::vector<std::int64_t> all(n);
+    c.all_gather_host(mine, all);
+  }
+  if (op == "exchange") {
+    auto req = c.start_exchange(send.data(), 4, (c.rank() + 1) % c.size(), recv.data(), 4,
+                                (c.rank() + c.size() - 1) % c.size());
+    c.wait(req);
+  }
+}
+
+/// Sets an environment variable for one scope.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  const char* name_;
+};
+
+}  // namespace
+
+TEST_CASE("time-out: a rank that returned without calling the operation is named by its peers") {
+  for (const std::string op : {"all_to_all_v", "barrier", "all_gather_host", "exchange"}) {
+    CAPTURE(op);
+    const auto start = std::chrono::steady_clock::now();
+    // Rank 2 returns at once; ranks 0 and 1 block in `op` until the time-out.
+    const auto out = test::rank_outcomes(
+        3,
+        [&](ThreadCommunicator& c) {
+          if (c.rank() != 2) block_in(c, op);
+        },
+        300ms);
+    INFO(test::describe(out));
+    CHECK(out[2].kind == "none");
+    // The exchange of rank 0 receives from rank 2; rank 1's waits for rank 0 and is woken.
+    const std::string named = "rank 2, which returned from its rank function without calling it";
+    int naming = 0;
+    for (int r : {0, 1}) {
+      CHECK(out[r].kind == "CommAborted");  // a CommError
+      CHECK(out[r].what.find("time-out after 300 ms in " + op) != std::string::npos);
+      naming += out[r].what.find(named) != std::string::npos;
+    }
+    CHECK(naming == 2);  // the time-out's message reaches every waiting rank
+    CHECK(std::chrono::steady_clock::now() - start < 10s);
+  }
+}
+
+TEST_CASE("time-out: in a split group the peer is named by group and world rank") {
+  const auto out = test::rank_outcomes(
+      4,
+      [](ThreadCommunicator& world) {
+        ThreadCommunicator sub = world.split(world.rank() % 2, world.rank());  // {0, 2} and {1, 3}
+        if (world.rank() != 3) sub.barrier();
+      },
+      300ms);
+  INFO(test::describe(out));
+  CHECK(out[1].kind == "CommAborted");
+  CHECK(out[1].what.find("time-out after 300 ms in barrier (waiting for rank 1 (world rank 3), which returned "
+                         "from its rank function without calling it)") != std::string::npos);
+}
+
+TEST_CASE("time-out: a peer that is still alive but elsewhere is named, not called returned") {
+  const auto out = test::rank_outcomes(
+      2,
+      [](ThreadCommunicator& c) {
+        std::byte s{}, r{};
+        if (c.rank() == 0) {
+          auto req = c.start_exchange(&s, 1, 1, &r, 1, 1);
+          c.wait(req);
+        } else {
+          c.barrier();  // a different operation: both wait until the time-out
+        }
+      },
+      300ms);
+  INFO(test::describe(out));
+  bool exchange_named = false;
+  for (const auto& o : out) {
+    CHECK(o.kind == "CommAborted");
+    CHECK(o.what.find("returned from its rank function") == std::string::npos);
+    exchange_named = exchange_named || o.what.find("in exchange (receive) (waiting for rank 1)") != std::string::npos ||
+                     o.what.find("in barrier (waiting for rank 0)") != std::string::npos;
+  }
+  CHECK(exchange_named);
+}
+
+TEST_CASE("time-out: SEQPAR_COMM_TIMEOUT_MS applies when run_ranks sets none") {
+  const auto start = std::chrono::steady_clock::now();
+  {
+    ScopedEnv env("SEQPAR_COMM_TIMEOUT_MS", "250");
+    CHECK_THROWS_WITH_AS(run_ranks(2, [](ThreadCommunicator& c) { if (c.rank() == 0) c.barrier(); }),
+                         doctest::Contains("time-out after 250 ms in barrier (waiting for rank 1, which returned"),
+                         CommAborted);
+    // An explicit option wins over the environment.
+    CHECK_THROWS_WITH_AS(run_ranks(
+                             2, [](ThreadCommunicator& c) { if (c.rank() == 0) c.barrier(); },
+                             ThreadRunOptions{100ms}),
+                         doctest::Contains("time-out after 100 ms"), CommAborted);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  {
+    ScopedEnv env("SEQPAR_COMM_TIMEOUT_MS", "soon");
+    CHECK_THROWS_WITH_AS(run_ranks(1, [](ThreadCommunicator&) {}), doctest::Contains("SEQPAR_COMM_TIMEOUT_MS"),
+                         ConfigError);
+  }
+  {
+    ScopedEnv env("SEQPAR_COMM_TIMEOUT_MS", "0");  // off
+    CHECK(comm_timeout_from_env() == 0ms);
+  }
+  CHECK(comm_timeout_from_env() == 0ms);  // unset: off
+}
+
+TEST_CASE("stats: communicators sharing counters count from several threads without a race") {
+  // Each rank drives two split groups (sharing the rank's counters) from two threads at once.
+  constexpr int iters = 200;
+  ranks_with_watchdog(2, [](ThreadCommunicator& world) {
+    ThreadCommunicator a = world.split(0, world.rank());
+    ThreadCommunicator b = world.split(0, world.rank());
+    world.stats().reset();
+    auto drive = [](ThreadCommunicator& c) {
+      const int other = 1 - c.rank();
+      std::vector<std::size_t> counts{8, 8}, displs{0, 8};
+      std::vector<std::byte> s(16, std::byte{3}), r(16);
+      const std::int64_t mine[1] = {c.rank()};
+      std::vector<std::int64_t> all(2);
+      for (int i = 0; i < iters; ++i) {
+        c.all_to_all_v(s.data(), counts, displs, r.data(), counts, displs);
+        auto req = c.start_exchange(s.data(), 16, other, r.data(), 16, other);
+        c.wait(req);
+        c.all_gather_host(mine, all);
+      }
+    };
+    std::thread second([&] { drive(b); });
+    drive(a);
+    second.join();
+    const CommStats got = world.stats().snapshot();
+    CHECK(got.all_to_alls == 2 * iters);
+    CHECK(got.exchanges == 2 * iters);
+    CHECK(got.host_gathers == 2 * iters);
+    CHECK(got.messages_sent == 4 * iters);
+    CHECK(got.bytes_sent == 2 * iters * (8 + 16));
   });
 }

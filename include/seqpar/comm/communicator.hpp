@@ -2,10 +2,16 @@
 /// \file
 /// The Communicator concept: how bytes move between ranks.
 
+#include <array>
+#include <atomic>
+#include <charconv>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <span>
+#include <string_view>
 
 #include "seqpar/core/error.hpp"
 
@@ -13,24 +19,82 @@ namespace seqpar {
 
 /// Traffic a communicator (and every communicator split from it) has sent from this rank.
 /// Self-copies are not counted. Tests and benchmarks hold these against the formulas.
+///
+/// Thread safety: the communicators update the counters with relaxed atomic operations
+/// (std::atomic_ref), so objects on different threads that share one communicator (or its
+/// splits) count without a data race. Reading a field as a plain integer is fine once the
+/// updating threads are done; while they still run, read through snapshot(). reset() and
+/// copying are not atomic as a whole (each field is read or written on its own).
 struct CommStats {
   std::uint64_t bytes_sent = 0;     ///< payload bytes sent to other ranks
   std::uint64_t messages_sent = 0;  ///< messages sent to other ranks (all-to-all pieces and ring sends)
   std::uint64_t host_gathers = 0;   ///< metadata all-gathers (a forward call must do none)
   std::uint64_t all_to_alls = 0;    ///< variable-count all-to-all calls
   std::uint64_t exchanges = 0;      ///< paired send/recv calls
-  /// Zeroes every counter.
-  void reset() { *this = CommStats{}; }
+  /// Zeroes every counter (each one atomically).
+  void reset() {
+    for (std::uint64_t* f : fields()) std::atomic_ref<std::uint64_t>(*f).store(0, std::memory_order_relaxed);
+  }
+  /// A copy read field by field with atomic loads (safe while other threads count).
+  CommStats snapshot() const {
+    CommStats out;
+    auto* self = const_cast<CommStats*>(this);  // atomic_ref needs a non-const object; only loads
+    const auto from = self->fields();
+    const auto to = out.fields();
+    for (std::size_t i = 0; i < from.size(); ++i)
+      *to[i] = std::atomic_ref<std::uint64_t>(*from[i]).load(std::memory_order_relaxed);
+    return out;
+  }
   /// Counts one all-to-all: every non-empty piece to another rank is a message.
   void count_all_to_all(std::span<const std::size_t> send_counts, int self) {
+    std::uint64_t bytes = 0, messages = 0;
     for (std::size_t j = 0; j < send_counts.size(); ++j)
       if (static_cast<int>(j) != self && send_counts[j] > 0) {
-        bytes_sent += send_counts[j];
-        ++messages_sent;
+        bytes += send_counts[j];
+        ++messages;
       }
-    ++all_to_alls;
+    add(bytes_sent, bytes);
+    add(messages_sent, messages);
+    add(all_to_alls, 1);
   }
+  /// Counts one exchange sending `bytes` (traffic only when `to_other`, i.e. not to itself).
+  void count_exchange(std::size_t bytes, bool to_other) {
+    if (to_other) {
+      add(bytes_sent, bytes);
+      add(messages_sent, 1);
+    }
+    add(exchanges, 1);
+  }
+  /// Counts one metadata all-gather.
+  void count_host_gather() { add(host_gathers, 1); }
+  /// Takes back one metadata all-gather (set-up gathers that are not per-call metadata).
+  void uncount_host_gather() {
+    std::atomic_ref<std::uint64_t>(host_gathers).fetch_sub(1, std::memory_order_relaxed);
+  }
+
+ private:
+  static void add(std::uint64_t& field, std::uint64_t n) {
+    if (n) std::atomic_ref<std::uint64_t>(field).fetch_add(n, std::memory_order_relaxed);
+  }
+  std::array<std::uint64_t*, 5> fields() { return {&bytes_sent, &messages_sent, &host_gathers, &all_to_alls, &exchanges}; }
 };
+
+/// The environment variable that sets the default time-out (milliseconds) of every
+/// communicator's waits; unset, empty or 0: wait forever (see each communicator's timeout).
+inline constexpr const char* comm_timeout_env = "SEQPAR_COMM_TIMEOUT_MS";
+
+/// The time-out SEQPAR_COMM_TIMEOUT_MS asks for: zero (none) when it is unset or empty.
+/// Throws ConfigError when it is not a non-negative integer of milliseconds.
+inline std::chrono::milliseconds comm_timeout_from_env() {
+  const char* env = std::getenv(comm_timeout_env);
+  if (env == nullptr || *env == '\0') return std::chrono::milliseconds{0};
+  const std::string_view text(env);
+  long long ms = -1;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), ms);
+  SEQPAR_CHECK(ec == std::errc{} && end == text.data() + text.size() && ms >= 0, ConfigError, comm_timeout_env,
+               ": expected a whole number of milliseconds >= 0 (0: no time-out), got \"", text, "\"");
+  return std::chrono::milliseconds{ms};
+}
 
 namespace detail {
 /// The argument check every communicator's all_to_all_v shares: four spans of size() entries.
@@ -75,7 +139,11 @@ inline constexpr bool enable_communicator = requires { requires C::is_seqpar_com
 /// - every operation is collective over the group where MPI's is, and reports failures by
 ///   throwing CommError (never by aborting, and never by hanging forever when a peer has
 ///   failed); a send buffer stays untouched, and a receive buffer unread, until the operation
-///   (or its wait) returns.
+///   (or its wait) returns. A peer that stays alive but never joins is bounded by the
+///   communicator's time-out (SEQPAR_COMM_TIMEOUT_MS, or its own setting; off by default):
+///   then CommError naming the operation and, where it can know, the peer;
+/// - thread safety: no operation on one communicator (or its copies) runs concurrently with
+///   another; the stats() counters are updated atomically (CommStats).
 /// The concept checks the syntax; the semantics above are what the policies rely on.
 template <class C>
 concept Communicator =

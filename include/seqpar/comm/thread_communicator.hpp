@@ -41,7 +41,11 @@ struct SpaceCopy<HostSpace> {
 
 /// Options of run_ranks.
 struct ThreadRunOptions {
-  /// A blocking operation that waits longer than this throws CommError; zero waits forever.
+  /// A blocking operation that waits longer than this fails the run: the waiting rank throws
+  /// CommAborted (a CommError) naming the operation and the ranks it waits for (and whether
+  /// they returned from their rank function without calling it), and every other waiting rank
+  /// is woken with it. Zero: the environment variable SEQPAR_COMM_TIMEOUT_MS if set, else
+  /// wait forever.
   std::chrono::milliseconds timeout{0};
 };
 
@@ -53,6 +57,16 @@ struct ThreadRunOptions {
 /// Fast paths allocate nothing: all_to_all_v, barrier and waits never do; start_exchange
 /// reuses per-pair message slots, so once a plan's first forward (and backward) has run, the
 /// later ones allocate nothing here.
+///
+/// Time-out: ThreadRunOptions::timeout, or SEQPAR_COMM_TIMEOUT_MS, bounds every wait
+/// (all-to-all, exchange wait, host all-gather, barrier, split); see ThreadRunOptions.
+///
+/// Thread safety: one rank of one group is used by one thread at a time. Two threads must
+/// not call operations concurrently on copies of the same communicator (they are one rank of
+/// one group: the collectives would interleave), and no call is safe concurrently with
+/// another on it. Communicators of different groups may run on different threads, also
+/// when they share counters (split() shares stats with its parent): the counters are updated
+/// atomically, so stats() never races; see CommStats for reading them while others count.
 template <class Space = HostSpace>
 class BasicThreadCommunicator {
  public:
@@ -137,7 +151,7 @@ class BasicThreadCommunicator {
     auto& fam = *group_->family;
     std::unique_lock lock(fam.mu);
     group_->slots[rank_] = {send, send_counts.data(), send_displs.data(), nullptr, 0};
-    group_->barrier_locked(lock, "all_to_all_v");
+    group_->barrier_locked(lock, "all_to_all_v", rank_);
     for (int j = 0; j < size(); ++j) {
       const auto& s = group_->slots[j];
       if (s.counts[rank_] != recv_counts[j])
@@ -155,7 +169,7 @@ class BasicThreadCommunicator {
         },
         [] {});
     stats_->count_all_to_all(send_counts, rank_);
-    group_->barrier_locked(lock, "all_to_all_v", true);
+    group_->barrier_locked(lock, "all_to_all_v", rank_, true);
   }
 
   /// Starts sending `send_bytes` to `dest` and receiving `recv_bytes` from `source`. The send
@@ -171,11 +185,7 @@ class BasicThreadCommunicator {
       group_->family->cv.notify_all();
     }
     request_type req({group_, seq, rank_, dest, source, recv, recv_bytes, std::uncaught_exceptions()});
-    if (dest != rank_) {
-      stats_->bytes_sent += send_bytes;
-      ++stats_->messages_sent;
-    }
-    ++stats_->exchanges;
+    stats_->count_exchange(send_bytes, dest != rank_);
     return req;
   }
 
@@ -189,7 +199,8 @@ class BasicThreadCommunicator {
     auto& fam = *group_->family;
     std::unique_lock lock(fam.mu);
     auto& in = group_->channel(st.source, rank_);
-    fam.wait(lock, [&] { return in.ready(); }, "exchange (receive)");
+    fam.wait_for(lock, [&] { return in.ready(); }, "exchange (receive)",
+                 [&] { return std::vector<std::pair<int, int>>{group_->peer(st.source)}; });
     const detail::Channel::Slot msg = in.at(in.taken++);
     if (msg.bytes != st.recv_bytes) {
       ++in.delivered;  // refused: nothing will read it
@@ -200,7 +211,8 @@ class BasicThreadCommunicator {
     fam.copy_unlocked(
         lock, [&] { SpaceCopy<Space>::copy(st.recv, msg.data, msg.bytes); }, [&] { ++in.delivered; });
     auto& out = group_->channel(rank_, st.dest);
-    fam.wait(lock, [&] { return out.delivered > st.seq; }, "exchange (send)");
+    fam.wait_for(lock, [&] { return out.delivered > st.seq; }, "exchange (send)",
+                 [&] { return std::vector<std::pair<int, int>>{group_->peer(st.dest)}; });
     lock.unlock();
     st.group.reset();  // complete: nothing left to give up
   }
@@ -211,7 +223,7 @@ class BasicThreadCommunicator {
     auto& fam = *group_->family;
     std::unique_lock lock(fam.mu);
     group_->slots[rank_] = {nullptr, nullptr, nullptr, mine.data(), mine.size()};
-    group_->barrier_locked(lock, "all_gather_host");
+    group_->barrier_locked(lock, "all_gather_host", rank_);
     for (int j = 0; j < size(); ++j) {
       const auto& s = group_->slots[j];
       if (s.n != mine.size()) {
@@ -221,14 +233,14 @@ class BasicThreadCommunicator {
       }
       std::copy(s.ints, s.ints + s.n, all.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
     }
-    ++stats_->host_gathers;
-    group_->barrier_locked(lock, "all_gather_host", true);
+    stats_->count_host_gather();
+    group_->barrier_locked(lock, "all_gather_host", rank_, true);
   }
 
   /// Blocks until every rank of the group arrives.
   void barrier() {
     std::unique_lock lock(group_->family->mu);
-    group_->barrier_locked(lock, "barrier", true);
+    group_->barrier_locked(lock, "barrier", rank_, true);
   }
 
   /// Splits into one communicator per color, ranked by (key, rank). Collective.
@@ -236,7 +248,7 @@ class BasicThreadCommunicator {
     const std::int64_t mine[2] = {color, key};
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
     all_gather_host(mine, all);
-    --stats_->host_gathers;  // construction-time bookkeeping, not metadata traffic
+    stats_->uncount_host_gather();  // construction-time bookkeeping, not metadata traffic
     std::vector<std::pair<std::int64_t, int>> members;  // (key, rank) of my color
     for (int j = 0; j < size(); ++j)
       if (all[2 * j] == color) members.emplace_back(all[2 * j + 1], j);
@@ -247,7 +259,11 @@ class BasicThreadCommunicator {
     {
       std::lock_guard lock(group_->family->mu);
       auto& slot = group_->children[{splits_, color}];
-      if (!slot) slot = std::make_shared<detail::ThreadGroup>(group_->family, static_cast<int>(members.size()));
+      if (!slot) {
+        std::vector<int> world;  // the members' world ranks, in their new rank order
+        for (const auto& m : members) world.push_back(group_->world_rank[static_cast<std::size_t>(m.second)]);
+        slot = std::make_shared<detail::ThreadGroup>(group_->family, static_cast<int>(members.size()), std::move(world));
+      }
       child = slot;
     }
     ++splits_;
@@ -275,7 +291,8 @@ template <class Space = HostSpace, class Fn>
 void run_ranks(int ranks, Fn&& fn, ThreadRunOptions options = {}) {
   SEQPAR_CHECK(ranks >= 1, ConfigError, "run_ranks: ranks: expected >= 1, got ", ranks);
   auto family = std::make_shared<detail::ThreadFamily>();
-  family->timeout = options.timeout;
+  family->timeout = options.timeout.count() > 0 ? options.timeout : comm_timeout_from_env();
+  family->returned.assign(static_cast<std::size_t>(ranks), 0);
   auto world = std::make_shared<detail::ThreadGroup>(family, ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
   std::vector<std::thread> threads;
@@ -285,6 +302,8 @@ void run_ranks(int ranks, Fn&& fn, ThreadRunOptions options = {}) {
       try {
         BasicThreadCommunicator<Space> comm(world, r);
         fn(comm);
+        std::lock_guard lock(family->mu);
+        family->returned[static_cast<std::size_t>(r)] = 1;  // named by a peer's time-out
       } catch (...) {
         errors[r] = std::current_exception();
         family->abort("rank " + std::to_string(r) + " failed" + detail::current_what());

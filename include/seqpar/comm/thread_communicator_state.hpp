@@ -8,6 +8,7 @@
 /// detail: split out so that the communicator's header holds only the communicator and
 /// run_ranks. Include comm/thread_communicator.hpp to use them.
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -52,6 +53,24 @@ struct ThreadFamily {
   std::string reason;
   int active_reads = 0;  // copies in progress between two ranks' buffers
   std::chrono::milliseconds timeout{0};
+  std::vector<char> returned;  // per world rank: its rank function returned normally
+
+  /// " (waiting for rank r ...)" naming the ranks of `world_ranks` a wait is for (group rank,
+  /// world rank where it differs, and whether its rank function already returned).
+  std::string waiting_for(const std::vector<std::pair<int, int>>& ranks) const {
+    if (ranks.empty()) return {};
+    std::string out = ranks.size() == 1 ? " (waiting for rank " : " (waiting for ranks ";
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      const auto [group_rank, world_rank] = ranks[i];
+      if (i) out += ", ";
+      out += std::to_string(group_rank);
+      if (world_rank != group_rank) out += " (world rank " + std::to_string(world_rank) + ")";
+      if (world_rank >= 0 && static_cast<std::size_t>(world_rank) < returned.size() &&
+          returned[static_cast<std::size_t>(world_rank)])
+        out += ", which returned from its rank function without calling it";
+    }
+    return out + ")";
+  }
 
   /// Fails the family under the lock (the first reason is kept) and wakes every waiter.
   void abort_locked(std::string why) {
@@ -89,10 +108,19 @@ struct ThreadFamily {
   /// all throw the same error, instead of a race deciding which of them see CommAborted.
   template <class Pred>
   void wait(std::unique_lock<std::mutex>& lock, Pred ready, const char* what, bool completed_wins = false) {
+    wait_for(lock, ready, what, [] { return std::vector<std::pair<int, int>>{}; }, completed_wins);
+  }
+
+  /// wait(), where `peers()` lists the (group rank, world rank) pairs the wait is for: a
+  /// time-out names them, and says which of them returned from its rank function.
+  template <class Pred, class Peers>
+  void wait_for(std::unique_lock<std::mutex>& lock, Pred ready, const char* what, Peers peers,
+                bool completed_wins = false) {
     auto stop = [&] { return aborted || ready(); };
     if (timeout.count() > 0) {
       if (!cv.wait_for(lock, timeout, stop))
-        abort_locked(std::string("time-out after ") + std::to_string(timeout.count()) + " ms in " + what);
+        abort_locked(std::string("time-out after ") + std::to_string(timeout.count()) + " ms in " + what +
+                     waiting_for(peers()));
     } else {
       cv.wait(lock, stop);
     }
@@ -181,34 +209,55 @@ struct ThreadGroup {
     std::size_t n = 0;
   };
 
-  ThreadGroup(std::shared_ptr<ThreadFamily> f, int n)
+  /// A group of `n` ranks; `world` maps its ranks to world ranks (empty: it is the world).
+  ThreadGroup(std::shared_ptr<ThreadFamily> f, int n, std::vector<int> world = {})
       : family(std::move(f)), size(n), slots(static_cast<std::size_t>(n)),
-        channels(static_cast<std::size_t>(n) * static_cast<std::size_t>(n)) {}
+        channels(static_cast<std::size_t>(n) * static_cast<std::size_t>(n)), world_rank(std::move(world)),
+        present(static_cast<std::size_t>(n), 0) {
+    if (world_rank.empty())
+      for (int r = 0; r < n; ++r) world_rank.push_back(r);
+  }
 
   std::shared_ptr<ThreadFamily> family;
   int size;
   std::vector<Slot> slots;
+  std::vector<Channel> channels;  // [src * size + dst]
+  std::vector<int> world_rank;    // [group rank]
+  std::vector<char> present;      // [group rank]: arrived at the barrier under way
   int arrived = 0;
   std::uint64_t generation = 0;
-  std::vector<Channel> channels;  // [src * size + dst]
   std::map<std::pair<std::uint64_t, int>, std::shared_ptr<ThreadGroup>> children;  // (split #, color)
 
   /// The messages `src` posts to `dst`.
   Channel& channel(int src, int dst) { return channels[static_cast<std::size_t>(src * size + dst)]; }
 
-  /// Waits until every rank of the group has arrived (see ThreadFamily::wait for `last`).
-  void barrier_locked(std::unique_lock<std::mutex>& lock, const char* what, bool last = false) {
+  /// The (group rank, world rank) pair of group rank `r`.
+  std::pair<int, int> peer(int r) const { return {r, world_rank[static_cast<std::size_t>(r)]}; }
+
+  /// Waits until every rank of the group has arrived; `rank` is the caller's group rank (see
+  /// ThreadFamily::wait for `last`). A time-out names the ranks that have not arrived.
+  void barrier_locked(std::unique_lock<std::mutex>& lock, const char* what, int rank, bool last = false) {
     const std::uint64_t gen = generation;
     // A failed family completes no barrier: the ranks that arrived first may have been woken
     // and have unwound the buffers they published, which the last one would then read.
     if (family->aborted) family->wait(lock, [] { return false; }, what);
     if (++arrived == size) {
       arrived = 0;
+      std::fill(present.begin(), present.end(), char{0});
       ++generation;
       family->cv.notify_all();
       return;
     }
-    family->wait(lock, [&] { return generation != gen; }, what, last);
+    present[static_cast<std::size_t>(rank)] = 1;
+    family->wait_for(
+        lock, [&] { return generation != gen; }, what,
+        [&] {
+          std::vector<std::pair<int, int>> missing;
+          for (int r = 0; r < size; ++r)
+            if (!present[static_cast<std::size_t>(r)]) missing.push_back(peer(r));
+          return missing;
+        },
+        last);
   }
 };
 
