@@ -336,11 +336,13 @@ def main(out_dir, results_md):
     w("")
 
     # The runs made by hand or by other scripts, kept next to this one: the peer comparison
-    # (bench/peers/run.sh) and the per-phase profile (bench/PROFILE-NOTES.md). Their own
+    # (bench/peers/run.sh), the per-phase profile (bench/PROFILE-NOTES.md) and hand-run A/B
+    # comparisons (bench/HAND-RUNS.md). Their own
     # headers say when and how each was measured.
     here = Path(__file__).parent
     for title, extra in (("Against the peers (bench/peers/run.sh)", here / "peers" / "RESULTS-peers.md"),
-                         ("Where the distributed time goes", here / "PROFILE-NOTES.md")):
+                         ("Where the distributed time goes", here / "PROFILE-NOTES.md"),
+                         ("Hand-run comparisons (bench/HAND-RUNS.md)", here / "HAND-RUNS.md")):
         if extra.exists():
             body = extra.read_text().strip().splitlines()
             if body and body[0].startswith("#"):
