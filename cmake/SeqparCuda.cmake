@@ -4,6 +4,7 @@
 # own .cu files compile the kernels they use.
 #
 # SEQPAR_ENABLE_CUDA / SEQPAR_ENABLE_NCCL: ON (fail if missing), OFF, or AUTO (if found).
+# SEQPAR_ENABLE_CUDA defaults to AUTO at the top level and OFF as a subproject (CMakeLists.txt).
 # The CUDA language is enabled only when nvcc is found, so a host-only build never needs it.
 # Unless the caller sets CMAKE_CUDA_ARCHITECTURES, CUDA code targets sm_80 (SASS) and sm_90
 # (SASS + PTX, so newer GPUs can JIT it): explicit, never whatever nvcc defaults to.
