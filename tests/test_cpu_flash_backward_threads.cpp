@@ -1,7 +1,8 @@
 // CpuFlashKernel::backward on its thread pool: bit-identical dq, dk, dv for 1, 2, 3 and 5
 // threads, and within tolerance of ReferenceKernel::backward (double), on odd lengths, causal
-// and not, GQA, cross attention (Sq != Sk, shifted positions, rows that see no key), and ranks
-// with no keys or no queries. Gradients start from random values: backward adds to them.
+// and not, GQA, cross attention (Sq != Sk, shifted positions, rows that see no key), windows,
+// documents and padding, and ranks with no keys or no queries. Gradients start from random
+// values: backward adds to them.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -41,7 +42,8 @@ namespace {
 struct Shape {
   std::int64_t b, sq, sk, h, kh, d;
   bool causal;
-  PositionMap qpos, kpos;  // used when causal
+  PositionMap qpos, kpos;  // used when causal or masked
+  MaskView mask{};         // window, documents, padding (causal is `causal`)
 };
 
 /// Gradients of one backward call, in the element type's accumulation type.
@@ -67,6 +69,7 @@ void check_threads(const Shape& s, std::uint64_t seed) {
   p.causal = s.causal;
   p.q_positions = s.qpos;
   p.k_positions = s.kpos;
+  p.mask = s.mask;
   p.group_size = s.h / s.kh;
 
   using V = TensorView<const double>;
@@ -185,6 +188,25 @@ TEST_CASE_TEMPLATE("threaded flash backward: tiny and odd tiles, head_dim 1..64,
     s.qpos.seg[s.qpos.segments++] = {m.sq - m.sq / 2, 400, 1};
     check_threads<T>(s, static_cast<std::uint64_t>(m.sq * 131 + m.sk));
   }
+}
+
+TEST_CASE_TEMPLATE("threaded flash backward: windows, documents and padding (key blocks skipped before a query block)",
+                   T, float, double) {
+  // Causal + a 300-key window: each query block skips the key blocks before its window as
+  // well as those after its diagonal, so the dQ adds of a query block start at a later key
+  // block (the turn passes over the skipped ones).
+  Shape w = shape(1025, 1025, true, 6, 2, 8);
+  w.mask.window_left = 300;
+  check_threads<T>(w, 41);
+  // Batch 2, bidirectional: documents shared by the batch (one shorter than a tile, one
+  // longer than a key block) and per-element padding, one element with none valid.
+  static const std::vector<std::int64_t> docs{0, 100, 613, 650, 777}, valid{777, 0};
+  Shape d = shape(777, 777, false, 4, 4, 16);
+  d.b = 2;
+  d.mask.doc_starts = docs.data();
+  d.mask.doc_count = 4;
+  d.mask.kv_valid = valid.data();
+  check_threads<T>(d, 42);
 }
 
 TEST_CASE_TEMPLATE("threaded flash backward: a rank with no keys or no queries adds nothing", T, float, double) {

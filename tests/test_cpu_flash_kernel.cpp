@@ -1,6 +1,7 @@
 // CpuFlashKernel against ReferenceKernel: odd lengths (not multiples of the 64-row blocks),
 // head_dim 1..256, causal masks from arbitrary increasing positions (two segments, strides),
-// GQA with head offsets, float and double, output and LSE.
+// GQA with head offsets, float and double, output and LSE; and every other mask family
+// (windows, documents, key padding), forward and backward, NaN and Inf at hidden keys.
 #include <doctest/doctest.h>
 
 #include <random>
@@ -327,4 +328,351 @@ TEST_CASE("flash kernel: strided (SBHD) views and no LSE") {
         for (std::int64_t d = 0; d < D; ++d) e.add_out(gv(b, s, h, d), wv(b, s, h, d));
   CHECK(!e.nan);
   CHECK(e.rel() <= 1e-12);
+}
+
+// Masks beyond causal (core/mask.hpp): sliding windows, packed documents (shared by the batch
+// or per batch element), key padding, and their combinations with causal of either alignment.
+// Forward (O, LSE) and backward (dQ, dK, dV, added to random starting values) against
+// ReferenceKernel on the same inputs, NaN and Inf at hidden keys included: wherever the
+// reference is finite the kernel must be finite and within tolerance, and the dK, dV rows of
+// keys that no query sees must come back exactly as they went in.
+
+namespace {
+
+/// A case with a mask. KernelParams' mask points into `docs` and `kv_valid`, held here.
+struct MaskCase {
+  std::int64_t batch = 1, sq = 1, sk = 1, heads = 2, kv_heads = 1, dim = 24;
+  bool causal = false;
+  PositionMap qpos, kpos;  ///< diagonals of the queries (bottom-right: shifted), positions of the keys
+  std::int64_t window_left = -1, window_right = -1;
+  std::vector<std::int64_t> docs;  ///< document starts then the total; per batch element when per_batch
+  bool per_batch = false;
+  std::vector<std::int64_t> kv_valid;  ///< valid keys per batch element (empty: no padding)
+  /// (batch element, key) whose V row is NaN, and whose K row is NaN (even entries) or +Inf.
+  std::vector<std::pair<std::int64_t, std::int64_t>> nan_v, bad_k;
+  int threads = 1;
+  std::uint64_t seed = 1;
+
+  KernelParams params() const {
+    KernelParams p;
+    p.scale = 1.0 / std::sqrt(double(dim));
+    p.causal = causal;
+    p.q_positions = qpos;
+    p.k_positions = kpos;
+    p.group_size = heads / kv_heads;
+    p.mask.window_left = window_left;
+    p.mask.window_right = window_right;
+    if (!docs.empty()) {
+      const std::int64_t rows = per_batch ? batch : 1;
+      p.mask.doc_count = static_cast<std::int64_t>(docs.size()) / rows - 1;
+      p.mask.doc_batch_stride = per_batch ? p.mask.doc_count + 1 : 0;
+      p.mask.doc_starts = docs.data();
+    }
+    if (!kv_valid.empty()) p.mask.kv_valid = kv_valid.data();
+    return p;
+  }
+};
+
+/// Document starts and the total, from the documents' lengths; for per-batch documents, one
+/// list of lengths per batch element, their starts one after the other.
+std::vector<std::int64_t> documents(std::initializer_list<std::initializer_list<std::int64_t>> per_element) {
+  std::vector<std::int64_t> starts;
+  for (const auto& lengths : per_element) {
+    starts.push_back(0);
+    for (std::int64_t n : lengths) starts.push_back(starts.back() + n);
+  }
+  return starts;
+}
+
+/// Counts one output element into `e` (the fields every version of test::Errors has).
+void note(test::Errors& e, double got, double want) {
+  if (std::isnan(got)) e.nan = true;
+  e.max_abs = std::max(e.max_abs, std::abs(got - want));
+  e.max_ref = std::max(e.max_ref, std::abs(want));
+}
+
+/// Normwise error of an added gradient over the entries where the reference is finite:
+/// max |got - want| / max |want - start|; infinite when the kernel is not finite there.
+template <class A>
+double grad_error(const std::vector<A>& got, const std::vector<double>& want, const std::vector<double>& start) {
+  double err = 0, norm = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(want[i])) continue;
+    const double g = static_cast<double>(got[i]);
+    if (!std::isfinite(g)) return std::numeric_limits<double>::infinity();
+    err = std::max(err, std::abs(g - want[i]));
+    norm = std::max(norm, std::abs(want[i] - start[i]));
+  }
+  return norm > 0 ? err / norm : err;
+}
+
+/// Per (batch element, key): true when some query row sees the key.
+std::vector<char> keys_seen(const MaskCase& c, const KernelParams& p) {
+  std::vector<std::int64_t> kp(static_cast<std::size_t>(c.sk));
+  for (std::int64_t j = 0; j < c.sk; ++j) kp[j] = c.kpos(j);
+  std::vector<char> seen(static_cast<std::size_t>(c.batch * c.sk), 0);
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    std::vector<int> cover(static_cast<std::size_t>(c.sk + 1), 0);  // difference array over key indices
+    for (std::int64_t i = 0; i < c.sq; ++i) {
+      const KeyRange r = p.keys(b, c.qpos(i));
+      const auto lo = std::lower_bound(kp.begin(), kp.end(), r.lo) - kp.begin();
+      const auto hi = std::upper_bound(kp.begin(), kp.end(), r.hi) - kp.begin();
+      if (lo < hi) {
+        ++cover[lo];
+        --cover[hi];
+      }
+    }
+    for (std::int64_t j = 0, n = 0; j < c.sk; ++j) seen[b * c.sk + j] = (n += cover[j]) > 0;
+  }
+  return seen;
+}
+
+/// Forward and backward of case `c` in T, every instruction set, against ReferenceKernel.
+template <class T>
+void check_masked(const MaskCase& c) {
+  using A = acc_t<T>;
+  constexpr double grad_tol = std::is_same_v<T, double> ? 1e-11 : 1e-4;  // as the threaded backward test
+  std::mt19937_64 rng(c.seed);
+  const std::int64_t nq = c.batch * c.sq * c.heads * c.dim, nk = c.batch * c.sk * c.kv_heads * c.dim;
+  const auto q = test::rounded<T>(test::random_tensor(nq, rng)), dout = test::rounded<T>(test::random_tensor(nq, rng));
+  auto k = test::rounded<T>(test::random_tensor(nk, rng)), v = test::rounded<T>(test::random_tensor(nk, rng));
+  const auto dq0 = test::rounded<A>(test::random_tensor(nq, rng)), dk0 = test::rounded<A>(test::random_tensor(nk, rng)),
+             dv0 = test::rounded<A>(test::random_tensor(nk, rng));
+  auto key_row = [&](std::vector<double>& x, std::int64_t b, std::int64_t j, std::int64_t h) {
+    return x.data() + ((b * c.sk + j) * c.kv_heads + h) * c.dim;
+  };
+  for (std::size_t n = 0; n < c.bad_k.size(); ++n)
+    for (std::int64_t h = 0; h < c.kv_heads; ++h)
+      std::fill_n(key_row(k, c.bad_k[n].first, c.bad_k[n].second, h), c.dim,
+                  n % 2 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN());
+  for (const auto& [b, j] : c.nan_v)
+    for (std::int64_t h = 0; h < c.kv_heads; ++h)
+      std::fill_n(key_row(v, b, j, h), c.dim, std::numeric_limits<double>::quiet_NaN());
+  const KernelParams p = c.params();
+
+  // Views of query rows [B, Sq, H, D], key rows [B, Sk, Hkv, D] and LSE [B, Sq, H, 1] (const
+  // for a pointer to const).
+  auto view = [&](auto* x, std::int64_t rows, std::int64_t heads, std::int64_t dim) {
+    return TensorView<std::remove_pointer_t<decltype(x)>>::bshd(x, c.batch, rows, heads, dim);
+  };
+  auto rows_q = [&](auto* x) { return view(x, c.sq, c.heads, c.dim); };
+  auto rows_k = [&](auto* x) { return view(x, c.sk, c.kv_heads, c.dim); };
+  auto lse_of = [&](auto* x) { return view(x, c.sq, c.heads, 1); };
+
+  // The reference on the same values, NaN and Inf included (it never reads a hidden key).
+  std::vector<double> out(q.size()), lse(static_cast<std::size_t>(c.batch * c.sq * c.heads));
+  std::vector<double> want_dq = dq0, want_dk = dk0, want_dv = dv0;
+  const double *kd = k.data(), *vd = v.data(), *od = out.data(), *ld = lse.data();
+  ReferenceKernel ref;
+  ref.forward(rows_q(q.data()), rows_k(kd), rows_k(vd), rows_q(out.data()), lse_of(lse.data()), p);
+  ref.backward(rows_q(dout.data()), rows_q(q.data()), rows_k(kd), rows_k(vd), rows_q(od), lse_of(ld),
+               rows_q(want_dq.data()), rows_k(want_dk.data()), rows_k(want_dv.data()), p);
+  const std::vector<char> seen = keys_seen(c, p);
+
+  const std::vector<T> qt(q.begin(), q.end()), kt(k.begin(), k.end()), vt(v.begin(), v.end()),
+      dot(dout.begin(), dout.end()), ot(out.begin(), out.end());
+  const std::vector<A> lt(lse.begin(), lse.end());
+  const auto qv = rows_q(qt.data()), kv = rows_k(kt.data()), vv = rows_k(vt.data());
+  for (CpuIsa isa : test::cpu_isas()) {
+    CAPTURE(cpu_isa_name(isa));
+    CpuFlashKernel kernel(CpuFlashOptions{.threads = c.threads, .isa = isa});
+    std::vector<T> got(q.size(), T(12345));
+    std::vector<A> got_lse(lse.size(), A(12345));
+    kernel.forward(qv, kv, vv, rows_q(got.data()), lse_of(got_lse.data()), p);
+    test::Errors e;
+    std::int64_t finite_mismatch = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const double g = static_cast<double>(got[i]);
+      if (std::isfinite(out[i]))
+        note(e, g, out[i]);
+      else
+        finite_mismatch += std::isfinite(g);
+    }
+    for (std::size_t i = 0; i < got_lse.size(); ++i) {
+      if (std::isnan(lse[i]))
+        finite_mismatch += !std::isnan(static_cast<double>(got_lse[i]));
+      else
+        e.add_lse(static_cast<double>(got_lse[i]), lse[i]);
+    }
+    CHECK(finite_mismatch == 0);
+    CHECK(!e.nan);
+    CHECK(e.rel() <= test::tolerance<T>);
+    CHECK(e.lse_rel() <= test::tolerance<T>);
+
+    std::vector<A> dq(dq0.begin(), dq0.end()), dk(dk0.begin(), dk0.end()), dv(dv0.begin(), dv0.end());
+    kernel.backward(rows_q(dot.data()), qv, kv, vv, rows_q(ot.data()), lse_of(lt.data()), rows_q(dq.data()),
+                    rows_k(dk.data()), rows_k(dv.data()), p);
+    CHECK(grad_error(dq, want_dq, dq0) <= grad_tol);
+    CHECK(grad_error(dk, want_dk, dk0) <= grad_tol);
+    CHECK(grad_error(dv, want_dv, dv0) <= grad_tol);
+    // Keys no query sees: nothing added, not even 0 x NaN.
+    std::int64_t changed = 0;
+    for (std::int64_t b = 0; b < c.batch; ++b)
+      for (std::int64_t j = 0; j < c.sk; ++j)
+        if (!seen[b * c.sk + j])
+          for (std::int64_t x = 0; x < c.kv_heads * c.dim; ++x) {
+            const std::size_t at = static_cast<std::size_t>((b * c.sk + j) * c.kv_heads * c.dim + x);
+            changed += dk[at] != static_cast<A>(dk0[at]) || dv[at] != static_cast<A>(dv0[at]);
+          }
+    CHECK(changed == 0);
+  }
+}
+
+/// Case `c` without and with a causal mask, the causal run on `causal_threads` threads.
+template <class T>
+void check_causal_and_not(MaskCase c, int causal_threads) {
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    c.causal = causal;
+    c.threads = causal ? causal_threads : 1;
+    c.seed += causal;
+    check_masked<T>(c);
+  }
+}
+
+/// Queries at diagonals `qpos` against keys at `kpos`.
+MaskCase cross_case(const PositionMap& qpos, const PositionMap& kpos, std::uint64_t seed) {
+  MaskCase c;
+  c.sq = qpos.size();
+  c.sk = kpos.size();
+  c.qpos = qpos;
+  c.kpos = kpos;
+  c.seed = seed;
+  return c;
+}
+
+/// Self attention over contiguous positions [0, s).
+MaskCase self_case(std::int64_t s, std::uint64_t seed) {
+  return cross_case(PositionMap::run(s, 0), PositionMap::run(s, 0), seed);
+}
+
+/// Bottom-right alignment of `sq` queries against `sk` keys at [0, sk): the engine shifts the
+/// diagonals by sk - sq.
+MaskCase bottom_right_case(std::int64_t sq, std::int64_t sk, std::uint64_t seed) {
+  return cross_case(PositionMap::run(sq, sk - sq), PositionMap::run(sk, 0), seed);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("flash kernel masks: sliding windows (both sides, causal, bottom-right, strided positions)", T,
+                   float, double) {
+  // Both sides, 4099 keys: 512-row query blocks whose keys start and end inside 128-key blocks.
+  MaskCase both = self_case(4099, 101);
+  both.window_left = 300;
+  both.window_right = 77;
+  both.dim = 16;
+  check_masked<T>(both);
+  // Causal + window, 1100 keys (256-row query blocks), GQA 4 / 2, on 3 threads.
+  MaskCase cw = self_case(1100, 102);
+  cw.causal = true;
+  cw.window_left = 129;
+  cw.heads = 4;
+  cw.kv_heads = 2;
+  cw.threads = 3;
+  check_masked<T>(cw);
+  // Bottom-right causal, S_q != S_kv, with and without a window.
+  MaskCase br = bottom_right_case(333, 2100, 103);
+  br.causal = true;
+  check_masked<T>(br);
+  br.window_left = 200;
+  br.threads = 2;
+  check_masked<T>(br);
+  // A stripe rank's queries against another rank's keys (stride 3), window of one side,
+  // 64-row query blocks; and a width-0 window (each query its own key at most).
+  MaskCase st = cross_case(PositionMap::run(601, 1, 3), PositionMap::run(599, 2, 3), 104);
+  st.window_right = 40;
+  check_masked<T>(st);
+  st.window_left = st.window_right = 0;
+  st.kpos = PositionMap::run(st.sk, 1, 3);
+  check_masked<T>(st);
+}
+
+TEST_CASE_TEMPLATE("flash kernel masks: packed documents, shared and per batch element", T, float, double) {
+  // Shared by a batch of 2: documents shorter than a panel, than a 64-row block, and longer
+  // than a 512-row block; causal and not.
+  MaskCase d = self_case(2100, 201);
+  d.batch = 2;
+  d.docs = documents({{1, 5, 30, 700, 3, 1300, 61}});
+  check_causal_and_not<T>(d, 3);
+  // Per batch element (same number of documents each), 4099 tokens, causal.
+  MaskCase pb = self_case(4099, 203);
+  pb.batch = 2;
+  pb.dim = 8;
+  pb.causal = true;
+  pb.per_batch = true;
+  pb.docs = documents({{2000, 7, 1, 2091}, {129, 3000, 900, 70}});
+  check_masked<T>(pb);
+  // Documents + causal + window, zigzag-like positions: queries are chunks 1 and 6 of 8,
+  // keys chunks 2 and 5 (a ring step), 2 threads.
+  const std::int64_t chunk = 150;
+  PositionMap qz = PositionMap::run(chunk, chunk), kz = PositionMap::run(chunk, 2 * chunk);
+  qz.seg[qz.segments++] = {chunk, 6 * chunk, 1};
+  kz.seg[kz.segments++] = {chunk, 5 * chunk, 1};
+  MaskCase z = cross_case(qz, kz, 204);
+  z.causal = true;
+  z.window_left = 180;
+  z.docs = documents({{100, 250, 411, 389, 50}});
+  z.threads = 2;
+  check_masked<T>(z);
+  // Documents + causal + window over contiguous positions, 1500 tokens.
+  MaskCase dw = self_case(1500, 205);
+  dw.causal = true;
+  dw.window_left = 100;
+  dw.docs = documents({{400, 9, 1091}});
+  check_masked<T>(dw);
+}
+
+TEST_CASE_TEMPLATE("flash kernel masks: key padding, a batch element with no valid key, padding with documents", T,
+                   float, double) {
+  MaskCase pad = self_case(601, 301);
+  pad.batch = 3;
+  pad.kv_valid = {600, 0, 137};
+  check_causal_and_not<T>(pad, 2);
+  // Cross attention with padding: 700 queries against 1100 keys, bottom-right causal.
+  MaskCase x = bottom_right_case(700, 1100, 303);
+  x.batch = 2;
+  x.causal = true;
+  x.kv_valid = {1100, 513};
+  check_masked<T>(x);
+  // Padding + documents + window, per batch element.
+  MaskCase m = self_case(900, 304);
+  m.batch = 2;
+  m.per_batch = true;
+  m.docs = documents({{300, 600}, {899, 1}});
+  m.kv_valid = {800, 650};
+  m.window_left = 90;
+  m.window_right = 33;
+  check_masked<T>(m);
+}
+
+TEST_CASE_TEMPLATE("flash kernel masks: NaN and Inf at hidden keys reach no row that does not see them", T, float,
+                   double) {
+  // A window: V of key 350 is NaN, K of keys 500 (NaN) and 100 (+Inf). Rows whose window
+  // holds one of them are NaN in the reference too; every other row, and every gradient the
+  // reference has finite, must match. Keys 100, 350 and 500 sit inside query panels and
+  // backward tiles whose other rows do not see them.
+  MaskCase w = self_case(700, 401);
+  w.window_left = 40;
+  w.window_right = 10;
+  w.nan_v = {{0, 350}};
+  w.bad_k = {{0, 500}, {0, 100}};
+  check_masked<T>(w);
+  w.causal = true;
+  w.threads = 3;
+  check_masked<T>(w);
+  // Padding: every key past kv_valid holds NaN V and NaN or Inf K; no row sees them, so
+  // everything is finite and their dK, dV stay as they were.
+  MaskCase pad = self_case(700, 402);
+  pad.batch = 2;
+  pad.kv_valid = {520, 699};
+  for (std::int64_t b = 0; b < pad.batch; ++b)
+    for (std::int64_t j = pad.kv_valid[b]; j < pad.sk; ++j) {
+      pad.nan_v.push_back({b, j});
+      pad.bad_k.push_back({b, j});
+    }
+  check_masked<T>(pad);
+  pad.causal = true;
+  pad.window_left = 64;
+  pad.threads = 2;
+  check_masked<T>(pad);
 }

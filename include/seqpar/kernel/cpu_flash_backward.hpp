@@ -15,19 +15,25 @@
 /// thread to reduce. Tasks are numbered key block major, so threads first run different
 /// (batch, K/V head) pairs, which never wait for each other; when there are fewer pairs
 /// than threads, consecutive key blocks of one pair pipeline, the later one a tile behind.
-/// Deadlock-free because the pool hands tasks out in increasing order and a causal mask
-/// hides, from a query block, a suffix of the key blocks: the earliest running task never
-/// waits.
+/// A key block that no row of a query block sees skips that query block (a causal mask hides
+/// a suffix of the key blocks from it, a window or a document a prefix too, padding a
+/// suffix); one that does not skip it waits for the last earlier key block that does not
+/// either (the turn counter holds one past the last key block that added). Deadlock-free
+/// because a task waits only on tasks of lower index and the pool hands tasks out in
+/// increasing order: the earliest running task never waits.
 ///
 /// Per tile (BQ queries, BK keys) five products run through one register-tiled
 /// micro-kernel (kernel/cpu_isa_simd.inl): S = Q K^T and dP = dO V^T with keys in the SIMD
 /// lanes, then P = exp(S scale - LSE) and dS = P (dP - delta) scale lane-wise, then
-/// dV += P^T dO, dK += dS^T Q and dQ = dS K with head dims in the lanes. A tile stops at the
-/// last key any of its rows sees (causal diagonals). Every operand is packed into scratch,
-/// rows zero-padded to whole panels, which serves every head_dim, stride and element type
-/// with one code path; and it is faster than reading the caller's rows: rows of one head are
-/// a power-of-two stride apart there and fall into a few L1 sets. Scratch rows are one panel
-/// longer than their data for the same reason.
+/// dV += P^T dO, dK += dS^T Q and dQ = dS K with head dims in the lanes. A tile runs from the
+/// first key any of its rows sees to the last (each row sees one contiguous run of keys); P
+/// and dS are selected to exactly 0 at the keys a row does not see, and a K row holding a NaN
+/// or Inf enters dQ only for the rows that see it, so a hidden key adds nothing to any
+/// gradient, not even NaN x 0. Every operand is packed into scratch, rows zero-padded to
+/// whole panels, which serves every head_dim, stride and element type with one code path;
+/// and it is faster than reading the caller's rows: rows of one head are a power-of-two
+/// stride apart there and fall into a few L1 sets. Scratch rows are one panel longer than
+/// their data for the same reason.
 
 #include <atomic>
 #include <chrono>

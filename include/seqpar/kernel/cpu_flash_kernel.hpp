@@ -1,7 +1,8 @@
 #pragma once
 /// \file
 /// CpuFlashKernel: blocked online-softmax attention on the CPU (FlashAttention-2's loop
-/// structure), for float and double, with the causal mask taken from global positions.
+/// structure), for float and double, with every mask family of core/mask.hpp (causal,
+/// sliding windows, packed documents, key padding) taken from global positions.
 ///
 /// Layout of the work (why it is fast). Everything runs *transposed*: a block of queries is
 /// packed once as Q^T [head_dim][block_q] (pre-scaled), the scores of a key block are formed
@@ -52,14 +53,18 @@ struct CpuFlashOptions {
 
 /// Fast local attention on the CPU (see the file comment for the blocking). Each (batch,
 /// head, block of queries) streams over blocks of keys, keeping a running max, sum and
-/// output (online softmax), so memory stays O(block). Key blocks that a causal mask hides
-/// entirely are skipped; blocks it shows entirely skip the mask. Scratch (one slice per
-/// thread) and the thread pool are made by prepare() and the constructor, so forward
-/// allocates nothing and starts no thread. One forward at a time per object; copies get
-/// their own pool and scratch.
+/// output (online softmax), so memory stays O(block). Each query row sees one contiguous run
+/// of keys (params.keys; every family of core/mask.hpp): a query block's key loop runs from
+/// its first row's first key to its last row's last, key blocks that no row sees are skipped,
+/// each query panel is trimmed to its rows' keys, and only the keys a range boundary cuts go
+/// through the mask (the lanes that do not see such a key never read it, so a NaN stored
+/// there stays out). Scratch (one slice per thread) and the thread pool are made by prepare()
+/// and the constructor, so forward allocates nothing and starts no thread. One forward at a
+/// time per object; copies get their own pool and scratch.
 class CpuFlashKernel {
  public:
   static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
+  static constexpr bool supports_masks = true;    ///< windows, documents, key padding
   using memory_space = HostSpace;                 ///< host tensors
   static constexpr std::int64_t block_q = detail::fwd_block_q;  ///< most query rows per block (whole query panels)
   static constexpr std::int64_t block_k = detail::fwd_block_k;  ///< key rows per block
@@ -67,7 +72,7 @@ class CpuFlashKernel {
   /// Query rows per block for `key_len` keys. Each query block streams all of K and V once and
   /// packs each key block of them: from 1K keys they no longer fit in L2 and come from L3 or
   /// memory, so 256- and (from 2K keys) 512-row blocks cut that traffic and packing 4-8x (a
-  /// causal diagonal is trimmed per query panel, so large blocks waste no work there); below,
+  /// mask's range boundaries are trimmed per query panel, so large blocks waste no work there); below,
   /// 64-row blocks make more tasks for the threads.
   static constexpr std::int64_t query_block_rows(std::int64_t key_len) {
     return key_len >= 2048 ? 512 : key_len >= 1024 ? 256 : 64;

@@ -45,11 +45,19 @@ class ScratchCarver {
   std::size_t used_ = 0;
 };
 
+/// The keys a forward query panel reaches, as key indices: some lane sees each of [lo, hi]
+/// (up to gaps between the lanes' ranges), every lane sees each of [all_lo, all_hi].
+struct PanelKeys {
+  std::int64_t lo, hi, all_lo, all_hi;
+};
+
 /// One thread's forward scratch for accumulation type A and head dim `dim`.
 template <class A>
 struct ForwardScratch {
   A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
-  std::int64_t *qpos, *kpos, *hidden;
+  std::int64_t *first, *last;  ///< per query row: the key indices it sees (RowKeys)
+  std::int64_t *lane_lo, *lane_hi;  ///< per key of a panel's masked part: lanes [lo, hi) see it
+  PanelKeys* panel;  ///< per query panel of the block
 
   /// Stride of kbuf's rows: an odd number of 64-byte lines, so that consecutive rows start in
   /// different L1 sets.
@@ -71,9 +79,11 @@ struct ForwardScratch {
     c.take(r.alpha, max_panel<A>);
     c.take(r.kbuf, fwd_block_k * ld_keys(dim));  // the key block's K rows, in A
     c.take(r.vbuf, fwd_block_k * (dim + 8));  // V packed in tiles of up to 8 head dims
-    c.take(r.qpos, fwd_block_q);
-    c.take(r.kpos, fwd_block_k);
-    c.take(r.hidden, fwd_block_k);  // per key of a diagonal panel: lanes that do not see it
+    c.take(r.first, fwd_block_q);
+    c.take(r.last, fwd_block_q);
+    c.take(r.lane_lo, fwd_block_k);
+    c.take(r.lane_hi, fwd_block_k);
+    c.take(r.panel, fwd_block_q);  // at most one panel per query row
     return c.used();
   }
 };
@@ -95,8 +105,9 @@ struct BackwardScratch {
   A* lrow;   ///< [BQ] LSE of the tile's rows
   A* delta;  ///< [BQ] rowsum(dO * O)
   A* ones;   ///< one panel of 1 (the alpha of an accumulating micro-kernel call)
-  std::int64_t* limit;  ///< [BQ] keys of the block the row sees (a prefix: positions increase)
-  std::int64_t* kpos;   ///< [BK] global positions of the block's keys
+  std::int64_t* row_lo;  ///< [BQ] keys of the block the row sees: [row_lo, row_hi] (block indices)
+  std::int64_t* row_hi;  ///< [BQ]
+  std::int64_t* bad;     ///< [BK] keys of the block whose K row holds a NaN or Inf
 
   /// Head dim rounded up to whole micro-kernel panels (the columns the products form).
   static constexpr std::int64_t padded(std::int64_t dim) {
@@ -128,8 +139,9 @@ struct BackwardScratch {
     c.take(r.lrow, BQ);
     c.take(r.delta, BQ);
     c.take(r.ones, max_panel<A>);
-    c.take(r.limit, BQ);
-    c.take(r.kpos, BK);
+    c.take(r.row_lo, BQ);
+    c.take(r.row_hi, BQ);
+    c.take(r.bad, BK);
     if (s) std::fill(r.ones, r.ones + max_panel<A>, A(1));
     return c.used();
   }

@@ -2,16 +2,42 @@
 // for the work split, and kernel/cpu_isa_kernels.hpp for why this file has no include guard).
 // Needs the SIMD layer (cpu_isa_simd.inl) of the same namespace.
 
-/// Packs a tile's Q and dO rows (zero-padded to whole panels), their LSE and delta, and how
-/// many of the block's nk keys each row sees (none for a row that saw no key at all).
+/// The keys of block [j0, j0 + nk) that each row of query block [i0, i0 + nq) sees by the mask
+/// alone: s.row_lo, s.row_hi (block indices; none when row_lo > row_hi). Returns false when no
+/// row sees any (the tile is skipped; then nothing else is written). `prev` gets the last key
+/// block before this one that some row of the query block sees, -1 when none: the task whose
+/// dQ add to these rows comes right before this one's (it does not skip the tile, by this same
+/// test).
+template <class T, class A>
+inline bool backward_tile_keys(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t i0, std::int64_t nq,
+                               std::int64_t j0, std::int64_t nk, const BackwardScratch<A>& s, std::int64_t& prev) {
+  const KernelParams& p = job.p;
+  const std::int64_t sk = job.k.seq(), j1 = j0 + nk - 1;
+  // Both ends of the rows' ranges grow down the rows: the query block's keys lie between its
+  // first row's first key and its last row's last (most tiles of a window or of documents
+  // are rejected here, on two rows).
+  if (std::max(j0, row_keys(p, b, i0, sk).first) > std::min(j1, row_keys(p, b, i0 + nq - 1, sk).last)) return false;
+  bool any = false;
+  prev = -1;
+  for (std::int64_t i = 0; i < nq; ++i) {
+    const RowKeys r = row_keys(p, b, i0 + i, sk);
+    s.row_lo[i] = std::max<std::int64_t>(r.first - j0, 0);
+    s.row_hi[i] = std::min(r.last, j1) - j0;
+    any = any || s.row_lo[i] <= s.row_hi[i];
+    const std::int64_t before = std::min(r.last, j0 - 1);  // the row's last key before this block
+    if (r.first <= before) prev = std::max(prev, before / FlashBackward<T, A>::BK);
+  }
+  return any;
+}
+
+/// Packs a tile's Q and dO rows (zero-padded to whole panels), their LSE and delta; a row that
+/// saw no key at all (LSE -inf) sees none of the block either.
 template <class T, class A>
 inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h, std::int64_t i0,
-                               std::int64_t nq, std::int64_t nk, const BackwardScratch<A>& s) {
+                               std::int64_t nq, const BackwardScratch<A>& s) {
   using V = simd_t<A>;
   constexpr std::int64_t W = FlashTile<A>::width;
-  const KernelParams& p = job.p;
   const std::int64_t dim = job.q.dim(), dp = BackwardScratch<A>::padded(dim), ld = BackwardScratch<A>::ld_dim(dim);
-  std::int64_t seen = 0;  // keys at or before the row's position: non-decreasing down the rows
   for (std::int64_t i = 0; i < nq; ++i) {
     const T* qr = job.q.row(b, i0 + i, h);
     const T* dor = job.dout.row(b, i0 + i, h);
@@ -34,9 +60,7 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
     for (std::int64_t w = 0; w < W; ++w) dl += acc[w];
     s.delta[i] = dl;
     s.lrow[i] = job.lse(b, i0 + i, h);
-    if (p.causal)
-      for (const std::int64_t qp = p.q_positions(i0 + i); seen < nk && s.kpos[seen] <= qp;) ++seen;
-    s.limit[i] = s.lrow[i] == -std::numeric_limits<A>::infinity() ? 0 : p.causal ? seen : nk;
+    if (s.lrow[i] == -std::numeric_limits<A>::infinity()) s.row_hi[i] = s.row_lo[i] - 1;
   }
 }
 
@@ -56,7 +80,11 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
   const std::int64_t nqb = job.query_blocks(), kcols = (nk + PW - 1) / PW * PW;
   const A scale = static_cast<A>(p.scale);
 
-  // K (dim rows), K^T and V^T (key rows, zero past the block's keys up to a whole panel).
+  // K (dim rows), K^T and V^T (key rows, zero past the block's keys up to a whole panel). A K
+  // row holding a NaN or Inf goes into K (the B of dQ = dS K) as zeros and onto the `bad`
+  // list: a row that does not see the key has dS = 0 there, but 0 x NaN would still reach
+  // its dQ; the rows that see it get its term added apart.
+  std::int64_t nbad = 0;
   for (std::int64_t j = 0; j < kcols; ++j) {
     const bool real = j < nk;
     const T* kr = real ? k.row(b, j0 + j, kh) : nullptr;
@@ -67,10 +95,12 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       s.vt[d * lk + j] = vx;
       if (real) s.ks[j * ld + d] = kx;
     }
-    if (real) {
-      std::fill(s.ks + j * ld + dim, s.ks + j * ld + dp, A(0));
-      s.kpos[j] = p.causal ? p.k_positions(j0 + j) : 0;
+    if (!real) continue;
+    if (!all_finite(s.ks + j * ld, dim, s.ks, 0, 0, 0)) {
+      std::fill(s.ks + j * ld, s.ks + j * ld + dim, A(0));
+      s.bad[nbad++] = j;
     }
+    std::fill(s.ks + j * ld + dim, s.ks + j * ld + dp, A(0));
   }
   for (std::int64_t j = 0; j < nk; ++j) {
     std::fill(s.dks + j * ld, s.dks + j * ld + dp, A(0));
@@ -84,10 +114,11 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
     if (p.kv_head(h) != kh) continue;
     for (std::int64_t ib = 0; ib < nqb; ++ib) {
       const std::int64_t i0 = ib * BQ, nq = std::min(BQ, q.seq() - i0);
-      // Earlier query blocks see fewer keys: skip those that see none of this block.
-      if (p.causal && p.fully_masked(p.q_positions(i0 + nq - 1), s.kpos[0])) continue;
+      // Skip the query blocks that see none of this key block.
+      std::int64_t prev = -1;
+      if (!backward_tile_keys(job, b, i0, nq, j0, nk, s, prev)) continue;
       touched = true;
-      backward_pack_rows(job, b, h, i0, nq, nk, s);
+      backward_pack_rows(job, b, h, i0, nq, s);
       // The next query block's rows (Q, dO, O, and the dQ rows its share is added to) on
       // their way to L2 while this one computes: every task streams the whole sequence's
       // rows of its heads, from L3 or memory once the sequence is long.
@@ -96,42 +127,66 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
                                 static_cast<const void*>(job.out.row(b, i, h)), static_cast<const void*>(job.dq.row(b, i, h))})
           for (std::int64_t off = 0; off < dim * std::int64_t(sizeof(T)); off += 64)
             __builtin_prefetch(static_cast<const char*>(row) + off, 0, 2);
-      // Keys after the last one any row sees add nothing: leave them out of every product.
-      const std::int64_t nv = *std::max_element(s.limit, s.limit + nq), vcols = (nv + PW - 1) / PW * PW;
-
-      // S = Q K^T, dP = dO V^T: keys in lanes, one key panel at a time.
-      for (std::int64_t c0 = 0; c0 < vcols; c0 += PW) {
-        flash_tiles<false>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
-        flash_tiles<false>(nq, s.dos, ld, 1, MR * ld, s.vt + c0, lk, dim, s.ds + c0, lk, static_cast<const A*>(nullptr));
-      }
-      // P = exp(S scale - LSE) on the keys the row sees, else 0; dS = P (dP - delta) scale.
-      const V sc = simd_splat(scale);
-      for (std::int64_t i = 0; i < nq; ++i) {
-        const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
-        const A limit = static_cast<A>(s.limit[i]);
-        for (std::int64_t c = 0; c < vcols; c += W) {
-          A* pr = s.pm + i * lk + c;
-          A* dr = s.ds + i * lk + c;
-          const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
-          const V pv = lane + static_cast<A>(c) < limit ? e : V{};
-          simd_store(pr, pv);
-          simd_store(dr, pv * (simd_load(dr) - dl) * sc);
+      // Keys [kmin, kmax] are those some row sees: the others add nothing and are left out
+      // of every product (whole key panels from kmin's for S and dP).
+      std::int64_t kmin = nk, kmax = -1;
+      for (std::int64_t i = 0; i < nq; ++i)
+        if (s.row_lo[i] <= s.row_hi[i]) {
+          kmin = std::min(kmin, s.row_lo[i]);
+          kmax = std::max(kmax, s.row_hi[i]);
+        }
+      const std::int64_t nv = kmax + 1 - kmin, c_lo = kmin / PW * PW, c_hi = (kmax + PW) / PW * PW;
+      if (nv > 0) {
+        // S = Q K^T, dP = dO V^T: keys in lanes, one key panel at a time.
+        for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
+          flash_tiles<false>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
+          flash_tiles<false>(nq, s.dos, ld, 1, MR * ld, s.vt + c0, lk, dim, s.ds + c0, lk, static_cast<const A*>(nullptr));
+        }
+        // P = exp(S scale - LSE) on the keys the row sees, dS = P (dP - delta) scale; both
+        // exactly 0 (selected, not multiplied: S or dP is NaN at a key whose K or V is)
+        // elsewhere.
+        const V sc = simd_splat(scale);
+        for (std::int64_t i = 0; i < nq; ++i) {
+          const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
+          const A lo = static_cast<A>(s.row_lo[i]), hi = static_cast<A>(s.row_hi[i]);
+          for (std::int64_t c = c_lo; c < c_hi; c += W) {
+            A* pr = s.pm + i * lk + c;
+            A* dr = s.ds + i * lk + c;
+            const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
+            const V key = lane + static_cast<A>(c);
+            const auto seen = (key >= lo) & (key <= hi);
+            simd_store(pr, seen ? e : V{});
+            simd_store(dr, seen ? e * (simd_load(dr) - dl) * sc : V{});
+          }
+        }
+        // dV += P^T dO, dK += dS^T Q (over the tile's queries), dQ share = dS K (over its
+        // keys): head dims in lanes.
+        for (std::int64_t c0 = 0; c0 < dp; c0 += PW) {
+          flash_tiles<true>(nv, s.pm + kmin, 1, lk, MR, s.dos + c0, ld, nq, s.dvs + kmin * ld + c0, ld, s.ones);
+          flash_tiles<true>(nv, s.ds + kmin, 1, lk, MR, s.qs + c0, ld, nq, s.dks + kmin * ld + c0, ld, s.ones);
+          flash_tiles<false>(nq, s.ds + kmin, lk, 1, MR * lk, s.ks + kmin * ld + c0, ld, nv, s.dqs + c0, ld,
+                             static_cast<const A*>(nullptr));
+        }
+        // The dQ terms of non-finite K rows, for the rows that see them.
+        for (std::int64_t n = 0; n < nbad; ++n) {
+          const std::int64_t j = s.bad[n];
+          for (std::int64_t i = 0; i < nq; ++i) {
+            if (j < s.row_lo[i] || j > s.row_hi[i]) continue;
+            const A g = s.ds[i * lk + j];
+            for (std::int64_t d = 0; d < dim; ++d) s.dqs[i * ld + d] += g * s.kt[d * lk + j];
+          }
         }
       }
-      // dV += P^T dO, dK += dS^T Q (over the tile's queries), dQ share = dS K (over its
-      // keys): head dims in lanes.
-      for (std::int64_t c0 = 0; c0 < dp; c0 += PW) {
-        flash_tiles<true>(nv, s.pm, 1, lk, MR, s.dos + c0, ld, nq, s.dvs + c0, ld, s.ones);
-        flash_tiles<true>(nv, s.ds, 1, lk, MR, s.qs + c0, ld, nq, s.dks + c0, ld, s.ones);
-        flash_tiles<false>(nq, s.ds, lk, 1, MR * lk, s.ks + c0, ld, nv, s.dqs + c0, ld, static_cast<const A*>(nullptr));
-      }
+      // This key block's dQ share goes after that of `prev`, the last earlier block that
+      // these rows see (so in key block order whatever the threads).
       std::int32_t* turn = turns ? turns + (b * q.heads() + h) * nqb + ib : nullptr;
-      if (turn) wait_turn(*turn, static_cast<std::int32_t>(jb));
-      for (std::int64_t i = 0; i < nq; ++i) {
-        A* dst = job.dq.row(b, i0 + i, h);
-        const A* src = s.dqs + i * ld;
-        for (std::int64_t d = 0; d < dim; ++d) dst[d] += src[d];
-      }
+      if (turn) wait_turn(*turn, static_cast<std::int32_t>(prev + 1));
+      if (nv > 0)
+        for (std::int64_t i = 0; i < nq; ++i) {
+          A* dst = job.dq.row(b, i0 + i, h);
+          const A* src = s.dqs + i * ld;
+          for (std::int64_t d = 0; d < dim; ++d) dst[d] += src[d];
+        }
       if (turn) pass_turn(*turn, static_cast<std::int32_t>(jb + 1));
     }
   }

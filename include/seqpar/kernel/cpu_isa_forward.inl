@@ -9,10 +9,12 @@
 /// Per key block, V is packed once (MR head dims interleaved per key: its rows are a power
 /// of two apart in the caller's tensor and would fall into a few L1 sets), then each panel of
 /// PW queries runs the whole step, S^T = K Q^T, the online softmax and O^T += V^T P^T, on the
-/// keys it sees (a causal diagonal is trimmed per panel, not per block). The block's Q^T and
-/// O^T are stored panel by panel, each panel contiguous, and the panel's S^T fits in L1. Large
-/// query blocks make K and V stream from L3 once per many queries; the next key block's rows
-/// are prefetched into L2 a slice per panel.
+/// keys it reaches (every row sees one contiguous run of keys, row_keys: the block's key loop
+/// runs from its first row's first key to its last row's last, skips blocks no panel reaches,
+/// and each panel is trimmed to its own keys). The block's Q^T and O^T are stored panel by
+/// panel, each panel contiguous, and the panel's S^T fits in L1. Large query blocks make K and
+/// V stream from L3 once per many queries; the next key block's rows are prefetched into L2 a
+/// slice per panel.
 template <class T, class O, class A>
 void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                          TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
@@ -21,7 +23,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   constexpr int W = FlashTile<A>::width, PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
   static_assert(fwd_block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();
-  const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h);
+  const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h), sk = k.seq();
   const std::int64_t ncols = (nq + PW - 1) / PW * PW, panels = ncols / PW;  // queries padded to whole panels
   const std::int64_t qt_panel = dim * PW;  // elements of one Q^T or O^T panel
   const A scale = static_cast<A>(p.scale);
@@ -35,25 +37,40 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     const T* src = i < nq ? q.row(b, i0 + i, h) : nullptr;
     A* col = s.qt + i / PW * qt_panel + i % PW;
     for (std::int64_t d = 0; d < dim; ++d) col[d * PW] = src ? static_cast<A>(src[d]) * scale : A(0);
-    if (p.causal && src) s.qpos[i] = p.q_positions(i0 + i);
+    if (src) {
+      const RowKeys r = row_keys(p, b, i0 + i, sk);
+      s.first[i] = r.first;
+      s.last[i] = r.last;
+    }
     s.m[i] = neg_inf;
     s.l[i] = 0;
   }
   std::fill(s.ot, s.ot + ncols * dim, A(0));
 
-  const std::int64_t q_hi = p.causal ? s.qpos[nq - 1] : 0;
-  for (std::int64_t j0 = 0; j0 < k.seq(); j0 += fwd_block_k) {
-    std::int64_t nk = std::min(fwd_block_k, k.seq() - j0);
-    if (p.causal) {
-      if (p.fully_masked(q_hi, p.k_positions(j0))) break;  // positions increase: every later block is hidden too
-      // Keys after the block's last query are hidden from all of it: leave them out.
-      std::int64_t seen = 0;
-      for (; seen < nk; ++seen) {
-        s.kpos[seen] = p.k_positions(j0 + seen);
-        if (s.kpos[seen] > q_hi) break;
+  // The keys each panel reaches (its rows' ranges joined) and the keys all of its rows see.
+  std::int64_t block_lo = sk, block_hi = -1;
+  for (std::int64_t panel = 0; panel < panels; ++panel) {
+    PanelKeys r{sk, -1, 0, sk - 1};
+    for (std::int64_t i = panel * PW, ie = std::min(nq, i + PW); i < ie; ++i) {
+      if (s.first[i] <= s.last[i]) {
+        r.lo = std::min(r.lo, s.first[i]);
+        r.hi = std::max(r.hi, s.last[i]);
       }
-      nk = seen;
+      r.all_lo = std::max(r.all_lo, s.first[i]);
+      r.all_hi = std::min(r.all_hi, s.last[i]);
     }
+    s.panel[panel] = r;
+    block_lo = std::min(block_lo, r.lo);
+    block_hi = std::max(block_hi, r.hi);
+  }
+
+  for (std::int64_t j0 = block_lo; j0 <= block_hi; j0 += fwd_block_k) {
+    const std::int64_t nk = std::min(fwd_block_k, block_hi + 1 - j0), j1 = j0 + nk - 1;
+    // A block in a gap between the rows' ranges (a window or a document boundary) is skipped.
+    bool reached = false;
+    for (std::int64_t panel = 0; panel < panels && !reached; ++panel)
+      reached = std::max(j0, s.panel[panel].lo) <= std::min(j1, s.panel[panel].hi);
+    if (!reached) continue;
     // K rows copied (and converted to A) into rows ldk apart: in the caller's tensor a head's
     // rows are a power of two apart (H D elements), and the MR rows a micro-kernel reads at
     // once would share a few L1 sets.
@@ -76,8 +93,9 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
         for (int r = 0; r < MR; ++r) dst[r] = static_cast<A>(vsrc[d0 + r]);
       for (std::int64_t d = whole; d < dim; ++d) dst[d - whole] = static_cast<A>(vsrc[d]);
     }
+    const bool v_finite = all_finite(s.vbuf, whole * nk, s.vbuf + whole * nk, nk, dim - whole, MR);
 
-    const std::int64_t jn = j0 + fwd_block_k, next = std::max<std::int64_t>(0, std::min(fwd_block_k, k.seq() - jn));
+    const std::int64_t jn = j0 + fwd_block_k, next = std::max<std::int64_t>(0, std::min(fwd_block_k, block_hi + 1 - jn));
     const std::int64_t slice = (next + panels - 1) / panels;  // next block's rows prefetched per panel
     for (std::int64_t c0 = 0, panel = 0; c0 < ncols; c0 += PW, ++panel) {
       // A slice of the next key block's K and V rows on their way to L2 while this block
@@ -87,35 +105,38 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
         prefetch_row(k.row(b, j, kh), dim, 2);
         prefetch_row(v.row(b, j, kh), dim, 2);
       }
-      // The keys this panel sees, and whether any of them needs the mask.
+      // The keys [ja, ja + nkp) of the block this panel reaches; of those, [f0, f1) (counted
+      // from ja) are seen by every row of the panel and need no mask.
+      const PanelKeys& pk = s.panel[panel];
+      const std::int64_t ja = std::max(j0, pk.lo), nkp = std::min(j1, pk.hi) + 1 - ja;
+      if (nkp <= 0) continue;  // nothing to add: the panel's state stays as it is
+      const std::int64_t f0 = std::clamp<std::int64_t>(pk.all_lo - ja, 0, nkp);
+      const std::int64_t f1 = std::clamp<std::int64_t>(pk.all_hi + 1 - ja, f0, nkp);
       const std::int64_t np = std::min<std::int64_t>(PW, nq - c0);
-      std::int64_t nkp = nk;
-      bool masked = false;
-      if (p.causal) {
-        const std::int64_t last = s.qpos[c0 + np - 1];
-        while (nkp > 0 && s.kpos[nkp - 1] > last) --nkp;
-        if (nkp == 0) continue;  // nothing to add: the panel's state stays as it is
-        masked = !p.fully_visible(s.qpos[c0], s.kpos[nkp - 1]);
-      }
       A* const qt = s.qt + panel * qt_panel;
       A* const ot = s.ot + panel * qt_panel;
       A* const st = s.st;
 
       // S^T = K Q^T (the Q^T panel stays in L1).
-      flash_tiles<false>(nkp, s.kbuf, ldk, 1, MR * ldk, qt, PW, dim, st, PW, static_cast<const A*>(nullptr));
-      // Keys [0, full) are seen by every query of the panel; later ones by a suffix of it.
-      std::int64_t full = nkp;
-      if (masked) {
-        // Positions increase along the panel, so the lanes that do not see key j are a prefix,
-        // which grows with j.
-        std::int64_t hidden = 0;
-        full = 0;
-        for (std::int64_t j = 0; j < nkp; ++j) {
-          while (hidden < np && s.qpos[c0 + hidden] < s.kpos[j]) ++hidden;
-          std::fill(st + j * PW, st + j * PW + hidden, neg_inf);
-          s.hidden[j] = hidden;
-          if (hidden == 0) full = j + 1;
-        }
+      flash_tiles<false>(nkp, s.kbuf + (ja - j0) * ldk, ldk, 1, MR * ldk, qt, PW, dim, st, PW,
+                         static_cast<const A*>(nullptr));
+      if (f0 > 0 || f1 < nkp) {
+        // Keys a range boundary cuts. Both ends of the rows' ranges grow down the panel, so
+        // the lanes that see key j are one interval [lane_lo, lane_hi), whose ends grow with
+        // j; the other lanes' scores become -inf.
+        std::int64_t lo = 0, hi = 0;
+        auto cut = [&](std::int64_t j) {
+          const std::int64_t key = ja + j;
+          while (lo < np && s.last[c0 + lo] < key) ++lo;
+          while (hi < np && s.first[c0 + hi] <= key) ++hi;
+          hi = std::max(hi, lo);
+          std::fill(st + j * PW, st + j * PW + lo, neg_inf);
+          std::fill(st + j * PW + hi, st + j * PW + np, neg_inf);
+          s.lane_lo[j] = lo;
+          s.lane_hi[j] = hi;
+        };
+        for (std::int64_t j = 0; j < f0; ++j) cut(j);
+        for (std::int64_t j = f1; j < nkp; ++j) cut(j);
       }
 
       // Online softmax, W queries at a time: P^T = exp(S^T - m') in place.
@@ -149,12 +170,20 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
         simd_store(m, mx);
       }
 
-      // O^T = alpha O^T + V^T P^T: A is the packed V, B the P^T panel. A key hidden from some
-      // lanes has P = 0 there, but 0 x V is NaN when V is (padding, a stale cache slot): those
-      // keys are added with the hidden lanes masked out, so a hidden key never reaches a row.
-      flash_tiles<true>(dim, s.vbuf, 1, MR, v_tile, st, PW, full, ot, PW, s.alpha);
-      if (full < nkp)
-        flash_tiles_masked(dim, s.vbuf + full * MR, MR, v_tile, st + full * PW, PW, nkp - full, ot, PW, s.hidden + full);
+      // O^T = alpha O^T + V^T P^T: A is the packed V, B the P^T panel (the rescale by alpha
+      // happens here, even with no unmasked key). A key hidden from some lanes has P = 0
+      // exactly there, which adds nothing while V is finite; but 0 x V is NaN when V is
+      // (padding, a stale cache slot): in a block holding such a V row, the cut keys are added
+      // with only the lanes that see them, so a hidden key never reaches a row.
+      const A* const vp = s.vbuf + (ja - j0) * MR;
+      if (v_finite) {
+        flash_tiles<true>(dim, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, s.alpha);
+      } else {
+        flash_tiles<true>(dim, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, s.alpha);
+        flash_tiles_masked(dim, vp, MR, v_tile, st, PW, f0, ot, PW, s.lane_lo, s.lane_hi);
+        flash_tiles_masked(dim, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, s.lane_lo + f1,
+                           s.lane_hi + f1);
+      }
     }
   }
 

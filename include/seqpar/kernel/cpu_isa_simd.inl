@@ -104,6 +104,30 @@ inline V simd_max(V x, V m) {
   return x > m ? x : m;
 }
 
+/// True when the `n` values at `x`, and the first `tail` values of each of the `rows` rows
+/// `ld` apart at `tail_at`, are all finite (x - x is 0 for finite x, NaN for NaN and Inf).
+/// Two vector chains: the forward checks every key block's packed V.
+template <class A>
+inline bool all_finite(const A* x, std::int64_t n, const A* tail_at, std::int64_t rows, std::int64_t tail,
+                       std::ptrdiff_t ld) {
+  using V = simd_t<A>;
+  constexpr int W = Simd<A>::width;
+  V p0{}, p1{};
+  std::int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const V a = simd_load(x + i), b = simd_load(x + i + W);
+    p0 += a - a;
+    p1 += b - b;
+  }
+  A probe = 0;
+  for (; i < n; ++i) probe += x[i] - x[i];
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t d = 0; d < tail; ++d) probe += tail_at[r * ld + d] - tail_at[r * ld + d];
+  p0 += p1;
+  for (int w = 0; w < W; ++w) probe += p0[w];
+  return probe == 0;  // NaN compares unequal
+}
+
 /// Reinterprets the bits of `from` as To (same size).
 template <class To, class From>
 inline To bits_as(From from) {
@@ -244,12 +268,12 @@ inline void flash_tiles(std::int64_t rows, const A* a, std::ptrdiff_t a_row, std
   }(std::make_integer_sequence<int, MR - 1>{});
 }
 
-/// C[M x NR vectors] += A B over k in [0, kdim), adding at k only the lanes at or past
-/// first[k] (the others are left as they are, even where A is NaN: 0 x NaN would be NaN).
-/// A is packed as flash_tile's with a_row = 1 (a[r + k * a_k]); B and C as flash_tile's.
+/// C[M x NR vectors] += A B over k in [0, kdim), adding at k only the lanes in [lo[k], hi[k])
+/// (the others are left as they are, even where A is NaN: 0 x NaN would be NaN). A is packed
+/// as flash_tile's with a_row = 1 (a[r + k * a_k]); B and C as flash_tile's.
 template <int M, class A>
 inline void flash_tile_masked(const A* a, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb, std::int64_t kdim,
-                              A* c, std::ptrdiff_t ldc, const std::int64_t* first) {
+                              A* c, std::ptrdiff_t ldc, const std::int64_t* lo, const std::int64_t* hi) {
   using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width;
   V lane0{};
@@ -259,8 +283,8 @@ inline void flash_tile_masked(const A* a, std::ptrdiff_t a_k, const A* b, std::p
     V acc0[M] = {simd_load(c + R * ldc)...}, acc1[M] = {simd_load(c + R * ldc + W)...};
     for (std::int64_t k = 0; k < kdim; ++k) {
       const A* ak = a + k * a_k;
-      const V f = simd_splat(static_cast<A>(first[k]));
-      const auto m0 = lane0 >= f, m1 = lane1 >= f;
+      const V f = simd_splat(static_cast<A>(lo[k])), e = simd_splat(static_cast<A>(hi[k]));
+      const auto m0 = (lane0 >= f) & (lane0 < e), m1 = (lane1 >= f) & (lane1 < e);
       const V b0 = simd_load(b + k * ldb), b1 = simd_load(b + k * ldb + W);
       ((acc0[R] = m0 ? simd_fma(simd_splat(ak[R]), b0, acc0[R]) : acc0[R],
         acc1[R] = m1 ? simd_fma(simd_splat(ak[R]), b1, acc1[R]) : acc1[R]),
@@ -273,14 +297,16 @@ inline void flash_tile_masked(const A* a, std::ptrdiff_t a_k, const A* b, std::p
 /// flash_tile_masked over `rows` rows of A packed in tiles of MR (tile t at a + t * a_tile).
 template <class A>
 inline void flash_tiles_masked(std::int64_t rows, const A* a, std::ptrdiff_t a_k, std::ptrdiff_t a_tile, const A* b,
-                               std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc,
-                               const std::int64_t* first) {
+                               std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc, const std::int64_t* lo,
+                               const std::int64_t* hi) {
   constexpr int MR = FlashTile<A>::mr;
+  if (kdim == 0) return;
   std::int64_t r0 = 0;
-  for (; r0 + MR <= rows; r0 += MR, a += a_tile) flash_tile_masked<MR>(a, a_k, b, ldb, kdim, c + r0 * ldc, ldc, first);
+  for (; r0 + MR <= rows; r0 += MR, a += a_tile)
+    flash_tile_masked<MR>(a, a_k, b, ldb, kdim, c + r0 * ldc, ldc, lo, hi);
   const int tail = static_cast<int>(rows - r0);
   c += r0 * ldc;
   [&]<int... T>(std::integer_sequence<int, T...>) {
-    ((tail == T + 1 ? flash_tile_masked<T + 1>(a, a_k, b, ldb, kdim, c, ldc, first) : void()), ...);
+    ((tail == T + 1 ? flash_tile_masked<T + 1>(a, a_k, b, ldb, kdim, c, ldc, lo, hi) : void()), ...);
   }(std::make_integer_sequence<int, MR - 1>{});
 }
