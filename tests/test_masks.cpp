@@ -97,8 +97,8 @@ struct Result {
 };
 
 /// Runs forward and backward of `pr` under `policy` on lengths.size() thread ranks (query and
-/// key lengths per rank) with ReferenceKernel, and gathers everything.
-template <class Policy>
+/// key lengths per rank) with `Kernel`, and gathers everything.
+template <class Policy, class Kernel = ReferenceKernel>
 Result run(Policy policy, const AttentionProblem& pr, const Global& g, const std::vector<std::int64_t>& lq,
            const std::vector<std::int64_t>& lk) {
   const int P = static_cast<int>(lq.size());
@@ -111,7 +111,7 @@ Result run(Policy policy, const AttentionProblem& pr, const Global& g, const std
   const std::int64_t B = g.B;
   run_ranks(P, [&](ThreadCommunicator& world) {
     const int me = world.rank();
-    SequenceParallelAttention<Policy, ThreadCommunicator, ReferenceKernel> attn(world, policy);
+    SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(world, policy);
     const Plan plan = attn.template plan<double>(pr, {lq[static_cast<std::size_t>(me)], lk[static_cast<std::size_t>(me)]});
     const PositionMap qp = plan.q_positions(me), kp = plan.kv_positions(me);
     const std::int64_t nq = qp.size(), nk = kp.size();
@@ -168,26 +168,27 @@ std::int64_t brute_work(const AttentionProblem& pr, const Global& g) {
   return n * H;
 }
 
-/// One mask case checked under one policy: forward against the brute force (1e-12, double),
-/// backward against a one-rank run of the same engine, work, and bytes equal to the run
-/// without the mask.
-template <class Policy>
+/// One mask case checked under one policy: forward against the brute force (double: 1e-12 for
+/// ReferenceKernel, 1e-10 for the blocked CpuFlashKernel), backward against a one-rank run of
+/// ReferenceKernel, work, and bytes equal to the run without the mask.
+template <class Policy, class Kernel = ReferenceKernel>
 void check(const char* name, Policy policy, const AttentionProblem& pr, const Global& g, const std::vector<std::int64_t>& lq,
            const std::vector<std::int64_t>& lk) {
   CAPTURE(name);
+  const double tol = std::is_same_v<Kernel, ReferenceKernel> ? 1e-12 : 1e-10;
   std::vector<double> o, l;
   brute_forward(pr, g, o, l);
-  const Result got = run(policy, pr, g, lq, lk);
-  CHECK(rel(got.o, o) < 1e-12);
-  CHECK(rel(got.l, l) < 1e-12);
+  const Result got = run<Policy, Kernel>(policy, pr, g, lq, lk);
+  CHECK(rel(got.o, o) < tol);
+  CHECK(rel(got.l, l) < tol);
   const Result one = run(AnythingPolicy<RingPolicy<>>{}, pr, g, {g.sq}, {g.skv});
-  CHECK(rel(got.dq, one.dq) < 1e-12);
-  CHECK(rel(got.dk, one.dk) < 1e-12);
-  CHECK(rel(got.dv, one.dv) < 1e-12);
+  CHECK(rel(got.dq, one.dq) < tol);
+  CHECK(rel(got.dk, one.dk) < tol);
+  CHECK(rel(got.dv, one.dv) < tol);
   CHECK(std::accumulate(got.work.begin(), got.work.end(), std::int64_t{0}) == brute_work(pr, g));
   AttentionProblem plain = pr;
   plain.causal = false, plain.window = {}, plain.documents.clear(), plain.kv_valid.clear();
-  CHECK(run(policy, plain, g, lq, lk).bytes == got.bytes);  // a mask is metadata: no byte changes
+  CHECK(run<Policy, Kernel>(policy, plain, g, lq, lk).bytes == got.bytes);  // a mask is metadata: no byte changes
 }
 
 /// The mask families, alone and combined, for a self-attention problem of length S and B = 2.
@@ -228,6 +229,20 @@ TEST_CASE("masks: every family under every policy and layout, forward and backwa
     check("Anything<Unified<Contiguous>> 2x2 uneven", AnythingPolicy<UnifiedPolicy<>>{{2, 2}}, pr, g, uneven4, uneven4);
     check("Anything<Ring<Zigzag>> 3 uneven", AnythingPolicy<RingPolicy<Zigzag>>{}, pr, g, uneven3, uneven3);
     check("Anything<Ulysses> 3 uneven", AnythingPolicy<UlyssesPolicy>{}, pr, g, uneven3, uneven3);
+  }
+}
+
+TEST_CASE("masks: CpuFlashKernel under every family, on the policies that reach it in different ways") {
+  const std::int64_t S = 40;
+  const Global g(2, S, S, 1702);
+  const std::vector<std::int64_t> even4(4, S / 4), uneven3{9, 17, 14};
+  for (const auto& [name, pr] : families(S)) {
+    CAPTURE(name);
+    check<UlyssesPolicy, CpuFlashKernel>("Ulysses 4", UlyssesPolicy{}, pr, g, even4, even4);
+    check<RingPolicy<Zigzag>, CpuFlashKernel>("Ring<Zigzag> 4", RingPolicy<Zigzag>{}, pr, g, even4, even4);
+    check<UnifiedPolicy<Stripe>, CpuFlashKernel>("Unified<Stripe> 2x2", UnifiedPolicy<Stripe>{2, 2}, pr, g, even4, even4);
+    check<AnythingPolicy<RingPolicy<Contiguous>>, CpuFlashKernel>("Anything<Ring> 3 uneven",
+                                                                 AnythingPolicy<RingPolicy<>>{}, pr, g, uneven3, uneven3);
   }
 }
 
