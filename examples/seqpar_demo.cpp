@@ -2,6 +2,10 @@
 /// seqpar_demo: runs one policy on a random attention problem over MPI processes or threads,
 /// checks it against the exact reference, and reports the error, the traffic and the time.
 /// Its command line is a stable interface (scripts and tests parse the last line, RESULT).
+///
+/// Built as two objects so that two cores compile it in half the time (examples/CMakeLists.txt):
+/// with SEQPAR_DEMO_SPLIT, the one compiled with SEQPAR_DEMO_F64_PART holds only the f64 runs;
+/// the other holds the rest and the f32 runs. Without SEQPAR_DEMO_SPLIT it is one program.
 
 #include <algorithm>
 #include <bit>
@@ -21,7 +25,7 @@
 #include "seqpar/comm/mpi_communicator.hpp"
 #endif
 
-namespace {
+namespace seqpar_demo {
 
 using namespace seqpar;
 namespace ex = seqpar::examples;
@@ -71,6 +75,7 @@ struct Options {
   bool profile = false;
 };
 
+#ifndef SEQPAR_DEMO_F64_PART
 std::int64_t parse_int(std::string_view name, const char* text, std::int64_t min) {
   char* end = nullptr;
   const long long v = std::strtoll(text, &end, 10);
@@ -138,8 +143,10 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
+#endif  // SEQPAR_DEMO_F64_PART
+
 /// The world size and degrees the options ask for, checked against the world.
-void check_degrees(const Options& o, int world) {
+inline void check_degrees(const Options& o, int world) {
   if (o.ranks != 0 && o.ranks != world)
     throw UsageError("--ranks " + std::to_string(o.ranks) + " but the MPI world has " + std::to_string(world) +
                      " ranks (use mpirun -np " + std::to_string(o.ranks) + ")");
@@ -152,7 +159,7 @@ void check_degrees(const Options& o, int world) {
 }
 
 /// Readable type name of the policy the options select.
-std::string policy_type_name(const Options& o) {
+inline std::string policy_type_name(const Options& o) {
   static constexpr const char* layouts[] = {"Contiguous", "Zigzag", "Stripe"};
   std::string n = o.policy == PolicyKind::ulysses ? "UlyssesPolicy"
                   : std::string(o.policy == PolicyKind::ring ? "RingPolicy<" : "UnifiedPolicy<") +
@@ -326,13 +333,32 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   return ok ? 0 : 1;
 }
 
+/// Runs the options' policy with element type T on one rank.
+template <class T, class Comm>
+int run_typed(Comm& comm, const Options& o, const ex::GlobalInputs& g) {
+  return with_policy(o, comm.size(), [&](auto policy) { return run_rank<T>(comm, o, g, policy); });
+}
+
+#ifdef SEQPAR_DEMO_SPLIT
+// The f64 runs: compiled in the SEQPAR_DEMO_F64_PART object, used from the other.
+#ifdef SEQPAR_DEMO_F64_PART
+#define SEQPAR_DEMO_F64_INSTANCE(Comm) template int run_typed<double, Comm>(Comm&, const Options&, const ex::GlobalInputs&);
+#else
+#define SEQPAR_DEMO_F64_INSTANCE(Comm) \
+  extern template int run_typed<double, Comm>(Comm&, const Options&, const ex::GlobalInputs&);
+#endif
+SEQPAR_DEMO_F64_INSTANCE(ThreadCommunicator)
+#ifdef SEQPAR_HAS_MPI
+SEQPAR_DEMO_F64_INSTANCE(MpiCommunicator)
+#endif
+#endif  // SEQPAR_DEMO_SPLIT
+
+#ifndef SEQPAR_DEMO_F64_PART
 /// Runs the options' dtype and policy on one rank.
 template <class Comm>
 int run_options(Comm& comm, const Options& o, const ex::GlobalInputs& g) {
   check_degrees(o, comm.size());
-  return with_policy(o, comm.size(), [&](auto policy) {
-    return o.f64 ? run_rank<double>(comm, o, g, policy) : run_rank<float>(comm, o, g, policy);
-  });
+  return o.f64 ? run_typed<double>(comm, o, g) : run_typed<float>(comm, o, g);
 }
 
 /// True when an MPI launcher started this process (mpirun, mpiexec, srun).
@@ -380,10 +406,13 @@ int run_mpi(int& argc, char**& argv, Options& o, const ex::GlobalInputs& g) {
   return status;
 }
 #endif
+#endif  // SEQPAR_DEMO_F64_PART
 
-}  // namespace
+}  // namespace seqpar_demo
 
+#ifndef SEQPAR_DEMO_F64_PART
 int main(int argc, char** argv) {
+  using namespace seqpar_demo;
   Options o;
   try {
     o = parse(argc, argv);
@@ -429,3 +458,4 @@ int main(int argc, char** argv) {
     return report(e, "error: ");
   }
 }
+#endif  // SEQPAR_DEMO_F64_PART

@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
 # Sets up and builds seqpar on a Debian/Ubuntu machine, from any directory:
 #   1. when run as root, installs the packages that are missing (apt-get);
-#   2. configures (Release) and builds everything into build/ (tests, examples, benchmarks).
+#   2. configures (Release) and builds.
+#
+#   bash scripts/setup.sh        everything into build/ (tests, examples, benchmarks, and the
+#                                CUDA and emulated GPU tests when nvcc is found)
+#   bash scripts/setup.sh demo   only build-demo/examples/seqpar_demo: no tests, no benchmarks,
+#                                no CUDA (the README's first command; under a minute on 2 cores)
+#
 # Idempotent: a second run installs nothing and rebuilds only what changed.
 # Extra CMake options: SEQPAR_CMAKE_ARGS="-DSEQPAR_ENABLE_CUDA=OFF" bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-packages=(g++ make ninja-build cmake git libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev)
+mode=${1:-all}
+case "$mode" in
+  all | demo) ;;
+  -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+  *) echo "setup.sh: unknown mode '$mode' (expected: demo, or nothing for everything)" >&2; exit 2 ;;
+esac
+
+# doxygen: the doxygen_no_warnings test exists only where it is installed.
+packages=(g++ make ninja-build cmake git libopenmpi-dev openmpi-bin)
+[[ $mode == all ]] && packages+=(doctest-dev libbenchmark-dev doxygen)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -24,10 +39,19 @@ if ((${#missing[@]})); then
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
-# Ninja for a new build/: it builds objects of every target in parallel, without Make's per-target
-# dependency scans. An existing build/ keeps the generator it was configured with.
+if [[ $mode == demo ]]; then
+  build=build-demo
+  options=(-DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_BENCHMARKS=OFF -DSEQPAR_ENABLE_CUDA=OFF)
+  targets=(--target seqpar_demo)
+else
+  build=build
+  options=()
+  targets=()
+fi
+# Ninja for a new build dir: it builds objects of every target in parallel, without Make's
+# per-target dependency scans. An existing build dir keeps the generator it was configured with.
 generator=()
-if [[ ! -f build/CMakeCache.txt ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
+if [[ ! -f $build/CMakeCache.txt ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
 # shellcheck disable=SC2086  # SEQPAR_CMAKE_ARGS is a list of options
-cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${SEQPAR_CMAKE_ARGS:-}
-cmake --build build -j "$jobs"
+cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "${options[@]}" ${SEQPAR_CMAKE_ARGS:-}
+cmake --build "$build" -j "$jobs" "${targets[@]}"
