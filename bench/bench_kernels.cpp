@@ -1,13 +1,16 @@
 /// \file
 /// Local kernels: CpuFlashKernel against ReferenceKernel, float, one (batch, heads) shape over
-/// head dims 64 and 128, sequence 512..16K, causal and not; and CpuFlashKernel's thread
-/// scaling. GFLOPs counts 4 B H Sq Sk D (halved for causal) per forward.
+/// head dims 64 and 128, sequence 512..16K, causal and not; CpuFlashKernel's thread scaling;
+/// and its masks beyond causal (packed documents, a sliding window) against the causal calls
+/// that do the same visible work. GFLOPs counts 4 B H Sq Sk D (halved for causal) per
+/// forward, or 4 B H D per visible pair for the masked ones.
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <utility>
 
 #include "bench_common.hpp"
 
@@ -172,6 +175,73 @@ void BM_cpu_flash_backward(benchmark::State& state) {
   state.SetLabel(cpu_isa_name(kernel.isa()));
 }
 
+/// Flops of one forward of `c` over the (query, key) pairs its mask leaves visible.
+double visible_flops(const KernelCase& c) {
+  MaskView m = c.params.mask;
+  m.causal = c.params.causal;
+  return 4.0 * double(batch * heads * c.dim) *
+         double(visible_pairs(m, 0, c.params.q_positions, c.params.k_positions));
+}
+
+/// One forward of `a` and one of `b` per iteration, back to back on one kernel (so that a
+/// change of load hits both); returns the fastest call of each in thread-CPU seconds.
+std::pair<double, double> fastest_alternated(benchmark::State& state, KernelCase& a, KernelCase& b) {
+  CpuFlashKernel kernel;
+  kernel.prepare(std::max(a.dim, b.dim));
+  a.run(kernel);  // warm-up: first touch of the pages and the scratch
+  b.run(kernel);
+  auto timed = [&](KernelCase& c) {
+    const double t0 = thread_cpu_seconds();
+    c.run(kernel);
+    return thread_cpu_seconds() - t0;
+  };
+  double best_a = 1e30, best_b = 1e30;
+  for (auto _ : state) {
+    best_a = std::min(best_a, timed(a));
+    best_b = std::min(best_b, timed(b));
+  }
+  state.counters["dim"] = double(a.dim);
+  state.SetLabel(cpu_isa_name(kernel.isa()));
+  return {best_a, best_b};
+}
+
+/// Args: head_dim. Packed documents against the same documents one at a time: 8 causal
+/// documents of 1024 tokens packed into one 8192-token sequence (one call), and 8 calls on
+/// one 1024-token causal document. ratio is the fastest packed call over 8 fastest single
+/// calls (target <= 1.3); GFLOPs counts the visible pairs.
+void BM_cpu_flash_documents(benchmark::State& state) {
+  constexpr std::int64_t docs = 8, doc_len = 1024;
+  KernelCase packed(docs * doc_len, state.range(0), true), one(doc_len, state.range(0), true);
+  std::vector<std::int64_t> starts;
+  for (std::int64_t d = 0; d <= docs; ++d) starts.push_back(d * doc_len);
+  packed.params.mask.doc_starts = starts.data();
+  packed.params.mask.doc_count = docs;
+  const auto [t_packed, t_one] = fastest_alternated(state, packed, one);
+  state.counters["packed_ms"] = t_packed * 1e3;
+  state.counters["one_by_one_ms"] = docs * t_one * 1e3;
+  state.counters["ratio"] = t_packed / (docs * t_one);
+  state.counters["GFLOPs"] = visible_flops(packed) * 1e-9 / t_packed;
+  state.counters["GFLOPs_one"] = visible_flops(one) * 1e-9 / t_one;
+}
+
+/// Args: head_dim, window. A causal sliding window of `window` keys back at 16K tokens
+/// against the full causal forward. share is the window's visible pairs over the causal
+/// mask's; ratio the fastest window call over share x the fastest causal call (target
+/// <= 1.3); GFLOPs counts the visible pairs.
+void BM_cpu_flash_window(benchmark::State& state) {
+  constexpr std::int64_t seq = 16384;
+  KernelCase window(seq, state.range(0), true), full(seq, state.range(0), true);
+  window.params.mask.window_left = state.range(1);
+  const auto [t_window, t_full] = fastest_alternated(state, window, full);
+  const double share = visible_flops(window) / visible_flops(full);
+  state.counters["window_ms"] = t_window * 1e3;
+  state.counters["causal_ms"] = t_full * 1e3;
+  state.counters["share"] = share;
+  state.counters["ratio"] = t_window / (share * t_full);
+  state.counters["GFLOPs"] = visible_flops(window) * 1e-9 / t_window;
+  state.counters["GFLOPs_causal"] = visible_flops(full) * 1e-9 / t_full;
+}
+
 void kernel_args(benchmark::internal::Benchmark* b, std::int64_t max_seq) {
   b->ArgNames({"D", "seq", "causal"});
   for (std::int64_t d : {64, 128})
@@ -186,6 +256,12 @@ BENCHMARK(BM_cpu_flash_backward)
     ->ArgsProduct({{64, 128}, {2048}, {0, 1}})
     ->UseRealTime()
     ->MinTime(1.0)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_documents)->ArgName("D")->Arg(64)->Arg(128)->MinTime(1.0)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_window)
+    ->ArgNames({"D", "window"})
+    ->ArgsProduct({{64, 128}, {512}})
+    ->MinTime(3.0)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_scaling)
     ->ArgNames({"D", "seq", "causal", "threads"})
