@@ -1,9 +1,10 @@
 #pragma once
 /// \file
-/// Helpers shared by the examples, the demo and the MPI tests: the same random global inputs
-/// on every rank, a rank's slice of them by the plan's positions, the exact reference for a
-/// rank's query rows, and the normwise error reduced over the ranks. Only the checking lives
-/// here; each example shows the library calls themselves.
+/// Helpers shared by the examples, the demo and the tests (tests/support builds on them): a
+/// global problem with the same random inputs on every rank, a rank's rows of them by the
+/// plan's positions (and back), the exact reference for a rank's query rows, and the normwise
+/// error reduced over the ranks. Only the checking lives here; each example shows the library
+/// calls themselves.
 
 #include <algorithm>
 #include <bit>
@@ -19,7 +20,7 @@
 
 namespace seqpar::examples {
 
-/// The global attention problem of an example, with the seed of its inputs.
+/// The global attention problem of an example or a test, with the seed of its inputs.
 struct GlobalShape {
   std::int64_t batch = 1;     ///< B
   std::int64_t seq_q = 256;   ///< global query length
@@ -28,6 +29,7 @@ struct GlobalShape {
   std::int64_t kv_heads = 0;  ///< K; 0 means H
   std::int64_t head_dim = 64; ///< D
   bool causal = false;        ///< causal mask over global positions
+  double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim), as AttentionProblem
   std::uint64_t seed = 2024;  ///< seed of the random inputs
 
   /// Global K/V length.
@@ -44,10 +46,42 @@ struct GlobalShape {
     p.kv_heads = kv_head_count();
     p.head_dim = head_dim;
     p.causal = causal;
+    p.scale = scale;
     p.dtype = dtype_v<T>;
     return p;
   }
+  /// The scale the softmax uses (scale with 0 resolved).
+  double softmax_scale() const { return problem<double>().softmax_scale(); }
 };
+
+/// A self-attention problem (seq_kv = seq_q) in one line.
+inline GlobalShape make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal,
+                             std::uint64_t seed, std::int64_t batch = 1) {
+  GlobalShape c;
+  c.batch = batch;
+  c.seq_q = seq;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = dim;
+  c.causal = causal;
+  c.seed = seed;
+  return c;
+}
+
+/// n random values uniform in [-1, 1] (never zeros).
+inline std::vector<double> random_tensor(std::int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  std::vector<double> x(static_cast<std::size_t>(n));
+  for (double& e : x) e = dist(rng);
+  return x;
+}
+
+/// Every element rounded to T and back: the reference of a float run must see the float inputs.
+template <class T>
+std::vector<double> rounded(std::vector<double> x) {
+  for (double& e : x) e = static_cast<double>(static_cast<T>(e));
+  return x;
+}
 
 /// Global Q, K, V ([B, S, H, D] contiguous, double), identical on every rank: they come from
 /// the seed alone, so no rank needs to send inputs to another.
@@ -57,21 +91,19 @@ struct GlobalInputs {
   std::vector<double> dout;    ///< upstream gradient of the output, like q
 };
 
-/// Makes the global inputs of `shape`.
-inline GlobalInputs make_inputs(const GlobalShape& shape) {
-  std::mt19937_64 rng(shape.seed);
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  auto fill = [&](std::int64_t n) {
-    std::vector<double> x(static_cast<std::size_t>(n));
-    for (double& e : x) e = dist(rng);
-    return x;
-  };
+/// Makes the global inputs of `shape`, rounded to T (the default, double, rounds nothing).
+/// Q, K and V come from the seed, in that order; dout from a stream of its own.
+template <class T = double>
+GlobalInputs make_inputs(const GlobalShape& shape) {
+  const std::int64_t q_elems = shape.batch * shape.seq_q * shape.heads * shape.head_dim;
+  const std::int64_t kv_elems = shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim;
+  std::mt19937_64 rng(shape.seed), grad_rng(shape.seed * 7919 + 17);
   GlobalInputs g;
   g.shape = shape;
-  g.q = fill(shape.batch * shape.seq_q * shape.heads * shape.head_dim);
-  g.k = fill(shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim);
-  g.v = fill(shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim);
-  g.dout = fill(shape.batch * shape.seq_q * shape.heads * shape.head_dim);
+  g.q = rounded<T>(random_tensor(q_elems, rng));
+  g.k = rounded<T>(random_tensor(kv_elems, rng));
+  g.v = rounded<T>(random_tensor(kv_elems, rng));
+  g.dout = rounded<T>(random_tensor(q_elems, grad_rng));
   return g;
 }
 
@@ -84,6 +116,15 @@ std::vector<T> take_rows(const std::vector<double>& global, std::int64_t batch, 
   scatter_sequence(TensorView<const double>::bshd(global.data(), batch, seq, heads, dim), pos,
                    TensorView<T>::bshd(local.data(), batch, pos.size(), heads, dim));
   return local;
+}
+
+/// The inverse of take_rows: writes a rank's rows ([B, pos.size(), heads, D]) into a global
+/// [B, seq, heads, D] tensor at positions `pos` (gather_sequence).
+template <class T>
+void place_rows(const std::vector<T>& local, std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t dim,
+                const PositionMap& pos, std::vector<double>& global) {
+  gather_sequence(TensorView<const T>::bshd(local.data(), batch, pos.size(), heads, dim), pos,
+                  TensorView<double>::bshd(global.data(), batch, seq, heads, dim));
 }
 
 /// One rank's input slices and output buffer, [B, L, H, D] contiguous.
@@ -110,7 +151,7 @@ LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, cons
 /// Kernel parameters of the global problem for query rows at `qpos` against keys at `kpos`.
 inline KernelParams reference_params(const GlobalShape& s, const PositionMap& qpos, const PositionMap& kpos) {
   KernelParams p;
-  p.scale = s.template problem<double>().softmax_scale();
+  p.scale = s.softmax_scale();
   p.causal = s.causal;
   p.q_positions = qpos;
   p.k_positions = kpos;
@@ -195,18 +236,19 @@ struct ErrorStats {
     max_ref = std::max(max_ref, o.max_ref);
     nan = nan || o.nan;
   }
+  /// Counts one element of an output (or a gradient) against the reference.
+  void add_out(double got, double want) {
+    if (std::isnan(got)) nan = true;
+    max_abs = std::max(max_abs, std::abs(got - want));
+    max_ref = std::max(max_ref, std::abs(want));
+  }
 };
 
 /// Error of `got` against `want`, element by element.
 template <class T>
 ErrorStats compare(const std::vector<T>& got, const std::vector<double>& want) {
   ErrorStats e;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    const double x = static_cast<double>(got[i]);
-    if (std::isnan(x)) e.nan = true;
-    e.max_abs = std::max(e.max_abs, std::abs(x - want[i]));
-    e.max_ref = std::max(e.max_ref, std::abs(want[i]));
-  }
+  for (std::size_t i = 0; i < want.size(); ++i) e.add_out(static_cast<double>(got[i]), want[i]);
   return e;
 }
 

@@ -53,14 +53,9 @@ Outcome run(MpiCommunicator& world, Policy policy, const ex::GlobalShape& shape,
   return o;
 }
 
+/// A self-attention problem with the examples' seed.
 ex::GlobalShape shape_of(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal) {
-  ex::GlobalShape s;
-  s.seq_q = seq;
-  s.heads = heads;
-  s.kv_heads = kv_heads;
-  s.head_dim = dim;
-  s.causal = causal;
-  return s;
+  return ex::make_case(seq, heads, kv_heads, dim, causal, ex::GlobalShape{}.seed);
 }
 
 /// The ConfigError message each rank got from `body` ("" if none), and whether all ranks got
