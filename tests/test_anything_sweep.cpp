@@ -27,7 +27,7 @@ struct SweepCase {
   Kind kind = Kind::unified;
   LayoutKind layout = LayoutKind::contiguous;
   bool f64 = false, with_lse = true;
-  test::GlobalCase c;
+  test::GlobalShape c;
   std::vector<std::int64_t> lq, lk;  // per world rank
 
   std::string describe() const {
@@ -88,7 +88,7 @@ std::vector<std::int64_t> random_lengths(int P, bool long_case, std::mt19937_64&
 std::int64_t sum(const std::vector<std::int64_t>& v) { return std::accumulate(v.begin(), v.end(), std::int64_t{0}); }
 
 /// Shrinks head_dim, then heads, until the reference's work fits `cap` score-element MACs.
-void fit_budget(test::GlobalCase& c, double cap) {
+void fit_budget(test::GlobalShape& c, double cap) {
   auto cost = [&] {
     return double(c.batch) * double(c.seq_q) * double(c.kv_len()) * double(c.heads) * double(c.head_dim) *
            (c.causal ? 0.5 : 1.0);
@@ -150,7 +150,7 @@ void run_checked(const SweepCase& s, Policy policy) {
   opt.lengths_q = s.lq;
   opt.lengths_kv = s.lk;
   opt.with_lse = s.with_lse;
-  const auto r = test::run_policy<T>(s.ranks, policy, s.c, g, opt);
+  const auto r = test::run_policy<T>(s.ranks, policy, g, opt);
   CHECK(!r.err.nan);
   CHECK(r.err.rel() <= test::tolerance<T>);
   if (s.with_lse) CHECK(r.err.lse_rel() <= test::tolerance<T>);
@@ -202,7 +202,7 @@ TEST_CASE("anything: the lengths of real inputs, 4099 and 3969 tokens, on 3 and 
   bool first = true;
   for (std::int64_t total : {4099, 3969}) {
     // The global problem is the same for every arrangement: one reference per shape.
-    const test::GlobalCase shape = test::make_case(total, 3, 1, 2, true, 7000 + total);
+    const test::GlobalShape shape = test::make_case(total, 3, 1, 2, true, 7000 + total);
     const test::GlobalData g = test::make_global_as<float>(shape);
     for (int P : {4, 3}) {
       std::vector<std::pair<int, int>> meshes{{P, 1}, {1, P}};

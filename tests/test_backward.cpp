@@ -18,11 +18,13 @@ template <class T>
 constexpr double grad_tol = std::is_same_v<T, double> ? 1e-11 : 1e-4;
 
 template <class T, class Policy>
-void check_backward(int ranks, Policy policy, const test::GlobalCase& c, std::vector<std::int64_t> lq = {},
+void check_backward(int ranks, Policy policy, const test::GlobalShape& c, std::vector<std::int64_t> lq = {},
                     std::vector<std::int64_t> lk = {}) {
-  const auto g = test::make_global_as<T>(c);
-  const auto gr = test::make_global_grads<T>(c, g);
-  const auto r = test::run_backward<T, Policy, TEST_KERNEL>(ranks, policy, c, g, gr, lq, lk);
+  const auto g = test::make_inputs<T>(c);
+  test::RunOptions opt;
+  opt.lengths_q = std::move(lq);
+  opt.lengths_kv = std::move(lk);
+  const auto r = test::run_backward<T, Policy, TEST_KERNEL>(ranks, policy, g, test::make_global_grads(g), opt);
   CAPTURE(ranks);
   CAPTURE(c.seq_q);
   CAPTURE(c.causal);
@@ -33,43 +35,35 @@ void check_backward(int ranks, Policy policy, const test::GlobalCase& c, std::ve
   for (int w = 0; w < ranks; ++w) CHECK(r.bytes_sent[w] == r.expected_bytes[w]);
 }
 
-test::GlobalCase small_case(std::int64_t seq, bool causal, std::int64_t heads = 4, std::int64_t kv_heads = 2) {
-  test::GlobalCase c;
-  c.batch = 2;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.head_dim = 8;
-  c.seq_q = seq;
-  c.causal = causal;
-  c.seed = static_cast<std::uint64_t>(seq * 31 + causal);
-  return c;
+test::GlobalShape small_case(std::int64_t seq, bool causal, std::int64_t heads = 4, std::int64_t kv_heads = 2) {
+  return test::make_case(seq, heads, kv_heads, 8, causal, static_cast<std::uint64_t>(seq * 31 + causal), 2);
 }
 
 }  // namespace
 
 TEST_CASE("reference backward matches central finite differences (double)") {
-  test::GlobalCase c = small_case(7, true, 2, 1);
+  test::GlobalShape c = small_case(7, true, 2, 1);
   c.batch = 1;
   c.head_dim = 3;
-  auto g = test::make_global(c);
-  const auto gr = test::make_global_grads(c, g);
+  const auto g = test::make_inputs(c);
+  const auto gr = test::make_global_grads(g);
   // loss = sum(dout * out); d loss / d x by central differences for a sample of elements.
-  auto loss = [&](const test::GlobalData& d) {
-    const auto out = test::reference_out(c, d.q, d.k, d.v);
+  auto loss = [&](const test::GlobalInputs& d) {
+    const auto out = test::reference_rows(d, PositionMap::run(c.seq_q, 0));
     double sum = 0;
-    for (std::size_t i = 0; i < out.size(); ++i) sum += gr.dout[i] * out[i];
+    for (std::size_t i = 0; i < out.size(); ++i) sum += g.dout[i] * out[i];
     return sum;
   };
   const double h = 1e-6;
-  auto fd = [&](std::vector<double> test::GlobalData::*field, std::size_t i) {
-    test::GlobalData plus = g, minus = g;
+  auto fd = [&](std::vector<double> test::GlobalInputs::*field, std::size_t i) {
+    test::GlobalInputs plus = g, minus = g;
     (plus.*field)[i] += h;
     (minus.*field)[i] -= h;
     return (loss(plus) - loss(minus)) / (2 * h);
   };
-  for (std::size_t i = 0; i < g.q.size(); i += 2) CHECK(fd(&test::GlobalData::q, i) == doctest::Approx(gr.dq[i]).epsilon(1e-6));
-  for (std::size_t i = 0; i < g.k.size(); ++i) CHECK(fd(&test::GlobalData::k, i) == doctest::Approx(gr.dk[i]).epsilon(1e-6));
-  for (std::size_t i = 0; i < g.v.size(); ++i) CHECK(fd(&test::GlobalData::v, i) == doctest::Approx(gr.dv[i]).epsilon(1e-6));
+  for (std::size_t i = 0; i < g.q.size(); i += 2) CHECK(fd(&test::GlobalInputs::q, i) == doctest::Approx(gr.dq[i]).epsilon(1e-6));
+  for (std::size_t i = 0; i < g.k.size(); ++i) CHECK(fd(&test::GlobalInputs::k, i) == doctest::Approx(gr.dk[i]).epsilon(1e-6));
+  for (std::size_t i = 0; i < g.v.size(); ++i) CHECK(fd(&test::GlobalInputs::v, i) == doctest::Approx(gr.dv[i]).epsilon(1e-6));
 }
 
 TEST_CASE("CpuFlashKernel backward matches the reference on one rank") {

@@ -42,13 +42,12 @@ struct Counted {
 
 /// Runs the policy with the counting kernel (checking the answer too) and returns both counts.
 template <class Policy>
-Counted count_work(int ranks, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
-                   test::RunOptions opt = {}) {
+Counted count_work(int ranks, Policy policy, const test::GlobalData& g, test::RunOptions opt = {}) {
   Counted out;
   out.kernel_pairs.resize(ranks);
   out.kernel_calls.resize(ranks);
   const auto r = test::run_policy<float, Policy, CountingKernel>(
-      ranks, policy, c, g, opt, [&](int w, auto& attn, const Plan&) {
+      ranks, policy, g, opt, [&](int w, auto& attn, const Plan&) {
         out.kernel_pairs[w] = attn.kernel().pairs;
         out.kernel_calls[w] = attn.kernel().calls;
       });
@@ -68,21 +67,21 @@ double imbalance(const std::vector<std::int64_t>& work) {
 
 /// A long causal sequence with tiny heads: the balance needs length, not width.
 /// 3360 = 2^5 * 3 * 5 * 7 divides evenly (and into even local lengths) for P = 2..8.
-test::GlobalCase long_causal(std::int64_t seq) {
+test::GlobalShape long_causal(std::int64_t seq) {
   return test::make_case(seq, 2, 1, 2, true, 4242);
 }
 
 }  // namespace
 
 TEST_CASE("balance: zigzag and stripe keep every rank's causal work within 5% of the mean") {
-  const test::GlobalCase c = long_causal(3360);
+  const test::GlobalShape c = long_causal(3360);
   const auto g = test::make_global_as<float>(c);
   const std::int64_t total = 3360LL * 3361 / 2 * c.heads;  // every visible pair, all ranks together
   for (int P = 2; P <= 8; ++P) {
     CAPTURE(P);
-    const auto zig = count_work(P, RingPolicy<Zigzag>{}, c, g);
-    const auto str = count_work(P, RingPolicy<Stripe>{}, c, g);
-    const auto con = count_work(P, RingPolicy<Contiguous>{}, c, g);
+    const auto zig = count_work(P, RingPolicy<Zigzag>{}, g);
+    const auto str = count_work(P, RingPolicy<Stripe>{}, g);
+    const auto con = count_work(P, RingPolicy<Contiguous>{}, g);
     CHECK(imbalance(zig.plan_work) <= 0.05);
     CHECK(imbalance(str.plan_work) <= 0.05);
     // Contiguous: the last rank sees (2P-1)/P of the mean, the first 1/P.
@@ -107,36 +106,36 @@ TEST_CASE("balance: USP (zigzag over the ring, split across the Ulysses group) i
       CAPTURE(P);
       CAPTURE(U);
       // One query head per Ulysses member, so every member has work.
-      test::GlobalCase c = long_causal(1680);
+      test::GlobalShape c = long_causal(1680);
       c.heads = U;
       c.kv_heads = 1;
       const auto g = test::make_global_as<float>(c);
       for (auto placement : {MeshPlacement::ulysses_adjacent, MeshPlacement::ring_adjacent}) {
-        CHECK(imbalance(count_work(P, UnifiedPolicy<Zigzag>{U, P / U, placement}, c, g).plan_work) <= 0.05);
-        CHECK(imbalance(count_work(P, UnifiedPolicy<Stripe>{U, P / U, placement}, c, g).plan_work) <= 0.05);
-        CHECK(imbalance(count_work(P, UnifiedPolicy<Contiguous>{U, P / U, placement}, c, g).plan_work) > 0.2);
+        CHECK(imbalance(count_work(P, UnifiedPolicy<Zigzag>{U, P / U, placement}, g).plan_work) <= 0.05);
+        CHECK(imbalance(count_work(P, UnifiedPolicy<Stripe>{U, P / U, placement}, g).plan_work) <= 0.05);
+        CHECK(imbalance(count_work(P, UnifiedPolicy<Contiguous>{U, P / U, placement}, g).plan_work) > 0.2);
       }
       if (P == 4) break;  // U = 2 = P / 2: once is enough
     }
 }
 
 TEST_CASE("balance: uneven lengths (AnythingPolicy, seq 4099) stay balanced with zigzag and stripe") {
-  const test::GlobalCase c = long_causal(4099);
+  const test::GlobalShape c = long_causal(4099);
   const auto g = test::make_global_as<float>(c);
   for (int P = 2; P <= 8; ++P) {
     CAPTURE(P);
-    CHECK(imbalance(count_work(P, AnythingPolicy<RingPolicy<Zigzag>>{}, c, g).plan_work) <= 0.05);
-    CHECK(imbalance(count_work(P, AnythingPolicy<RingPolicy<Stripe>>{}, c, g).plan_work) <= 0.05);
-    CHECK(imbalance(count_work(P, AnythingPolicy<RingPolicy<Contiguous>>{}, c, g).plan_work) > 0.4);
+    CHECK(imbalance(count_work(P, AnythingPolicy<RingPolicy<Zigzag>>{}, g).plan_work) <= 0.05);
+    CHECK(imbalance(count_work(P, AnythingPolicy<RingPolicy<Stripe>>{}, g).plan_work) <= 0.05);
+    CHECK(imbalance(count_work(P, AnythingPolicy<RingPolicy<Contiguous>>{}, g).plan_work) > 0.4);
   }
 }
 
 TEST_CASE("balance: without a mask every rank does the same work and no step is skipped") {
-  test::GlobalCase c = long_causal(480);
+  test::GlobalShape c = long_causal(480);
   c.causal = false;
   const auto g = test::make_global_as<float>(c);
   for (int P : {3, 5, 8}) {
-    const auto con = count_work(P, RingPolicy<Contiguous>{}, c, g);
+    const auto con = count_work(P, RingPolicy<Contiguous>{}, g);
     CHECK(imbalance(con.plan_work) == 0.0);
     for (int r = 0; r < P; ++r) CHECK(con.kernel_calls[r] == P);
   }

@@ -245,13 +245,8 @@ TEST_CASE("errors: an impossible shape without AnythingPolicy names the rule and
   CHECK(all_same_config_error(odd, "zigzag layout needs an even ring block length, got 7"));
 
   // The same shapes are fine with AnythingPolicy, and the answer is right.
-  test::GlobalCase gc;
-  gc.heads = 2;
-  gc.kv_heads = 2;
-  gc.seq_q = 15;
-  gc.causal = true;
-  const auto g = test::make_global(gc);
-  CHECK(test::run_distributed<float>(4, AnythingPolicy<UlyssesPolicy>{}, gc, g).err.rel() < 1e-5);
+  const auto g = test::make_global(test::make_case(15, 2, 2, 16, true, 1));
+  CHECK(test::run_policy<float>(4, AnythingPolicy<UlyssesPolicy>{}, g).err.rel() < 1e-5);
 }
 
 TEST_CASE("errors: invalid problem fields and lengths, even when ranks agree") {

@@ -241,27 +241,21 @@ struct FailingKernel : CpuFlashKernel {
 };
 
 /// The case the kernel-fault tests run: 4 ranks of 6 tokens, GQA.
-test::GlobalCase fault_case() {
-  test::GlobalCase c;
-  c.heads = 4;
-  c.kv_heads = 2;
-  c.seq_q = 24;
-  return c;
-}
+test::GlobalShape fault_case() { return test::make_case(24, 4, 2, 16, false, 1); }
 
 /// One forward of `policy` on 4 ranks whose rank `failing` throws in its local kernel call
 /// number `fail_on_call`; returns how each rank ended. The workspace and the local tensors
 /// are locals of the rank function, so the failing rank frees them while it unwinds.
 template <class Policy>
 std::vector<test::RankOutcome> forward_with_kernel_fault(Policy policy, int failing, int fail_on_call) {
-  const test::GlobalCase c = fault_case();
-  const auto g = test::make_global_as<float>(c);
+  const test::GlobalShape c = fault_case();
+  const auto g = test::make_inputs<float>(c);
   return rank_outcomes(4, [&](Comm& comm) {
     SequenceParallelAttention<Policy, Comm, FailingKernel> attn(comm, policy);
-    const Plan plan = attn.plan(test::problem_of<float>(c, false), {6, -1});
+    const Plan plan = attn.plan(c.problem<float>(), {6, -1});
     attn.kernel().fail_on_call = comm.rank() == failing ? fail_on_call : -1;
-    auto q = test::scatter_rows<float>(g.q, 1, c.seq_q, c.heads, c.head_dim, plan.q_positions(comm.rank()));
-    auto k = test::scatter_rows<float>(g.k, 1, c.seq_q, c.kv_heads, c.head_dim, plan.kv_positions(comm.rank()));
+    auto q = test::take_rows<float>(g.q, 1, c.seq_q, c.heads, c.head_dim, plan.q_positions(comm.rank()));
+    auto k = test::take_rows<float>(g.k, 1, c.seq_q, c.kv_heads, c.head_dim, plan.kv_positions(comm.rank()));
     std::vector<float> o(q.size());
     std::vector<std::byte> ws(plan.workspace_bytes());
     using CV = TensorView<const float>;
@@ -295,8 +289,7 @@ TEST_CASE("faults: a kernel that throws on one rank mid-forward fails the call o
   // all-to-all that brings the output back and are woken.
   check_kernel_fault(forward_with_kernel_fault(UlyssesPolicy{}, 3, 0), 3);
   // The same communicators' world is not reused after a failure: a fresh run_ranks works.
-  const test::GlobalCase c = fault_case();
-  CHECK(test::run_distributed<float>(4, UlyssesPolicy{}, c, test::make_global_as<float>(c)).err.within(1e-5));
+  CHECK(test::run_policy<float>(4, UlyssesPolicy{}, test::make_global_as<float>(fault_case())).err.within(1e-5));
 }
 
 TEST_CASE("faults: a kernel that throws mid-ring frees nothing a peer still copies") {

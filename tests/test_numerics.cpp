@@ -16,7 +16,7 @@
 #include "support/attention_check.hpp"
 
 using namespace seqpar;
-using test::GlobalCase;
+using test::GlobalShape;
 using test::GlobalData;
 
 namespace {
@@ -25,14 +25,12 @@ constexpr double inf = std::numeric_limits<double>::infinity();
 constexpr double nan_v = std::numeric_limits<double>::quiet_NaN();
 
 /// Output [B, S, H, D] and LSE [B, S, H] of one run, in double.
-struct Answer {
-  std::vector<double> out, lse;
-};
+using Answer = test::GlobalOutput;
 
 /// Runs `Kernel` once over the whole sequence of case `c` with inputs `g` (converted to T):
 /// query row i sits at global position qp(i), key j at kp(j).
 template <class T, class Kernel>
-Answer run_kernel(const GlobalCase& c, const GlobalData& g, PositionMap qp, PositionMap kp) {
+Answer run_kernel(const GlobalShape& c, const GlobalData& g, PositionMap qp, PositionMap kp) {
   const std::int64_t B = c.batch, S = c.seq_q, SK = c.kv_len(), H = c.heads, K = c.kv_heads, D = c.head_dim;
   const std::vector<T> q(g.q.begin(), g.q.end()), k(g.k.begin(), g.k.end()), v(g.v.begin(), g.v.end());
   std::vector<T> out(q.size(), T(12345));  // a sentinel: an unwritten row cannot pass
@@ -52,10 +50,10 @@ Answer run_kernel(const GlobalCase& c, const GlobalData& g, PositionMap qp, Posi
 }
 
 /// The exact answer on inputs `g` (which may hold NaN, Inf or huge values).
-Answer reference(const GlobalCase& c, const GlobalData& g, PositionMap qp, PositionMap kp) {
+Answer reference(const GlobalShape& c, const GlobalData& g, PositionMap qp, PositionMap kp) {
   return run_kernel<double, ReferenceKernel>(c, g, qp, kp);
 }
-Answer reference(const GlobalCase& c, const GlobalData& g) {
+Answer reference(const GlobalShape& c, const GlobalData& g) {
   return reference(c, g, PositionMap::run(c.seq_q, 0), PositionMap::run(c.kv_len(), 0));
 }
 
@@ -114,28 +112,24 @@ std::string show(const RowReport& r) {
 
 /// Runs a policy on threads and gathers its global output and LSE.
 template <class T, class Policy>
-Answer run_policy_gathered(int ranks, Policy policy, const GlobalCase& c, const GlobalData& g,
-                           std::vector<std::int64_t> lengths_q = {}, std::vector<std::int64_t> lengths_kv = {}) {
+Answer run_policy_gathered(int ranks, Policy policy, const GlobalData& g, std::vector<std::int64_t> lengths_q = {},
+                           std::vector<std::int64_t> lengths_kv = {}) {
   test::RunOptions opt;
-  opt.gather = true;
   opt.lengths_q = std::move(lengths_q);
   opt.lengths_kv = std::move(lengths_kv);
   opt.timeout = std::chrono::milliseconds(60000);
-  auto res = test::run_policy<T>(ranks, policy, c, g, opt);
-  return {std::move(res.out), std::move(res.lse)};
+  return test::gather_output(test::run_forward_ranks<T>(ranks, policy, g, opt), g.shape);
 }
 
 /// Three distributed arrangements (Ulysses, zigzag Ring, a 2 x 2 Unified mesh; Anything, so
 /// that any length works) against the reference, each rank giving `lens` tokens if set.
 template <class T>
-void check_policies(const GlobalCase& c, GlobalData g, double tol, const std::vector<std::int64_t>& lens = {}) {
+void check_policies(const GlobalShape& c, const GlobalData& g, double tol, const std::vector<std::int64_t>& lens = {}) {
   const Answer want = reference(c, g);
-  g.out = want.out;  // run_policy holds each rank against these too
-  g.lse = want.lse;
   auto one = [&](const char* name, int ranks, auto policy) {
     const std::size_t n = lens.empty() ? 0 : static_cast<std::size_t>(ranks);
     const std::vector<std::int64_t> l(lens.begin(), lens.begin() + static_cast<std::ptrdiff_t>(n));
-    const auto r = compare(run_policy_gathered<T>(ranks, policy, c, g, l, l), want, c.head_dim);
+    const auto r = compare(run_policy_gathered<T>(ranks, policy, g, l, l), want, c.head_dim);
     INFO(name, ": ", show(r));
     CHECK(r.within(tol));
   };
@@ -146,7 +140,7 @@ void check_policies(const GlobalCase& c, GlobalData g, double tol, const std::ve
 
 /// Every check of a case: both kernels on the whole sequence, then the policies.
 template <class T>
-void check_everywhere(const GlobalCase& c, const GlobalData& g, double tol_kernel, double tol_policy) {
+void check_everywhere(const GlobalShape& c, const GlobalData& g, double tol_kernel, double tol_policy) {
   const Answer want = reference(c, g);
   const PositionMap qp = PositionMap::run(c.seq_q, 0), kp = PositionMap::run(c.kv_len(), 0);
   const auto flash = compare(run_kernel<T, CpuFlashKernel>(c, g, qp, kp), want, c.head_dim);
@@ -159,27 +153,20 @@ void check_everywhere(const GlobalCase& c, const GlobalData& g, double tol_kerne
 }
 
 /// Float and double at the library's tolerances (inputs rounded to float for both).
-void check_both(const GlobalCase& c, const GlobalData& g) {
+void check_both(const GlobalShape& c, const GlobalData& g) {
   check_everywhere<float>(c, g, test::tolerance<float>, test::tolerance<float>);
   check_everywhere<double>(c, g, test::tolerance<double>, test::tolerance<double>);
 }
 
 /// A case of the given shape (kv_heads = heads / 2: GQA everywhere).
-GlobalCase shape(std::int64_t batch, std::int64_t heads, std::int64_t head_dim, std::int64_t seq, bool causal) {
-  GlobalCase c;
-  c.batch = batch;
-  c.heads = heads;
-  c.kv_heads = heads > 1 ? heads / 2 : 1;
-  c.head_dim = head_dim;
-  c.seq_q = seq;
-  c.causal = causal;
-  return c;
+GlobalShape shape(std::int64_t batch, std::int64_t heads, std::int64_t head_dim, std::int64_t seq, bool causal) {
+  return test::make_case(seq, heads, heads > 1 ? heads / 2 : 1, head_dim, causal, 1, batch);
 }
 
 /// Integer inputs whose logits are +-1e4 plus a small integer spread: every logit is exact in
 /// float (integers below 2^24, scale 1), so the float paths are held to the usual tolerance
 /// and any overflow or cancellation shows. Rows alternate between +1e4 and -1e4.
-GlobalData huge_logits(const GlobalCase& c) {
+GlobalData huge_logits(const GlobalShape& c) {
   std::mt19937_64 rng(c.seed);
   std::uniform_int_distribution<int> small(-3, 3);
   auto nonzero = [&] {
@@ -188,6 +175,7 @@ GlobalData huge_logits(const GlobalCase& c) {
     return double(x);
   };
   GlobalData g;
+  g.shape = c;
   const std::int64_t rows_q = c.batch * c.seq_q * c.heads, rows_k = c.batch * c.kv_len() * c.kv_heads, D = c.head_dim;
   g.q.resize(static_cast<std::size_t>(rows_q * D));
   g.k.resize(static_cast<std::size_t>(rows_k * D));
@@ -210,7 +198,7 @@ GlobalData huge_logits(const GlobalCase& c) {
 TEST_CASE("numerics: logits of +-1e4 neither overflow nor lose the softmax") {
   for (bool causal : {false, true}) {
     CAPTURE(causal);
-    GlobalCase c = shape(2, 4, 16, 45, causal);
+    GlobalShape c = shape(2, 4, 16, 45, causal);
     c.scale = 1.0;
     const GlobalData g = huge_logits(c);
     const Answer want = reference(c, g);
@@ -232,7 +220,7 @@ TEST_CASE("numerics: NaN or Inf in one query row makes only that row NaN") {
     for (bool causal : {false, true}) {
       CAPTURE(poison);
       CAPTURE(causal);
-      const GlobalCase c = shape(2, 4, 8, 23, causal);
+      const GlobalShape c = shape(2, 4, 8, 23, causal);
       GlobalData g = test::make_global_as<float>(c);
       // Row (b = 1, s = 17, h = 2): late enough that causal rows see many keys, of either sign.
       const std::int64_t row = (1 * c.seq_q + 17) * c.heads + 2;
@@ -246,7 +234,7 @@ TEST_CASE("numerics: NaN or Inf in one query row makes only that row NaN") {
 }
 
 TEST_CASE("numerics: fully masked rows give O = 0 and LSE = -inf, never NaN") {
-  GlobalCase c = shape(2, 2, 8, 70, true);  // 70: more than one query block of the flash kernel
+  GlobalShape c = shape(2, 2, 8, 70, true);  // 70: more than one query block of the flash kernel
   const GlobalData g = test::make_global_as<float>(c);
   // Keys start at position 20: queries 0..19 see none of them.
   const PositionMap qp = PositionMap::run(c.seq_q, 0), kp = PositionMap::run(c.kv_len(), 20);
@@ -273,18 +261,18 @@ TEST_CASE("numerics: fully masked rows give O = 0 and LSE = -inf, never NaN") {
 TEST_CASE("numerics: sequence of one token, head_dim of one, ranks that hold no token") {
   for (bool causal : {false, true}) {
     CAPTURE(causal);
-    const GlobalCase one_token = shape(2, 4, 8, 1, causal);  // most ranks below hold nothing
+    const GlobalShape one_token = shape(2, 4, 8, 1, causal);  // most ranks below hold nothing
     check_both(one_token, test::make_global_as<float>(one_token));
-    const GlobalCase dim_one = shape(2, 4, 1, 29, causal);
+    const GlobalShape dim_one = shape(2, 4, 1, 29, causal);
     check_both(dim_one, test::make_global_as<float>(dim_one));
   }
   // Uneven lengths with empty ranks in the middle of the ring and of a Ulysses group.
-  const GlobalCase c = shape(2, 4, 8, 12, true);
+  const GlobalShape c = shape(2, 4, 8, 12, true);
   check_policies<float>(c, test::make_global_as<float>(c), 1e-5, {0, 7, 0, 5});
 }
 
 TEST_CASE("numerics: batch 0 plans and runs without touching memory") {
-  const GlobalCase c = shape(0, 4, 8, 10, false);
+  const GlobalShape c = shape(0, 4, 8, 10, false);
   const GlobalData g = test::make_global_as<float>(c);
   CHECK(g.q.empty());
   const PositionMap qp = PositionMap::run(c.seq_q, 0);

@@ -10,7 +10,7 @@
 #include "support/attention_check.hpp"
 
 using namespace seqpar;
-using test::GlobalCase;
+using test::GlobalShape;
 using test::GlobalData;
 using test::make_case;
 
@@ -19,9 +19,8 @@ namespace {
 /// Runs and checks against the reference; also that forward exchanged no metadata and sent
 /// what the plan says it sends.
 template <class T, class Policy>
-test::RunResult expect_exact(int ranks, Policy policy, const GlobalCase& c, const GlobalData& g,
-                             test::RunOptions opt = {}) {
-  const auto r = test::run_policy<T>(ranks, policy, c, g, opt);
+test::RunResult expect_exact(int ranks, Policy policy, const GlobalData& g, test::RunOptions opt = {}) {
+  const auto r = test::run_policy<T>(ranks, policy, g, opt);
   CHECK(!r.err.nan);
   CHECK(r.err.rel() <= test::tolerance<T>);
   if (opt.with_lse) CHECK(r.err.lse_rel() <= test::tolerance<T>);
@@ -48,11 +47,11 @@ void ulysses_all_worlds() {
       const std::int64_t seq = P * (P % 2 ? 7 : 6);
       CAPTURE(P);
       CAPTURE(causal);
-      const GlobalCase mha = make_case(seq, 2 * P, 2 * P, 16, causal, 100 + P, P % 3 == 0 ? 2 : 1);
-      expect_exact<T>(P, UlyssesPolicy{}, mha, test::make_global_as<T>(mha));
+      const GlobalShape mha = make_case(seq, 2 * P, 2 * P, 16, causal, 100 + P, P % 3 == 0 ? 2 : 1);
+      expect_exact<T>(P, UlyssesPolicy{}, test::make_global_as<T>(mha));
       // GQA with fewer K/V heads than ranks (P > 2): each rank needs one shared K/V head.
-      const GlobalCase gqa = make_case(seq, 2 * P, 2, 8, causal, 200 + P);
-      expect_exact<T>(P, UlyssesPolicy{}, gqa, test::make_global_as<T>(gqa));
+      const GlobalShape gqa = make_case(seq, 2 * P, 2, 8, causal, 200 + P);
+      expect_exact<T>(P, UlyssesPolicy{}, test::make_global_as<T>(gqa));
     }
 }
 
@@ -62,13 +61,13 @@ void ring_all_worlds() {
     for (bool causal : {false, true}) {
       // An even local length (zigzag's two chunks); seq between 32 and 96.
       const std::int64_t local = 2 * ((24 + P - 1) / P + 1);
-      const GlobalCase c = make_case(P * local, 4, 2, 16, causal, 300 + P, P == 3 ? 2 : 1);
+      const GlobalShape c = make_case(P * local, 4, 2, 16, causal, 300 + P, P == 3 ? 2 : 1);
       const GlobalData g = test::make_global_as<T>(c);
       for_each_layout([&]<class L>() {
         CAPTURE(P);
         CAPTURE(causal);
         CAPTURE(L::name);
-        expect_exact<T>(P, RingPolicy<L>{}, c, g);
+        expect_exact<T>(P, RingPolicy<L>{}, g);
       });
     }
 }
@@ -83,7 +82,7 @@ void unified_all_factorisations() {
         // Heads divisible by U; K/V heads fewer than U when U >= 4.
         const std::int64_t heads = 2 * U, kv_heads = U >= 4 ? 2 : U;
         const std::int64_t local = 2 * ((12 + P - 1) / P + 1);
-        const GlobalCase c = make_case(P * local, heads, kv_heads, 8 + 4 * (P % 3), causal, 400 + 10 * P + U);
+        const GlobalShape c = make_case(P * local, heads, kv_heads, 8 + 4 * (P % 3), causal, 400 + 10 * P + U);
         const GlobalData g = test::make_global_as<T>(c);
         for (auto placement : {MeshPlacement::ulysses_adjacent, MeshPlacement::ring_adjacent})
           for_each_layout([&]<class L>() {
@@ -93,7 +92,7 @@ void unified_all_factorisations() {
             CAPTURE(causal);
             CAPTURE(L::name);
             CAPTURE(static_cast<int>(placement));
-            expect_exact<T>(P, UnifiedPolicy<L>{U, R, placement}, c, g);
+            expect_exact<T>(P, UnifiedPolicy<L>{U, R, placement}, g);
           });
       }
     }
@@ -120,39 +119,39 @@ TEST_CASE("Unified with ulysses_degree 1 is Ring and with ring_degree 1 is Ulyss
     for (bool causal : {false, true}) {
       CAPTURE(P);
       CAPTURE(causal);
-      const GlobalCase c = make_case(P * 10, 2 * P, P, 12, causal, 500 + P);
+      const GlobalShape c = make_case(P * 10, 2 * P, P, 12, causal, 500 + P);
       const GlobalData g = test::make_global_as<double>(c);
       for_each_layout([&]<class L>() {
         CAPTURE(L::name);
-        const auto ring = expect_exact<double>(P, RingPolicy<L>{}, c, g, opt);
+        const auto ring = expect_exact<double>(P, RingPolicy<L>{}, g, opt);
         for (auto placement : {MeshPlacement::ulysses_adjacent, MeshPlacement::ring_adjacent}) {
-          const auto u1 = expect_exact<double>(P, UnifiedPolicy<L>{1, P, placement}, c, g, opt);
+          const auto u1 = expect_exact<double>(P, UnifiedPolicy<L>{1, P, placement}, g, opt);
           CHECK(u1.out == ring.out);
           CHECK(u1.lse == ring.lse);
           CHECK(u1.bytes_sent == ring.bytes_sent);
         }
         // Derived degree: only ring_degree given.
-        const auto derived = expect_exact<double>(P, UnifiedPolicy<L>{0, P}, c, g, opt);
+        const auto derived = expect_exact<double>(P, UnifiedPolicy<L>{0, P}, g, opt);
         CHECK(derived.out == ring.out);
       });
-      const auto ulysses = expect_exact<double>(P, UlyssesPolicy{}, c, g, opt);
+      const auto ulysses = expect_exact<double>(P, UlyssesPolicy{}, g, opt);
       for (auto placement : {MeshPlacement::ulysses_adjacent, MeshPlacement::ring_adjacent}) {
-        const auto r1 = expect_exact<double>(P, UnifiedPolicy<>{P, 1, placement}, c, g, opt);
+        const auto r1 = expect_exact<double>(P, UnifiedPolicy<>{P, 1, placement}, g, opt);
         CHECK(r1.out == ulysses.out);
         CHECK(r1.lse == ulysses.lse);
         CHECK(r1.bytes_sent == ulysses.bytes_sent);
       }
       // The float path agrees too (same code, same order of operations).
       const GlobalData gf = test::make_global_as<float>(c);
-      const auto uf = expect_exact<float>(P, UlyssesPolicy{}, c, gf, opt);
-      const auto rf = expect_exact<float>(P, UnifiedPolicy<>{P, 1}, c, gf, opt);
+      const auto uf = expect_exact<float>(P, UlyssesPolicy{}, gf, opt);
+      const auto rf = expect_exact<float>(P, UnifiedPolicy<>{P, 1}, gf, opt);
       CHECK(uf.out == rf.out);
     }
   }
   // The gathered output is the whole answer: every row was written by some rank.
-  const GlobalCase c = make_case(24, 4, 4, 8, true, 77);
+  const GlobalShape c = make_case(24, 4, 4, 8, true, 77);
   const GlobalData g = test::make_global_as<double>(c);
-  const auto r = expect_exact<double>(4, UnifiedPolicy<Zigzag>{2, 2}, c, g, opt);
+  const auto r = expect_exact<double>(4, UnifiedPolicy<Zigzag>{2, 2}, g, opt);
   double worst = 0;
   for (std::size_t i = 0; i < r.out.size(); ++i) worst = std::max(worst, std::abs(r.out[i] - g.out[i]));
   CHECK(worst <= 1e-12);
@@ -164,36 +163,36 @@ TEST_CASE("policies: GQA and MQA with kv_heads below the Ulysses degree, batch >
     for (bool causal : {false, true}) {
       CAPTURE(kv);
       CAPTURE(causal);
-      GlobalCase c = make_case(48, 8, kv, 16, causal, 600 + kv, 2);
+      GlobalShape c = make_case(48, 8, kv, 16, causal, 600 + kv, 2);
       c.scale = 0.37;
       const GlobalData g = test::make_global_as<float>(c);
-      expect_exact<float>(8, UlyssesPolicy{}, c, g);
-      expect_exact<float>(8, UnifiedPolicy<Zigzag>{4, 2}, c, g);
-      expect_exact<float>(8, UnifiedPolicy<Stripe>{4, 2, MeshPlacement::ring_adjacent}, c, g);
-      expect_exact<float>(8, UnifiedPolicy<Contiguous>{2, 4}, c, g);
-      expect_exact<float>(6, UnifiedPolicy<Zigzag>{2, 3}, c, g);
+      expect_exact<float>(8, UlyssesPolicy{}, g);
+      expect_exact<float>(8, UnifiedPolicy<Zigzag>{4, 2}, g);
+      expect_exact<float>(8, UnifiedPolicy<Stripe>{4, 2, MeshPlacement::ring_adjacent}, g);
+      expect_exact<float>(8, UnifiedPolicy<Contiguous>{2, 4}, g);
+      expect_exact<float>(6, UnifiedPolicy<Zigzag>{2, 3}, g);
     }
   }
 }
 
 TEST_CASE("policies: one plan and workspace serve many forward calls") {
-  const GlobalCase c = make_case(60, 6, 3, 8, true, 700);
+  const GlobalShape c = make_case(60, 6, 3, 8, true, 700);
   const GlobalData g = test::make_global_as<float>(c);
   test::RunOptions opt;
   opt.forward_calls = 3;
-  expect_exact<float>(3, RingPolicy<Zigzag>{}, c, g, opt);
-  expect_exact<float>(6, UnifiedPolicy<Stripe>{3, 2}, c, g, opt);
-  expect_exact<float>(6, UnifiedPolicy<Zigzag>{2, 3, MeshPlacement::ring_adjacent}, c, g, opt);
+  expect_exact<float>(3, RingPolicy<Zigzag>{}, g, opt);
+  expect_exact<float>(6, UnifiedPolicy<Stripe>{3, 2}, g, opt);
+  expect_exact<float>(6, UnifiedPolicy<Zigzag>{2, 3, MeshPlacement::ring_adjacent}, g, opt);
   opt.with_lse = false;
-  expect_exact<float>(3, UlyssesPolicy{}, c, g, opt);
-  expect_exact<float>(6, UnifiedPolicy<Contiguous>{3, 2}, c, g, opt);
+  expect_exact<float>(3, UlyssesPolicy{}, g, opt);
+  expect_exact<float>(6, UnifiedPolicy<Contiguous>{3, 2}, g, opt);
 }
 
 TEST_CASE("policies: the reference kernel can stand in as the local kernel") {
   // Kernel is a template parameter: the exact kernel gives the exact answer in double.
-  const GlobalCase c = make_case(40, 4, 2, 8, true, 800);
+  const GlobalShape c = make_case(40, 4, 2, 8, true, 800);
   const GlobalData g = test::make_global_as<double>(c);
-  const auto r = test::run_policy<double, UnifiedPolicy<Zigzag>, ReferenceKernel>(4, UnifiedPolicy<Zigzag>{2, 2}, c, g);
+  const auto r = test::run_policy<double, UnifiedPolicy<Zigzag>, ReferenceKernel>(4, UnifiedPolicy<Zigzag>{2, 2}, g);
   CHECK(!r.err.nan);
   CHECK(r.err.rel() <= 1e-12);
   CHECK(r.err.lse_rel() <= 1e-12);

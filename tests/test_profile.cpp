@@ -49,10 +49,10 @@ static_assert(Communicator<PollingCommunicator>);
 /// profile, then with one. Returns each rank's outputs of both runs and its profile, and the
 /// number of progress polls.
 template <class Policy, class Comm = ThreadCommunicator>
-int run_twice(int ranks, Policy policy, const GlobalCase& c, std::vector<Outputs>& plain,
+int run_twice(int ranks, Policy policy, const GlobalShape& c, std::vector<Outputs>& plain,
               std::vector<Outputs>& profiled, std::vector<PhaseProfile>& profiles) {
   auto polls = std::make_shared<std::atomic<int>>(0);
-  const GlobalData g = make_global(c);
+  const GlobalInputs g = make_inputs(c);
   plain.assign(static_cast<std::size_t>(ranks), {});
   profiled.assign(static_cast<std::size_t>(ranks), {});
   profiles.assign(static_cast<std::size_t>(ranks), {});
@@ -64,11 +64,14 @@ int run_twice(int ranks, Policy policy, const GlobalCase& c, std::vector<Outputs
     }();
     const auto w = static_cast<std::size_t>(comm.rank());
     SequenceParallelAttention<Policy, Comm, CpuFlashKernel> attn(comm, policy);
-    const Plan plan = attn.plan(problem_of<float>(c, true), {split_sequence(c.seq_q, attn.mesh())[w]});
+    const Plan plan = attn.plan(c.problem<float>(true), {split_sequence(c.seq_q, attn.mesh())[w]});
     const PositionMap qp = plan.q_positions(comm.rank()), kp = plan.kv_positions(comm.rank());
     const std::int64_t lq = qp.size(), lk = kp.size();
-    const auto q = scatter_rows<float>(g.q, B, c.seq_q, H, D, qp), k = scatter_rows<float>(g.k, B, c.kv_len(), K, D, kp),
-               v = scatter_rows<float>(g.v, B, c.kv_len(), K, D, kp), dout = scatter_rows<float>(g.q, B, c.seq_q, H, D, qp);
+    const LocalSlices<float> x = local_slices<float>(g, qp, kp);
+    const auto& q = x.q;
+    const auto& k = x.k;
+    const auto& v = x.v;
+    const auto dout = take_rows<float>(g.q, B, c.seq_q, H, D, qp);
     std::vector<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
     using CV = TensorView<const float>;
     using V = TensorView<float>;
@@ -128,7 +131,7 @@ void check_profile(const PhaseProfile& p, bool ulysses, int ring) {
 }  // namespace
 
 TEST_CASE("profile: a 2x2 mesh reports every phase, and profiling changes no bit") {
-  const GlobalCase c = make_case(256, 4, 2, 32, true, 7);
+  const GlobalShape c = make_case(256, 4, 2, 32, true, 7);
   std::vector<Outputs> plain, profiled;
   std::vector<PhaseProfile> profiles;
   run_twice(4, UnifiedPolicy<Zigzag>{2, 2}, c, plain, profiled, profiles);
@@ -140,7 +143,7 @@ TEST_CASE("profile: a 2x2 mesh reports every phase, and profiling changes no bit
 }
 
 TEST_CASE("profile: Ulysses and Ring alone report their own phases") {
-  const GlobalCase c = make_case(192, 4, 4, 16, false, 8);
+  const GlobalShape c = make_case(192, 4, 4, 16, false, 8);
   std::vector<Outputs> plain, profiled;
   std::vector<PhaseProfile> profiles;
   run_twice(2, UlyssesPolicy{}, c, plain, profiled, profiles);
@@ -176,7 +179,7 @@ TEST_CASE("profile: reset forgets, and steps past max_steps add into the last sl
 
 TEST_CASE("progress polls: chunked ring compute gives the same bits as one kernel call") {
   // GQA with a Ulysses group: chunks of K/V heads carry their query heads in backward.
-  const GlobalCase c = make_case(128, 8, 4, 16, true, 9);
+  const GlobalShape c = make_case(128, 8, 4, 16, true, 9);
   std::vector<Outputs> plain, profiled, polled, polled_profiled;
   std::vector<PhaseProfile> profiles;
   run_twice(4, UnifiedPolicy<Zigzag>{2, 2}, c, plain, profiled, profiles);

@@ -242,26 +242,28 @@ std::uint64_t count_everywhere_during(ThreadCommunicator& world, Calls&& calls) 
 template <class Policy, class Kernel>
 StepAllocations count_steps(Policy policy) {
   using T = float;
-  const test::GlobalCase c = test::make_case(48, 4, 2, 16, true, 5);
+  const test::GlobalShape c = test::make_case(48, 4, 2, 16, true, 5);
   const auto g = test::make_global_as<T>(c);
-  const auto gr = test::make_global_grads<T>(c, g);
+  const auto gr = test::make_global_grads(g);
   StepAllocations res;
   std::mutex mu;
   test::GradErrors grad_err;
-  test::Errors out_err;
+  test::ErrorStats out_err;
   test::within(std::chrono::seconds(60), [&] {
     run_ranks(4, [&](ThreadCommunicator& world) {
       CountingComm comm{world};
       const int w = comm.rank();
       SequenceParallelAttention<Policy, CountingComm, Kernel> attn(comm, policy);
-      const Plan plan = attn.plan(test::problem_of<T>(c, true), {12, -1});
+      const Plan plan = attn.plan(c.problem<T>(true), {12, -1});
       const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
       const auto B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim, lq = qp.size(), lk = kp.size();
-      const auto q = test::scatter_rows<T>(g.q, B, c.seq_q, H, D, qp);
-      const auto k = test::scatter_rows<T>(g.k, B, c.kv_len(), K, D, kp);
-      const auto v = test::scatter_rows<T>(g.v, B, c.kv_len(), K, D, kp);
-      const auto dout = test::scatter_rows<T>(gr.dout, B, c.seq_q, H, D, qp);
-      std::vector<T> out(q.size()), dq(q.size()), dk(k.size()), dv(v.size());
+      test::LocalSlices<T> x = test::local_slices<T>(g, qp, kp);
+      const auto& q = x.q;
+      const auto& k = x.k;
+      const auto& v = x.v;
+      std::vector<T>& out = x.out;
+      const auto dout = test::take_rows<T>(g.dout, B, c.seq_q, H, D, qp);
+      std::vector<T> dq(q.size()), dk(k.size()), dv(v.size());
       std::vector<acc_t<T>> lse(static_cast<std::size_t>(B * lq * H));
       std::vector<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
       using CV = TensorView<const T>;
@@ -292,10 +294,8 @@ StepAllocations count_steps(Policy policy) {
         res.forward = fwd;
         res.backward = bwd;
       }
-      out_err.merge(test::compare_rows(out, g.out, B, c.seq_q, H, D, qp));
-      grad_err.dq.merge(test::compare_rows(dq, gr.dq, B, c.seq_q, H, D, qp));
-      grad_err.dk.merge(test::compare_rows(dk, gr.dk, B, c.kv_len(), K, D, kp));
-      grad_err.dv.merge(test::compare_rows(dv, gr.dv, B, c.kv_len(), K, D, kp));
+      out_err.merge(test::compare(out, test::take_rows<double>(g.out, B, c.seq_q, H, D, qp)));
+      grad_err.merge(test::compare_grads(dq, dk, dv, gr, c, qp, kp));
     });
   });
   CHECK(out_err.rel() <= 1e-5);

@@ -9,12 +9,12 @@
 #include "support/attention_check.hpp"
 
 using namespace seqpar;
-using test::GlobalCase;
+using test::GlobalShape;
 
 namespace {
 
 /// Traffic does not depend on the mask (skipped steps still forward K/V): alternate it.
-GlobalCase make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, std::int64_t batch,
+GlobalShape make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, std::int64_t batch,
                      std::uint64_t seed) {
   return test::make_case(seq, heads, kv_heads, dim, seed % 2 == 1, seed, batch);
 }
@@ -23,9 +23,9 @@ GlobalCase make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads
 /// returns the bytes each rank sent, after checking them against the plan's own count and
 /// the real-token formula.
 template <class T, class Policy>
-std::vector<std::uint64_t> bytes_of(int ranks, Policy policy, const GlobalCase& c, test::RunOptions opt = {}) {
+std::vector<std::uint64_t> bytes_of(int ranks, Policy policy, const GlobalShape& c, test::RunOptions opt = {}) {
   const auto g = test::make_global_as<T>(c);
-  const auto r = test::run_policy<T>(ranks, policy, c, g, opt);
+  const auto r = test::run_policy<T>(ranks, policy, g, opt);
   CHECK(r.err.within(test::tolerance<T>));
   const auto formula = test::analytic_forward_bytes(c, test::mesh_shape(mesh_config(policy, ranks)), r.lengths_q,
                                                     r.lengths_kv, sizeof(T), sizeof(acc_t<T>), opt.with_lse);
@@ -46,7 +46,7 @@ TEST_CASE("traffic: Ulysses sends (P-1)/P of its Q, K, V and O slices") {
     CAPTURE(P);
     // heads and kv_heads divisible by P, L tokens per rank.
     const std::int64_t L = 5, H = 2 * P, K = P, D = 8, B = 2;
-    const GlobalCase c = make_case(P * L, H, K, D, B, 10 + P);
+    const GlobalShape c = make_case(P * L, H, K, D, B, 10 + P);
     const std::uint64_t slice = sizeof(float) * B * L * D * (H + K + K + H);  // Q, K, V, O
     for (auto bytes : bytes_of<float>(P, UlyssesPolicy{}, c, no_lse)) CHECK(bytes * P == slice * (P - 1));
     // With the LSE, its (P-1)/P comes back too (float32 for a float problem).
@@ -61,7 +61,7 @@ TEST_CASE("traffic: Ring sends P-1 blocks of K and V per rank, whatever the layo
   for (int P = 1; P <= 8; ++P) {
     CAPTURE(P);
     const std::int64_t L = 6, H = 4, K = 2, D = 8, B = 1;
-    const GlobalCase c = make_case(P * L, H, K, D, B, 20 + P);
+    const GlobalShape c = make_case(P * L, H, K, D, B, 20 + P);
     const std::uint64_t kv_block = sizeof(float) * B * L * K * D;
     for (auto bytes : bytes_of<float>(P, RingPolicy<Contiguous>{}, c)) CHECK(bytes == 2 * kv_block * (P - 1));
     for (auto bytes : bytes_of<float>(P, RingPolicy<Zigzag>{}, c)) CHECK(bytes == 2 * kv_block * (P - 1));
@@ -77,7 +77,7 @@ TEST_CASE("traffic: Unified sends Ulysses traffic in its group plus R-1 gathered
       CAPTURE(P);
       CAPTURE(U);
       const std::int64_t L = 4, H = 2 * U, K = U, D = 8, B = 1;
-      const GlobalCase c = make_case(P * L, H, K, D, B, 30 + P * 8 + U);
+      const GlobalShape c = make_case(P * L, H, K, D, B, 30 + P * 8 + U);
       test::RunOptions no_lse;
       no_lse.with_lse = false;
       // Ulysses inside the group: (U-1)/U of Q, K, V, O. The ring: R-1 blocks of the gathered
@@ -101,7 +101,7 @@ TEST_CASE("traffic: GQA with kv_heads < ulysses_degree sends each K/V head only 
   // K/V heads to everyone would send 2 heads to each of 3 peers; the exact count is 1 head to
   // each of 3 peers.
   const std::int64_t L = 6, H = 8, K = 2, D = 8, B = 1;
-  const GlobalCase c = make_case(4 * L, H, K, D, B, 41);
+  const GlobalShape c = make_case(4 * L, H, K, D, B, 41);
   test::RunOptions no_lse;
   no_lse.with_lse = false;
   const std::uint64_t q_out = sizeof(float) * B * L * D * (H - H / 4);
@@ -109,7 +109,7 @@ TEST_CASE("traffic: GQA with kv_heads < ulysses_degree sends each K/V head only 
   const std::uint64_t o_back = sizeof(float) * B * (3 * L) * (H / 4) * D;
   for (auto bytes : bytes_of<float>(4, UlyssesPolicy{}, c, no_lse)) CHECK(bytes == q_out + kv_out + o_back);
   // MQA on a 4 x 2 mesh: one K/V head, every member needs it.
-  const GlobalCase m = make_case(8 * L, H, 1, D, B, 42);
+  const GlobalShape m = make_case(8 * L, H, 1, D, B, 42);
   bytes_of<float>(8, UnifiedPolicy<Zigzag>{4, 2}, m);
   bytes_of<float>(8, AnythingPolicy<UnifiedPolicy<Zigzag>>{{4, 2}}, m);
 }
@@ -117,7 +117,7 @@ TEST_CASE("traffic: GQA with kv_heads < ulysses_degree sends each K/V head only 
 TEST_CASE("traffic: AnythingPolicy<X> sends exactly the bytes of X on even shapes") {
   for (int P = 1; P <= 8; ++P) {
     CAPTURE(P);
-    const GlobalCase c = make_case(P * 6, 2 * P, P, 8, 1, 50 + P);
+    const GlobalShape c = make_case(P * 6, 2 * P, P, 8, 1, 50 + P);
     CHECK(bytes_of<float>(P, AnythingPolicy<UlyssesPolicy>{}, c) == bytes_of<float>(P, UlyssesPolicy{}, c));
     CHECK(bytes_of<float>(P, AnythingPolicy<RingPolicy<Zigzag>>{}, c) == bytes_of<float>(P, RingPolicy<Zigzag>{}, c));
     CHECK(bytes_of<float>(P, AnythingPolicy<RingPolicy<Stripe>>{}, c) == bytes_of<float>(P, RingPolicy<Stripe>{}, c));
@@ -152,7 +152,7 @@ TEST_CASE("traffic: uneven shapes send the bytes of the real tokens and heads") 
     std::int64_t sq = 0, sk = 0;
     for (auto x : k.lq) sq += x;
     for (auto x : k.lk) sk += x;
-    GlobalCase c = make_case(sq, k.heads, k.kv_heads, 5, 2, 60 + k.ranks);
+    GlobalShape c = make_case(sq, k.heads, k.kv_heads, 5, 2, 60 + k.ranks);
     c.seq_kv = sk;
     test::RunOptions opt;
     opt.lengths_q = k.lq;
@@ -168,7 +168,7 @@ TEST_CASE("traffic: uneven shapes send the bytes of the real tokens and heads") 
   // One concrete number, worked by hand: Ulysses on 3 ranks, heads 5 -> 2, 2, 1; rank 0
   // holds 4 tokens, B = 2, D = 5, float, no LSE. Q out: 4 tokens x 3 heads; K, V out: 4
   // tokens x 3 heads each; O back: (0 + 7) tokens x 2 heads. (4*3*3 + 7*2) * 2 * 5 * 4 = 2000.
-  GlobalCase c = make_case(11, 5, 5, 5, 2, 70);
+  GlobalShape c = make_case(11, 5, 5, 5, 2, 70);
   test::RunOptions opt;
   opt.lengths_q = opt.lengths_kv = {4, 0, 7};
   opt.with_lse = false;

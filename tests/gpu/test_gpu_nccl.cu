@@ -82,16 +82,10 @@ TEST_CASE("NcclCommunicator moves device bytes: all_to_all_v, exchange, split") 
 TEST_CASE("NcclCommunicator runs every policy (bf16, forward and backward)") {
   const int P = nccl_ranks();
   CAPTURE(P);
-  test::GlobalCase c;
-  c.batch = 2;
-  c.heads = 4;
-  c.kv_heads = 2;
-  c.head_dim = 64;
-  c.seq_q = 150;
-  c.causal = true;
+  const test::GlobalShape c = test::make_case(150, 4, 2, 64, true, 1, 2);
   using T = __nv_bfloat16;
   const test::GlobalData g = test::make_global_as<T>(c);
-  const test::GlobalGrads gr = test::make_global_grads<T>(c, g);
+  const test::ReferenceGrads gr = test::make_global_grads(g);
   GpuRunOptions opt;
   opt.backward = true;
   auto check = [&](auto policy) {
@@ -99,7 +93,7 @@ TEST_CASE("NcclCommunicator runs every policy (bf16, forward and backward)") {
     GpuRunResult res;
     std::mutex mu;
     on_nccl_ranks(P, [&](Nccl& comm, cudaStream_t stream) {
-      const GpuRunResult mine = run_rank<T>(comm, policy, c, g, &gr, o, stream);
+      const GpuRunResult mine = run_rank<T>(comm, policy, g, &gr, o, stream);
       std::lock_guard lock(mu);
       merge_into(res, mine);
     });

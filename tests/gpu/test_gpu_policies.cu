@@ -18,7 +18,7 @@ namespace {
 
 /// Runs `policy` on `ranks` ranks on case `c` and checks forward (and backward) errors.
 template <class Policy>
-void check(int ranks, Policy policy, const test::GlobalCase& c, GpuRunOptions opt = {}) {
+void check(int ranks, Policy policy, const test::GlobalShape& c, GpuRunOptions opt = {}) {
   CAPTURE(type_name<T>());
   CAPTURE(ranks);
   CAPTURE(c.causal);
@@ -28,9 +28,9 @@ void check(int ranks, Policy policy, const test::GlobalCase& c, GpuRunOptions op
   CAPTURE(opt.tensor_cores);
   CAPTURE(opt.backward);
   const test::GlobalData g = test::make_global_as<T>(c);
-  test::GlobalGrads gr;
-  if (opt.backward) gr = test::make_global_grads<T>(c, g);
-  const GpuRunResult r = run_on_gpu<T>(ranks, policy, c, g, &gr, opt);
+  test::ReferenceGrads gr;
+  if (opt.backward) gr = test::make_global_grads(g);
+  const GpuRunResult r = run_on_gpu<T>(ranks, policy, g, &gr, opt);
   CHECK(!r.out.nan);
   CHECK(r.out.rel() <= tolerance<T>);
   if (opt.with_lse || opt.backward) CHECK(r.out.lse_rel() <= 1e-5);
@@ -40,16 +40,8 @@ void check(int ranks, Policy policy, const test::GlobalCase& c, GpuRunOptions op
   }
 }
 
-test::GlobalCase make_case(std::int64_t seq, std::int64_t dim, bool causal, std::uint64_t seed) {
-  test::GlobalCase c;
-  c.batch = 2;
-  c.heads = 4;
-  c.kv_heads = 2;
-  c.head_dim = dim;
-  c.seq_q = seq;
-  c.causal = causal;
-  c.seed = seed;
-  return c;
+test::GlobalShape make_case(std::int64_t seq, std::int64_t dim, bool causal, std::uint64_t seed) {
+  return test::make_case(seq, 4, 2, dim, causal, seed, 2);
 }
 
 }  // namespace
@@ -59,7 +51,7 @@ TEST_CASE("GPU: Ulysses, Ring and Unified (every layout) match the reference") {
   // head_dim 64 takes the tensor-core path for half/bf16; 40 the SIMT path.
   for (std::int64_t dim : {64, 40})
     for (bool causal : {false, true}) {
-      const test::GlobalCase c = make_case(256, dim, causal, seed++);
+      const test::GlobalShape c = make_case(256, dim, causal, seed++);
       check(2, UlyssesPolicy{}, c);
       check(4, UlyssesPolicy{}, c);
       check(2, RingPolicy<Contiguous>{}, c);
@@ -76,7 +68,7 @@ TEST_CASE("GPU: Ulysses, Ring and Unified (every layout) match the reference") {
 TEST_CASE("GPU: the SIMT path gives the same answers as the tensor-core path") {
   GpuRunOptions opt;
   opt.tensor_cores = false;
-  const test::GlobalCase c = make_case(192, 128, true, 40);
+  const test::GlobalShape c = make_case(192, 128, true, 40);
   check(4, RingPolicy<Zigzag>{}, c, opt);
   check(4, UnifiedPolicy<Stripe>{2, 2}, c, opt);
   opt.tensor_cores = true;
@@ -84,7 +76,7 @@ TEST_CASE("GPU: the SIMT path gives the same answers as the tensor-core path") {
 }
 
 TEST_CASE("GPU: AnythingPolicy with uneven lengths, empty ranks and cross attention") {
-  test::GlobalCase c = make_case(101, 64, true, 50);
+  test::GlobalShape c = make_case(101, 64, true, 50);
   c.heads = 6;
   c.kv_heads = 3;
   check(3, AnythingPolicy<UlyssesPolicy>{}, c);
@@ -96,7 +88,7 @@ TEST_CASE("GPU: AnythingPolicy with uneven lengths, empty ranks and cross attent
   uneven.lengths_kv = uneven.lengths_q;
   check(3, AnythingPolicy<RingPolicy<Contiguous>>{}, c, uneven);
   // Joint/cross attention: K/V of another length than Q, not causal.
-  test::GlobalCase x = make_case(77, 64, false, 51);
+  test::GlobalShape x = make_case(77, 64, false, 51);
   x.seq_kv = 130;
   check(3, AnythingPolicy<RingPolicy<Contiguous>>{}, x);
   check(2, AnythingPolicy<UlyssesPolicy>{}, x);
@@ -105,7 +97,7 @@ TEST_CASE("GPU: AnythingPolicy with uneven lengths, empty ranks and cross attent
 TEST_CASE("GPU: forward without the LSE") {
   GpuRunOptions opt;
   opt.with_lse = false;
-  const test::GlobalCase c = make_case(128, 64, true, 60);
+  const test::GlobalShape c = make_case(128, 64, true, 60);
   check(4, UnifiedPolicy<Zigzag>{2, 2}, c, opt);
   check(2, UlyssesPolicy{}, c, opt);
 }
@@ -115,14 +107,14 @@ TEST_CASE("GPU: backward of every policy matches the exact gradients") {
   opt.backward = true;
   std::uint64_t seed = 70;
   for (bool causal : {false, true}) {
-    const test::GlobalCase c = make_case(128, 64, causal, seed++);
+    const test::GlobalShape c = make_case(128, 64, causal, seed++);
     check(2, UlyssesPolicy{}, c, opt);
     check(3, RingPolicy<Contiguous>{}, make_case(96, 64, causal, seed++), opt);
     check(4, RingPolicy<Zigzag>{}, c, opt);
     check(4, RingPolicy<Stripe>{}, c, opt);
     check(4, UnifiedPolicy<Zigzag>{2, 2}, c, opt);
   }
-  test::GlobalCase odd = make_case(70, 40, true, 80);
+  test::GlobalShape odd = make_case(70, 40, true, 80);
   odd.heads = 6;
   odd.kv_heads = 3;
   check(3, AnythingPolicy<UnifiedPolicy<Stripe>>{{3, 1}}, odd, opt);

@@ -1,8 +1,9 @@
 #pragma once
-// Test support: random global problems, the exact single-process answer (ReferenceKernel in
-// double over the whole sequence), scattering a global tensor into a rank's slice by the
-// plan's positions, running a policy on threads and comparing it against the reference, and
-// a watchdog so that a regression that hangs fails instead.
+// Test support on top of examples/common.hpp, which holds the global problem (GlobalShape),
+// its random inputs, a rank's rows of them, the exact reference and the error metric. Added
+// here, for tests only: the exact answer over the whole sequence, the LSE check, a policy run
+// on threads in named steps (run the ranks, gather, compare, count the traffic), the traffic
+// formula from first principles, and a watchdog so that a regression that hangs fails instead.
 
 #include <algorithm>
 #include <chrono>
@@ -13,16 +14,29 @@
 #include <exception>
 #include <future>
 #include <limits>
-#include <memory>
 #include <mutex>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../../examples/common.hpp"
 #include "seqpar/seqpar.hpp"
 
 namespace seqpar::test {
+
+using examples::compare;
+using examples::ErrorStats;
+using examples::GlobalInputs;
+using examples::GlobalShape;
+using examples::local_slices;
+using examples::LocalSlices;
+using examples::make_case;
+using examples::make_inputs;
+using examples::place_rows;
+using examples::random_tensor;
+using examples::reference_rows;
+using examples::rounded;
+using examples::take_rows;
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define SEQPAR_TEST_SANITIZED 1
@@ -39,131 +53,36 @@ inline constexpr bool sanitized_build = true;
 inline constexpr bool sanitized_build = false;
 #endif
 
-/// A global attention problem with its random inputs.
-struct GlobalCase {
-  std::int64_t batch = 1, heads = 4, kv_heads = 4, head_dim = 16, seq_q = 64, seq_kv = -1;
-  bool causal = false;
-  double scale = 0.0;  ///< 0: 1/sqrt(head_dim), as AttentionProblem
-  std::uint64_t seed = 1;
-  std::int64_t kv_len() const { return seq_kv < 0 ? seq_q : seq_kv; }
-  double softmax_scale() const { return scale != 0.0 ? scale : 1.0 / std::sqrt(double(head_dim)); }
+/// A global output [B, S, H, D] and its LSE [B, S, H], in double.
+struct GlobalOutput {
+  std::vector<double> out, lse;
 };
 
-/// A self-attention case in one line.
-inline GlobalCase make_case(std::int64_t seq, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal,
-                            std::uint64_t seed, std::int64_t batch = 1) {
-  GlobalCase c;
-  c.batch = batch;
-  c.seq_q = seq;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.head_dim = dim;
-  c.causal = causal;
-  c.seed = seed;
-  return c;
-}
-
-/// Random values in [-1, 1] (never zeros), BSHD contiguous.
-inline std::vector<double> random_tensor(std::int64_t n, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> dist(-1.0, 1.0);
-  std::vector<double> x(static_cast<std::size_t>(n));
-  for (auto& e : x) e = dist(rng);
-  return x;
-}
-
-/// Global inputs and the exact answer.
-struct GlobalData {
-  std::vector<double> q, k, v, out, lse;  // BSHD; lse [B, S, H]
-};
-
-/// Rounds every element to T and back: the reference of a float run must see the float inputs.
-template <class T>
-std::vector<double> rounded(std::vector<double> x) {
-  for (auto& e : x) e = static_cast<double>(static_cast<T>(e));
-  return x;
-}
-
-/// The library's problem of case `c` for element type T.
-template <class T>
-AttentionProblem problem_of(const GlobalCase& c, bool with_lse) {
-  AttentionProblem prob;
-  prob.batch = c.batch;
-  prob.heads = c.heads;
-  prob.kv_heads = c.kv_heads;
-  prob.head_dim = c.head_dim;
-  prob.causal = c.causal;
-  prob.scale = c.scale;
-  prob.dtype = dtype_v<T>;
-  prob.with_lse = with_lse;
-  return prob;
-}
-
-/// Kernel parameters of case `c` computed on one rank over the whole sequence.
-inline KernelParams whole_sequence_params(const GlobalCase& c) {
-  KernelParams p;
-  p.scale = c.softmax_scale();
-  p.causal = c.causal;
-  p.q_positions = PositionMap::run(c.seq_q, 0);
-  p.k_positions = PositionMap::run(c.kv_len(), 0);
-  p.group_size = c.heads / c.kv_heads;
-  return p;
-}
+/// Global inputs and the exact answer on them over the whole sequence.
+struct GlobalData : GlobalInputs, GlobalOutput {};
 
 /// Random inputs of case `c`, rounded to T, and the exact double answer on them.
 template <class T = double>
-GlobalData make_global_as(const GlobalCase& c) {
-  std::mt19937_64 rng(c.seed);
-  GlobalData g;
-  g.q = rounded<T>(random_tensor(c.batch * c.seq_q * c.heads * c.head_dim, rng));
-  g.k = rounded<T>(random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng));
-  g.v = rounded<T>(random_tensor(c.batch * c.kv_len() * c.kv_heads * c.head_dim, rng));
-  g.out.resize(g.q.size());
-  g.lse.resize(static_cast<std::size_t>(c.batch * c.seq_q * c.heads));
-  const KernelParams p = whole_sequence_params(c);
-  using V = TensorView<const double>;
-  ReferenceKernel{}.forward(V::bshd(g.q.data(), c.batch, c.seq_q, c.heads, c.head_dim),
-                            V::bshd(g.k.data(), c.batch, c.kv_len(), c.kv_heads, c.head_dim),
-                            V::bshd(g.v.data(), c.batch, c.kv_len(), c.kv_heads, c.head_dim),
-                            TensorView<double>::bshd(g.out.data(), c.batch, c.seq_q, c.heads, c.head_dim),
-                            TensorView<double>::bshd(g.lse.data(), c.batch, c.seq_q, c.heads, 1), p);
+GlobalData make_global_as(const GlobalShape& c) {
+  GlobalData g{make_inputs<T>(c), {}};
+  g.out = reference_rows(g, PositionMap::run(c.seq_q, 0), &g.lse);
   return g;
 }
 
-/// Inputs and answer in double. A float run converts the inputs when it scatters them, so
+/// Inputs and answer in double. A float run converts the inputs when it takes its rows, so
 /// its reference is off by the rounding of the inputs (~1e-7); make_global_as<float> removes it.
-inline GlobalData make_global(const GlobalCase& c) { return make_global_as<double>(c); }
+inline GlobalData make_global(const GlobalShape& c) { return make_global_as<double>(c); }
 
-/// The rows of a global BSHD tensor at `pos`, converted to T.
-template <class T>
-std::vector<T> scatter_rows(const std::vector<double>& global, std::int64_t batch, std::int64_t seq, std::int64_t heads,
-                            std::int64_t dim, const PositionMap& pos) {
-  const std::int64_t n = pos.size();
-  std::vector<T> local(static_cast<std::size_t>(batch * n * heads * dim));
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t i = 0; i < n; ++i)
-      for (std::int64_t x = 0; x < heads * dim; ++x)
-        local[(b * n + i) * heads * dim + x] = static_cast<T>(global[(b * seq + pos(i)) * heads * dim + x]);
-  return local;
-}
-
-/// Error of a run against the reference: max |got - want| / max |want| (normwise relative).
-/// An LSE of -inf must be matched exactly; anything else there counts as an infinite error.
-struct Errors {
-  double max_abs = 0, max_ref = 0, lse_max_abs = 0, lse_max_ref = 0;
-  bool nan = false;
-  double rel() const { return max_ref > 0 ? max_abs / max_ref : max_abs; }
+/// ErrorStats of the output plus the LSE's. An LSE of -inf must be matched exactly; anything
+/// else there counts as an infinite error.
+struct Errors : ErrorStats {
+  double lse_max_abs = 0, lse_max_ref = 0;
   double lse_rel() const { return lse_max_ref > 0 ? lse_max_abs / lse_max_ref : lse_max_abs; }
+  using ErrorStats::merge;
   void merge(const Errors& o) {
-    max_abs = std::max(max_abs, o.max_abs);
-    max_ref = std::max(max_ref, o.max_ref);
+    ErrorStats::merge(o);
     lse_max_abs = std::max(lse_max_abs, o.lse_max_abs);
     lse_max_ref = std::max(lse_max_ref, o.lse_max_ref);
-    nan = nan || o.nan;
-  }
-  void add_out(double got, double want) {
-    if (std::isnan(got)) nan = true;
-    max_abs = std::max(max_abs, std::abs(got - want));
-    max_ref = std::max(max_ref, std::abs(want));
   }
   void add_lse(double got, double want) {
     if (std::isnan(got)) nan = true;
@@ -177,6 +96,21 @@ struct Errors {
   /// True when output and LSE are within `tol` and nothing is NaN.
   bool within(double tol) const { return !nan && rel() <= tol && lse_rel() <= tol; }
 };
+
+/// One rank's output rows ([B, L, H, D]) and, unless `lse` is empty, its LSE ([B, H, L], as
+/// TensorView::lse_bhs) against the exact answer in `g` at query positions `qpos`.
+template <class O, class A>
+Errors compare_rows(const std::vector<O>& out, const std::vector<A>& lse, const GlobalData& g, const PositionMap& qpos) {
+  const GlobalShape& s = g.shape;
+  Errors e;
+  e.merge(compare(out, take_rows<double>(g.out, s.batch, s.seq_q, s.heads, s.head_dim, qpos)));
+  if (lse.empty()) return e;
+  std::vector<double> want(lse.size());
+  scatter_sequence(TensorView<const double>::bshd(g.lse.data(), s.batch, s.seq_q, s.heads, 1), qpos,
+                   TensorView<double>::lse_bhs(want.data(), s.batch, qpos.size(), s.heads));
+  for (std::size_t i = 0; i < want.size(); ++i) e.add_lse(static_cast<double>(lse[i]), want[i]);
+  return e;
+}
 
 /// Every CPU instruction set of the kernels (kernel/cpu_isa.hpp) that this machine runs,
 /// narrowest first. The first call prints them (so the test log says which paths ran) and
@@ -200,7 +134,7 @@ inline const std::vector<CpuIsa>& cpu_isas() {
 template <class T>
 inline constexpr double tolerance = std::is_same_v<T, double> ? 1e-12 : 1e-5;
 
-/// How run_policy runs.
+/// How a policy runs on threads.
 struct RunOptions {
   /// Every world rank's local lengths; empty: split as evenly as the mesh allows.
   std::vector<std::int64_t> lengths_q, lengths_kv;
@@ -208,25 +142,6 @@ struct RunOptions {
   bool gather = false;            ///< assemble every rank's O and LSE into RunResult::out/lse
   int forward_calls = 1;          ///< forward calls on one plan and workspace (the last is checked)
   std::chrono::milliseconds timeout{120000};  ///< ThreadRunOptions::timeout: a hang fails
-};
-
-/// Result of a distributed run. Per-rank vectors are indexed by world rank.
-struct RunResult {
-  Errors err;
-  std::vector<std::uint64_t> bytes_sent;   ///< forward traffic (the last call)
-  std::vector<std::uint64_t> messages_sent;
-  std::vector<std::uint64_t> expected_bytes;  ///< plan.forward_bytes
-  std::vector<std::uint64_t> host_gathers_in_forward;  ///< over every forward call
-  std::vector<std::int64_t> work;  ///< plan.work
-  std::vector<std::int64_t> lengths_q, lengths_kv;  ///< the lengths the ranks gave
-  std::vector<Plan> plans;
-  std::vector<double> out, lse;  ///< gathered global O (BSHD) and LSE ([B, S, H]) when asked
-};
-
-/// No per-rank hook.
-struct NoHook {
-  template <class... Args>
-  void operator()(Args&&...) const {}
 };
 
 /// Every world rank's share of `total` tokens, as even as `mesh` allows (split_mesh, mapped
@@ -238,100 +153,141 @@ inline std::vector<std::int64_t> even_lengths(const MeshConfig& mesh, std::int64
   return out;
 }
 
-/// Runs `Policy` with `ranks` threads on case `c` (inputs `g`, rounded to T), checks every
-/// rank's output rows against the reference, and records traffic. `hook(w, attn, plan)` runs
-/// on each rank after its forward calls (serialised).
-template <class T, class Policy, class Kernel = CpuFlashKernel, class Hook = NoHook>
-RunResult run_policy(int ranks, Policy policy, const GlobalCase& c, const GlobalData& g, RunOptions opt = {},
-                     Hook hook = {}) {
+/// `opt` (RunOptions or alike) with empty lengths filled in by even_lengths for `ranks` ranks
+/// of `policy`.
+template <class Options, class Policy>
+Options with_lengths(Options opt, const Policy& policy, int ranks, const GlobalShape& c) {
   const MeshConfig mesh = mesh_config(policy, ranks);
   if (opt.lengths_q.empty()) opt.lengths_q = even_lengths(mesh, c.seq_q);
   if (opt.lengths_kv.empty()) opt.lengths_kv = even_lengths(mesh, c.kv_len());
-  RunResult res;
-  res.bytes_sent.resize(ranks);
-  res.messages_sent.resize(ranks);
-  res.expected_bytes.resize(ranks);
-  res.host_gathers_in_forward.resize(ranks);
-  res.work.resize(ranks);
-  res.plans.resize(ranks);
-  res.lengths_q = opt.lengths_q;
-  res.lengths_kv = opt.lengths_kv;
-  if (opt.gather) {
-    res.out.assign(g.out.size(), std::numeric_limits<double>::quiet_NaN());
-    res.lse.assign(g.lse.size(), std::numeric_limits<double>::quiet_NaN());
-  }
+  return opt;
+}
+
+/// What one rank's forward calls left behind.
+template <class T>
+struct RankRun {
+  Plan plan;
+  LocalLengths lengths;            ///< what the rank gave to plan()
+  std::vector<T> out;              ///< [B, L, H, D], from the last call
+  std::vector<acc_t<T>> lse;       ///< [B, H, L] from the last call; empty without the LSE
+  CommStats stats;                 ///< traffic of the last call
+  std::uint64_t host_gathers = 0;  ///< metadata all-gathers over every call
+};
+
+/// No per-rank hook.
+struct NoHook {
+  template <class... Args>
+  void operator()(Args&&...) const {}
+};
+
+/// Step 1: runs `Policy` with `ranks` threads on g's inputs (as T). Each rank plans, takes its
+/// rows and calls forward opt.forward_calls times, its output set to a sentinel before each
+/// call (a row the library forgets to write cannot pass). `hook(w, attn, plan)` runs on each
+/// rank afterwards (serialised).
+template <class T, class Policy, class Kernel = CpuFlashKernel, class Hook = NoHook>
+std::vector<RankRun<T>> run_forward_ranks(int ranks, Policy policy, const GlobalInputs& g, RunOptions opt = {},
+                                          Hook hook = {}) {
+  const GlobalShape& s = g.shape;
+  opt = with_lengths(std::move(opt), policy, ranks, s);
+  std::vector<RankRun<T>> runs(static_cast<std::size_t>(ranks));
   std::mutex mu;
-  const std::int64_t H = c.heads, D = c.head_dim, B = c.batch;
   run_ranks(
       ranks,
       [&](ThreadCommunicator& comm) {
         const int w = comm.rank();
+        RankRun<T>& r = runs[static_cast<std::size_t>(w)];
         SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(comm, policy);
-        const Plan plan = attn.plan(problem_of<T>(c, opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
-        const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
-        auto q = scatter_rows<T>(g.q, B, c.seq_q, H, D, qp);
-        auto k = scatter_rows<T>(g.k, B, c.kv_len(), c.kv_heads, D, kp);
-        auto v = scatter_rows<T>(g.v, B, c.kv_len(), c.kv_heads, D, kp);
-        const std::int64_t lq = qp.size(), lk = kp.size();
-        std::vector<T> out(q.size());
-        std::vector<acc_t<T>> lse(static_cast<std::size_t>(B * lq * H));
-        std::vector<std::byte> ws(plan.workspace_bytes());
+        r.lengths = {opt.lengths_q[w], opt.lengths_kv[w]};
+        r.plan = attn.plan(s.problem<T>(opt.with_lse), r.lengths);
+        const LocalSlices<T> x = local_slices<T>(g, r.plan.q_positions(w), r.plan.kv_positions(w));
+        const std::int64_t B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim;
+        r.out.resize(x.q.size());
+        r.lse.resize(opt.with_lse ? static_cast<std::size_t>(B * x.lq * H) : 0);
+        std::vector<std::byte> ws(r.plan.workspace_bytes());
         using CV = TensorView<const T>;
-        std::uint64_t gathers = 0;
         for (int call = 0; call < opt.forward_calls; ++call) {
-          // A sentinel, so that a row the library forgets to write cannot pass.
-          std::fill(out.begin(), out.end(), T(12345));
-          std::fill(lse.begin(), lse.end(), acc_t<T>(12345));
+          std::fill(r.out.begin(), r.out.end(), T(12345));
+          std::fill(r.lse.begin(), r.lse.end(), acc_t<T>(12345));
           comm.stats().reset();
-          attn.template forward<T>(plan, CV::bshd(q.data(), B, lq, H, D), CV::bshd(k.data(), B, lk, c.kv_heads, D),
-                                   CV::bshd(v.data(), B, lk, c.kv_heads, D),
-                                   TensorView<T>::bshd(out.data(), B, lq, H, D),
-                                   opt.with_lse ? TensorView<acc_t<T>>::lse_bhs(lse.data(), B, lq, H)
+          attn.template forward<T>(r.plan, CV::bshd(x.q.data(), B, x.lq, H, D), CV::bshd(x.k.data(), B, x.lkv, K, D),
+                                   CV::bshd(x.v.data(), B, x.lkv, K, D),
+                                   TensorView<T>::bshd(r.out.data(), B, x.lq, H, D),
+                                   opt.with_lse ? TensorView<acc_t<T>>::lse_bhs(r.lse.data(), B, x.lq, H)
                                                 : TensorView<acc_t<T>>{},
                                    ws);
-          gathers += comm.stats().host_gathers;
+          r.host_gathers += comm.stats().host_gathers;
         }
-        Errors e;
-        for (std::int64_t b = 0; b < B; ++b)
-          for (std::int64_t i = 0; i < lq; ++i)
-            for (std::int64_t h = 0; h < H; ++h) {
-              const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
-              for (std::int64_t d = 0; d < D; ++d)
-                e.add_out(out[((b * lq + i) * H + h) * D + d], g.out[row * D + d]);
-              if (opt.with_lse) e.add_lse(lse[(b * H + h) * lq + i], g.lse[row]);
-            }
+        r.stats = comm.stats();
         std::lock_guard lock(mu);
-        if (opt.gather)
-          for (std::int64_t b = 0; b < B; ++b)
-            for (std::int64_t i = 0; i < lq; ++i)
-              for (std::int64_t h = 0; h < H; ++h) {
-                const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
-                for (std::int64_t d = 0; d < D; ++d) res.out[row * D + d] = out[((b * lq + i) * H + h) * D + d];
-                if (opt.with_lse) res.lse[row] = lse[(b * H + h) * lq + i];
-              }
-        res.err.merge(e);
-        res.bytes_sent[w] = comm.stats().bytes_sent;
-        res.messages_sent[w] = comm.stats().messages_sent;
-        res.expected_bytes[w] = plan.forward_bytes(w);
-        res.host_gathers_in_forward[w] = gathers;
-        res.work[w] = plan.work(w);
-        res.plans[w] = plan;
-        hook(w, attn, plan);
+        hook(w, attn, r.plan);
       },
       ThreadRunOptions{opt.timeout});
-  return res;
+  return runs;
 }
 
-/// The original entry point, kept for callers that pass lengths positionally.
-template <class T, class Policy, class Kernel = CpuFlashKernel>
-RunResult run_distributed(int ranks, Policy policy, const GlobalCase& c, const GlobalData& g,
-                          std::vector<std::int64_t> lengths_q = {}, std::vector<std::int64_t> lengths_kv = {},
-                          bool with_lse = true) {
-  RunOptions opt;
-  opt.lengths_q = std::move(lengths_q);
-  opt.lengths_kv = std::move(lengths_kv);
-  opt.with_lse = with_lse;
-  return run_policy<T, Policy, Kernel>(ranks, policy, c, g, opt);
+/// Step 2: every rank's output and LSE placed at their global positions; rows no rank wrote
+/// stay NaN (and all of the LSE does when the run had none).
+template <class T>
+GlobalOutput gather_output(const std::vector<RankRun<T>>& runs, const GlobalShape& s) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  GlobalOutput g{std::vector<double>(static_cast<std::size_t>(s.batch * s.seq_q * s.heads * s.head_dim), nan),
+                 std::vector<double>(static_cast<std::size_t>(s.batch * s.seq_q * s.heads), nan)};
+  for (const RankRun<T>& r : runs) {
+    const PositionMap qpos = r.plan.q_positions(r.plan.world_rank());
+    place_rows(r.out, s.batch, s.seq_q, s.heads, s.head_dim, qpos, g.out);
+    if (!r.lse.empty())
+      gather_sequence(TensorView<const acc_t<T>>::lse_bhs(r.lse.data(), s.batch, qpos.size(), s.heads), qpos,
+                      TensorView<double>::bshd(g.lse.data(), s.batch, s.seq_q, s.heads, 1));
+  }
+  return g;
+}
+
+/// Step 3: every rank's rows against the exact answer in `g`, merged.
+template <class T>
+Errors compare_with_reference(const std::vector<RankRun<T>>& runs, const GlobalData& g) {
+  Errors e;
+  for (const RankRun<T>& r : runs) e.merge(compare_rows(r.out, r.lse, g, r.plan.q_positions(r.plan.world_rank())));
+  return e;
+}
+
+/// Per world rank: what its forward sent, what its plan says it sends, and its lengths.
+struct Traffic {
+  std::vector<std::uint64_t> bytes_sent;               ///< in the last forward call
+  std::vector<std::uint64_t> expected_bytes;           ///< plan.forward_bytes
+  std::vector<std::uint64_t> host_gathers_in_forward;  ///< over every forward call
+  std::vector<std::int64_t> work;                      ///< plan.work
+  std::vector<std::int64_t> lengths_q, lengths_kv;     ///< the lengths the ranks gave
+};
+
+/// Step 4: the traffic of every rank, indexed by world rank.
+template <class T>
+Traffic count_traffic(const std::vector<RankRun<T>>& runs) {
+  Traffic t;
+  for (const RankRun<T>& r : runs) {
+    const int w = r.plan.world_rank();
+    t.bytes_sent.push_back(r.stats.bytes_sent);
+    t.expected_bytes.push_back(r.plan.forward_bytes(w));
+    t.host_gathers_in_forward.push_back(r.host_gathers);
+    t.work.push_back(r.plan.work(w));
+    t.lengths_q.push_back(r.lengths.q);
+    t.lengths_kv.push_back(r.lengths.kv);
+  }
+  return t;
+}
+
+/// Result of run_policy: traffic per world rank, the gathered output when asked, the errors.
+struct RunResult : Traffic, GlobalOutput {
+  Errors err;
+};
+
+/// Runs `Policy` with `ranks` threads on g's inputs (rounded to T) and checks every rank's
+/// rows against the reference in `g`: the four steps above in one call.
+template <class T, class Policy, class Kernel = CpuFlashKernel, class Hook = NoHook>
+RunResult run_policy(int ranks, Policy policy, const GlobalData& g, RunOptions opt = {}, Hook hook = {}) {
+  const bool gather = opt.gather;
+  const auto runs = run_forward_ranks<T, Policy, Kernel>(ranks, policy, g, std::move(opt), hook);
+  return {count_traffic(runs), gather ? gather_output(runs, g.shape) : GlobalOutput{},
+          compare_with_reference(runs, g)};
 }
 
 /// How a world of ulysses * ring ranks is arranged, written out for the traffic formula
@@ -350,16 +306,16 @@ struct MeshShape {
 /// K/V heads they need go out; the other members' tokens of my heads come back as O (and
 /// the LSE). Ring (R > 1): R - 1 steps forward every K/V block but the one of ring rank
 /// r + 1, with the K/V heads this member needs.
-inline std::vector<std::uint64_t> analytic_forward_bytes(const GlobalCase& c, const MeshShape& m,
+inline std::vector<std::uint64_t> analytic_forward_bytes(const GlobalShape& c, const MeshShape& m,
                                                          const std::vector<std::int64_t>& lengths_q,
                                                          const std::vector<std::int64_t>& lengths_kv,
                                                          std::uint64_t elem, std::uint64_t acc, bool with_lse) {
   const int U = m.ulysses, R = m.ring, P = U * R;
-  const std::int64_t H = c.heads, G = c.heads / c.kv_heads;
+  const std::int64_t H = c.heads, K = c.kv_head_count(), G = H / K;
   std::vector<std::int64_t> hq(U), kv_need(U);
   for (int v = 0, begin = 0; v < U; ++v) {
     hq[v] = H / U + (v < H % U ? 1 : 0);
-    std::vector<bool> used(static_cast<std::size_t>(c.kv_heads), false);
+    std::vector<bool> used(static_cast<std::size_t>(K), false);
     for (std::int64_t h = begin; h < begin + hq[v]; ++h) used[static_cast<std::size_t>(h / G)] = true;
     kv_need[v] = std::count(used.begin(), used.end(), true);
     begin += static_cast<int>(hq[v]);

@@ -2,7 +2,8 @@
 // GPU test support: device buffers and streams (RAII), element conversions for __half and
 // __nv_bfloat16, the tolerances of each element type, and a policy run on one GPU — P ranks as
 // threads over CudaThreadCommunicator, each on its own stream — checked row by row against the
-// exact double reference of tests/support (make_global_as / make_global_grads).
+// exact double reference of tests/support (make_global_as / make_global_grads, compare_rows /
+// compare_grads).
 
 #include <cuda_runtime.h>
 
@@ -138,7 +139,7 @@ template <class T>
 DeviceBuffer<T> rows_on_device(const std::vector<double>& global, std::int64_t batch, std::int64_t seq,
                                std::int64_t heads, std::int64_t dim, const PositionMap& pos) {
   DeviceBuffer<T> d(static_cast<std::size_t>(batch * pos.size() * heads * dim));
-  d.upload(test::scatter_rows<double>(global, batch, seq, heads, dim, pos));
+  d.upload(test::take_rows<double>(global, batch, seq, heads, dim, pos));
   return d;
 }
 
@@ -156,14 +157,10 @@ struct GpuRunResult {
   test::GradErrors grads; ///< when backward ran
 };
 
-using test::problem_of;
-
 /// Lengths filled in (even split when empty) for `ranks` ranks of `policy`.
 template <class Policy>
-GpuRunOptions resolved(GpuRunOptions opt, const Policy& policy, int ranks, const test::GlobalCase& c) {
-  const MeshConfig mesh = mesh_config(policy, ranks);
-  if (opt.lengths_q.empty()) opt.lengths_q = test::even_lengths(mesh, c.seq_q);
-  if (opt.lengths_kv.empty()) opt.lengths_kv = test::even_lengths(mesh, c.kv_len());
+GpuRunOptions resolved(GpuRunOptions opt, const Policy& policy, int ranks, const test::GlobalShape& c) {
+  opt = test::with_lengths(std::move(opt), policy, ranks, c);
   if (opt.backward) opt.with_lse = true;
   return opt;
 }
@@ -171,15 +168,16 @@ GpuRunOptions resolved(GpuRunOptions opt, const Policy& policy, int ranks, const
 /// One rank's part of a GPU run over any CudaSpace communicator: plan, forward (and backward)
 /// on `stream`, and this rank's rows compared with the reference.
 template <class T, class Policy, class Comm>
-GpuRunResult run_rank(Comm& comm, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
-                      const test::GlobalGrads* gr, const GpuRunOptions& opt, cudaStream_t stream) {
-  const std::int64_t B = c.batch, H = c.heads, K = c.kv_heads, D = c.head_dim;
+GpuRunResult run_rank(Comm& comm, Policy policy, const test::GlobalData& g, const test::ReferenceGrads* gr,
+                      const GpuRunOptions& opt, cudaStream_t stream) {
+  const test::GlobalShape& c = g.shape;
+  const std::int64_t B = c.batch, H = c.heads, K = c.kv_head_count(), D = c.head_dim;
   using A = acc_t<T>;
   const int w = comm.rank();
   SequenceParallelAttention<Policy, Comm, CudaFlashKernel> attn(comm, policy);
   use_stream(attn, stream);
   attn.kernel().set_tensor_cores(opt.tensor_cores);
-  const Plan plan = attn.plan(problem_of<T>(c, opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
+  const Plan plan = attn.plan(c.problem<T>(opt.with_lse), {opt.lengths_q[w], opt.lengths_kv[w]});
   const PositionMap qp = plan.q_positions(w), kp = plan.kv_positions(w);
   const std::int64_t lq = qp.size(), lk = kp.size();
   auto q = rows_on_device<T>(g.q, B, c.seq_q, H, D, qp);
@@ -199,17 +197,10 @@ GpuRunResult run_rank(Comm& comm, Policy policy, const test::GlobalCase& c, cons
   attn.template forward<T>(plan, qv, kv, vv, V::bshd(out.data(), B, lq, H, D), lv,
                            std::span<std::byte>(ws.data(), ws.size()));
   SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const std::vector<double> o = out.download(), l = lse.download();
   GpuRunResult res;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t i = 0; i < lq; ++i)
-      for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t row = (b * c.seq_q + qp(i)) * H + h;
-        for (std::int64_t d = 0; d < D; ++d) res.out.add_out(o[((b * lq + i) * H + h) * D + d], g.out[row * D + d]);
-        if (opt.with_lse) res.out.add_lse(l[(b * H + h) * lq + i], g.lse[row]);
-      }
+  res.out = test::compare_rows(out.download(), opt.with_lse ? lse.download() : std::vector<double>{}, g, qp);
   if (opt.backward) {
-    auto dout = rows_on_device<T>(gr->dout, B, c.seq_q, H, D, qp);
+    auto dout = rows_on_device<T>(g.dout, B, c.seq_q, H, D, qp);
     DeviceBuffer<T> dq(q.size()), dk(k.size()), dv(v.size());
     dq.poison();
     dk.poison();
@@ -219,9 +210,7 @@ GpuRunResult run_rank(Comm& comm, Policy policy, const test::GlobalCase& c, cons
                               V::bshd(dk.data(), B, lk, K, D), V::bshd(dv.data(), B, lk, K, D),
                               std::span<std::byte>(ws.data(), ws.size()));
     SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
-    res.grads.dq = test::compare_rows(dq.download(), gr->dq, B, c.seq_q, H, D, qp);
-    res.grads.dk = test::compare_rows(dk.download(), gr->dk, B, c.kv_len(), K, D, kp);
-    res.grads.dv = test::compare_rows(dv.download(), gr->dv, B, c.kv_len(), K, D, kp);
+    res.grads = test::compare_grads(dq.download(), dk.download(), dv.download(), *gr, c, qp, kp);
   }
   return res;
 }
@@ -229,18 +218,16 @@ GpuRunResult run_rank(Comm& comm, Policy policy, const test::GlobalCase& c, cons
 /// Folds one rank's errors into the run's.
 inline void merge_into(GpuRunResult& all, const GpuRunResult& mine) {
   all.out.merge(mine.out);
-  all.grads.dq.merge(mine.grads.dq);
-  all.grads.dk.merge(mine.grads.dk);
-  all.grads.dv.merge(mine.grads.dv);
+  all.grads.merge(mine.grads);
 }
 
 /// Runs `policy` with `ranks` threads on the current GPU (CudaThreadCommunicator, each rank its
 /// own stream) on inputs `g` (rounded to T); compares every rank's rows with the reference,
 /// and, with opt.backward, the gradients with `gr`.
 template <class T, class Policy>
-GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalCase& c, const test::GlobalData& g,
-                        const test::GlobalGrads* gr, GpuRunOptions opt = {}) {
-  opt = resolved(std::move(opt), policy, ranks, c);
+GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalData& g, const test::ReferenceGrads* gr,
+                        GpuRunOptions opt = {}) {
+  opt = resolved(std::move(opt), policy, ranks, g.shape);
   int device = 0;
   SEQPAR_CUDA_CHECK(cudaGetDevice(&device));
   GpuRunResult res;
@@ -250,7 +237,7 @@ GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalCase& c, con
       [&](CudaThreadCommunicator& comm) {
         SEQPAR_CUDA_CHECK(cudaSetDevice(device));
         Stream stream;
-        const GpuRunResult mine = run_rank<T>(comm, policy, c, g, gr, opt, stream);
+        const GpuRunResult mine = run_rank<T>(comm, policy, g, gr, opt, stream);
         std::lock_guard lock(mu);
         merge_into(res, mine);
       },
