@@ -8,11 +8,14 @@
 /// the other holds the rest and the f32 runs. Without SEQPAR_DEMO_SPLIT it is one program.
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -35,12 +38,15 @@ constexpr const char* usage_text =
     "                   [--ulysses-degree U] [--ring-degree R] [--batch B] [--seq S] [--heads H]\n"
     "                   [--kv-heads K] [--head-dim D] [--causal] [--dtype f32|f64] [--comm mpi|threads]\n"
     "                   [--ranks N] [--iters I] [--check] [--threads N] [--seed N] [--backward] [--profile]\n"
+    "                   [--verbose]\n"
     "  --seq is the global length, split over the ranks as evenly as the mesh allows; plain policies\n"
     "  need it to divide evenly (use --anything otherwise). Defaults: --batch 1 --seq 2048 --heads 8\n"
     "  --kv-heads H --head-dim 64 --dtype f32 --iters 2; --comm mpi under an MPI launcher (when built\n"
     "  with MPI), else threads with --ranks 4. The last line printed is\n"
     "  RESULT policy=... ranks=... seq=... heads=... max_abs_err=... max_rel_err=... bytes_sent_per_rank=... "
-    "time_ms_per_iter=... cpu_isa=...\n"
+    "time_ms_per_iter=... cpu_isa=... layout=... causal=... mesh=UxR dtype=... backward=... gflops=...\n"
+    "  GFLOP/s counts 4 x head_dim x visible score pairs per forward (x3.5 with --backward);\n"
+    "  --verbose adds where in the library an error was raised.\n"
     "  --backward also runs backward after each forward (time and bytes cover both) and, with --check,\n"
     "  appends grad_max_rel_err=... (dq, dk, dv against the exact double reference).\n"
     "  --profile prints, per rank, the time of each phase of the timed calls (pack, all-to-alls, each\n"
@@ -73,14 +79,35 @@ struct Options {
   std::uint64_t seed = 2024;
   bool backward = false;
   bool profile = false;
+  bool verbose = false;
 };
 
+/// Set once this process's plan is made: from then on a ConfigError (from forward or backward)
+/// is this rank's alone, not collective.
+inline std::atomic<bool> g_planned{false};
+
+/// An error message for a command-line user: the library's " (at file:line)" suffix dropped
+/// unless --verbose, and the flag that fixes a plain policy's uneven split named.
+inline std::string user_message(const std::exception& e, bool verbose) {
+  std::string m = e.what();
+  if (!verbose)
+    if (const auto at = m.rfind(" (at "); at != std::string::npos && m.back() == ')') m.erase(at);
+  if (m.find("AnythingPolicy<") != std::string::npos)
+    m += "\n  (on the command line: add --anything)";
+  else if (m.find("ulysses_degree x ring_degree") != std::string::npos)
+    m += "\n  (on the command line: --ulysses-degree U --ring-degree R with U x R = the number of ranks)";
+  return m;
+}
+
 #ifndef SEQPAR_DEMO_F64_PART
-std::int64_t parse_int(std::string_view name, const char* text, std::int64_t min) {
+/// An integer option's value; `max` keeps products of shape options far from overflow.
+std::int64_t parse_int(std::string_view name, const char* text, std::int64_t min, std::int64_t max = 1 << 30) {
   char* end = nullptr;
+  errno = 0;
   const long long v = std::strtoll(text, &end, 10);
-  if (end == text || *end != '\0' || v < min)
-    throw UsageError(std::string(name) + ": expected an integer >= " + std::to_string(min) + ", got '" + text + "'");
+  if (end == text || *end != '\0' || v < min || errno == ERANGE || v > max)
+    throw UsageError(std::string(name) + ": expected an integer from " + std::to_string(min) + " to " +
+                     std::to_string(max) + ", got '" + text + "'");
   return v;
 }
 
@@ -98,6 +125,8 @@ Options parse(int argc, char** argv) {
     if (a == "--check") { o.check = true; continue; }
     if (a == "--backward") { o.backward = true; continue; }
     if (a == "--profile") { o.profile = true; continue; }
+    if (a == "--verbose") { o.verbose = true; continue; }
+    if (a.substr(0, 2) != "--") throw UsageError("'" + std::string(a) + "': expected an option such as --seq (see --help)");
     if (i + 1 >= argc) throw UsageError(std::string(a) + ": unknown option or missing value (see --help)");
     const char* v = argv[++i];
     const std::string_view s = v;
@@ -131,10 +160,16 @@ Options parse(int argc, char** argv) {
     else if (a == "--ranks") o.ranks = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--iters") o.iters = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--threads") o.threads = static_cast<int>(parse_int(a, v, 1));
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_int(a, v, 0));
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_int(a, v, 0, std::numeric_limits<std::int64_t>::max()));
     else throw UsageError(std::string(a) + ": unknown option (see --help)");
   }
   if (!policy_given) throw UsageError("--policy: required (ulysses, ring or unified)");
+  // The global inputs are made on every rank: keep them within what a vector can hold.
+  const double elems = static_cast<double>(o.batch) * static_cast<double>(o.seq) * static_cast<double>(o.heads) *
+                       static_cast<double>(o.head_dim);
+  if (elems > 1e10)
+    throw UsageError("--batch x --seq x --heads x --head-dim = " + std::to_string(elems) +
+                     " elements: too large for this demo (which holds the global inputs on every rank)");
   if (o.kv_heads != 0 && o.heads % o.kv_heads != 0)
     throw UsageError("--kv-heads: expected a divisor of --heads " + std::to_string(o.heads) + ", got " +
                      std::to_string(o.kv_heads));
@@ -159,6 +194,9 @@ inline void check_degrees(const Options& o, int world) {
 }
 
 /// Readable type name of the policy the options select.
+/// --layout's values, by LayoutKind.
+constexpr const char* layout_names[] = {"contiguous", "zigzag", "stripe"};
+
 inline std::string policy_type_name(const Options& o) {
   static constexpr const char* layouts[] = {"Contiguous", "Zigzag", "Stripe"};
   std::string n = o.policy == PolicyKind::ulysses ? "UlyssesPolicy"
@@ -225,6 +263,7 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   const MeshConfig& mesh = attn.mesh();
   const Plan plan =
       attn.plan(g.shape.problem<T>(o.backward), {split_sequence(o.seq, mesh)[static_cast<std::size_t>(me)]});
+  g_planned = true;
 
   const ex::GlobalShape& s = g.shape;
   const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim;
@@ -254,7 +293,12 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   step();
   const std::uint64_t bytes = comm.stats().bytes_sent;
   ex::ErrorStats err, grad_err;
+  const auto check_start = std::chrono::steady_clock::now();
   if (o.check) {
+    if (print)
+      std::printf("check        computing the exact double-precision reference for every rank's rows%s...\n",
+                  o.backward ? " and the gradients" : "");
+    std::fflush(stdout);
     err = ex::reduce_errors(comm, ex::compare(l.out, ex::reference_rows(g, qpos)));
     if (o.backward) {
       const ex::ReferenceGrads want = ex::reference_grads(g, qpos, kvpos);
@@ -264,6 +308,7 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
       grad_err = ex::reduce_errors(comm, e);
     }
   }
+  const double check_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
 
   PhaseProfile profile;  // only the timed calls
   if (o.profile) attn.set_profile(&profile);
@@ -292,20 +337,36 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
               "widest: %s; SEQPAR_CPU_ISA caps it)\n",
               o.threads > 0 ? o.threads : 1, cpu_isa_name(default_cpu_isa()), cpu_isa_vector_bits(default_cpu_isa()),
               cpu_isa_name(widest_cpu_isa()));
-  std::printf("%6s %5s %8s %9s %10s %14s %14s %14s %10s\n", "rank", "ring", "ulysses", "q_tokens", "kv_tokens",
-              "score_pairs", "bytes_sent", "bytes_formula", "ms/iter");
+  // FLOPs: 4 x D per visible score pair in forward (QK^T and PV), 2.5 times that in backward.
+  const double flops_per_pair = 4.0 * static_cast<double>(D) * (o.backward ? 3.5 : 1.0);
+  std::printf("%6s %5s %8s %9s %10s %14s %14s %14s %10s %9s %8s\n", "rank", "ring", "ulysses", "q_tokens", "kv_tokens",
+              "score_pairs", "bytes_sent", "bytes_formula", "ms/iter", "GFLOP/s", "GB/s");
   std::uint64_t max_bytes = 0;
-  double max_ms = 0;
+  double max_ms = 0, total_work = 0, max_work = 0;
   bool bytes_match = true;
   for (int w = 0; w < world; ++w) {
     const auto& r = rows[static_cast<std::size_t>(w)];
+    const double rank_ms = std::bit_cast<double>(r[5]);
     max_bytes = std::max(max_bytes, static_cast<std::uint64_t>(r[3]));
-    max_ms = std::max(max_ms, std::bit_cast<double>(r[5]));
+    max_ms = std::max(max_ms, rank_ms);
+    total_work += static_cast<double>(r[2]);
+    max_work = std::max(max_work, static_cast<double>(r[2]));
     bytes_match = bytes_match && r[3] == r[4];
-    std::printf("%6d %5d %8d %9lld %10lld %14lld %14lld %14lld %10.3f\n", w, mesh.ring_rank(w), mesh.ulysses_rank(w),
-                static_cast<long long>(r[0]), static_cast<long long>(r[1]), static_cast<long long>(r[2]),
-                static_cast<long long>(r[3]), static_cast<long long>(r[4]), std::bit_cast<double>(r[5]));
+    std::printf("%6d %5d %8d %9lld %10lld %14lld %14lld %14lld %10.3f %9.2f %8.3f\n", w, mesh.ring_rank(w),
+                mesh.ulysses_rank(w), static_cast<long long>(r[0]), static_cast<long long>(r[1]),
+                static_cast<long long>(r[2]), static_cast<long long>(r[3]), static_cast<long long>(r[4]), rank_ms,
+                flops_per_pair * static_cast<double>(r[2]) / (rank_ms * 1e6), static_cast<double>(r[3]) / (rank_ms * 1e6));
   }
+  // The whole run: every rank's FLOPs over the slowest rank's time; bytes of the busiest sender.
+  const double gflops = flops_per_pair * total_work / (max_ms * 1e6);
+  const double imbalance = total_work > 0 ? max_work / (total_work / world) : 1.0;
+  std::printf("throughput   %.2f GFLOP/s in all (4 x head_dim x score pairs%s over the slowest rank's time), "
+              "%.3f GB/s sent by the busiest rank\n",
+              gflops, o.backward ? " x 3.5 for forward + backward" : "", static_cast<double>(max_bytes) / (max_ms * 1e6));
+  std::printf("balance      max/mean score pairs per rank = %.2f%s\n", imbalance,
+              imbalance > 1.2 && s.causal && o.layout == LayoutKind::contiguous && mesh.ring > 1
+                  ? " (causal with a contiguous split: --layout zigzag balances this)"
+                  : "");
   std::printf("traffic      bytes sent %s the plan's analytic count\n", bytes_match ? "equal" : "DIFFER FROM");
   if (o.profile) ex::print_profile(profiles);
   const double tol = o.f64 ? 1e-12 : 1e-5, grad_tol = o.f64 ? 1e-11 : 1e-4;
@@ -315,8 +376,8 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   if (o.check) {
     std::snprintf(abs_text, sizeof abs_text, "%.3e", err.max_abs);
     std::snprintf(rel_text, sizeof rel_text, "%.3e", err.rel());
-    std::printf("check        max|err| / max|ref| = %s (tolerance %.0e, exact double reference): %s\n", rel_text, tol,
-                fwd_ok ? "PASS" : "FAIL");
+    std::printf("check        max|err| / max|ref| = %s (tolerance %.0e, exact double reference, %.1f s): %s\n",
+                rel_text, tol, check_s, fwd_ok ? "PASS" : "FAIL");
     if (o.backward) {
       std::snprintf(grad_text, sizeof grad_text, "%.3e", grad_err.rel());
       std::printf("check        gradients dq, dk, dv: max|err| / max|ref| = %s (tolerance %.0e): %s\n", grad_text,
@@ -325,10 +386,13 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   }
   // With --backward, time and bytes cover forward + backward and the gradient error comes last.
   std::printf("RESULT policy=%s ranks=%d seq=%lld heads=%lld max_abs_err=%s max_rel_err=%s bytes_sent_per_rank=%llu "
-              "time_ms_per_iter=%.3f%s%s cpu_isa=%s\n",
+              "time_ms_per_iter=%.3f%s%s cpu_isa=%s layout=%s causal=%d mesh=%dx%d dtype=%s backward=%d gflops=%.2f "
+              "imbalance=%.2f\n",
               o.policy_name.c_str(), world, static_cast<long long>(o.seq), static_cast<long long>(o.heads), abs_text,
               rel_text, static_cast<unsigned long long>(max_bytes), max_ms, o.backward ? " grad_max_rel_err=" : "",
-              o.backward ? grad_text : "", cpu_isa_name(default_cpu_isa()));
+              o.backward ? grad_text : "", cpu_isa_name(default_cpu_isa()),
+              o.policy == PolicyKind::ulysses ? "none" : layout_names[static_cast<int>(o.layout)], s.causal ? 1 : 0,
+              mesh.ulysses, mesh.ring, o.f64 ? "f64" : "f32", o.backward ? 1 : 0, gflops, imbalance);
   std::fflush(stdout);
   return ok ? 0 : 1;
 }
@@ -368,8 +432,8 @@ bool under_mpi_launcher() {
   return false;
 }
 
-int report(const std::exception& e, const char* kind) {
-  std::fprintf(stderr, "seqpar_demo: %s%s\n", kind, e.what());
+int report(const std::exception& e, const char* kind, bool verbose) {
+  std::fprintf(stderr, "seqpar_demo: %s%s\n", kind, user_message(e, verbose).c_str());
   return 2;
 }
 
@@ -392,15 +456,18 @@ int run_mpi(int& argc, char**& argv, Options& o, const ex::GlobalInputs& g) {
     try {
       status = run_options(world, o, g);
     } catch (const UsageError& e) {
-      status = rank == 0 ? report(e, "") : 2;  // every rank failed alike; one reports
-      MPI_Barrier(MPI_COMM_WORLD);             // no rank exits (and gets the job killed) before it has
-    } catch (const ConfigError& e) {
-      status = rank == 0 ? report(e, "") : 2;  // plan checks are collective: every rank throws this
-      MPI_Barrier(MPI_COMM_WORLD);
+      status = rank == 0 ? report(e, "", o.verbose) : 2;  // every rank failed alike; one reports
+      MPI_Barrier(MPI_COMM_WORLD);  // no rank exits (and gets the job killed) before it has
     } catch (const std::exception& e) {
-      // Possibly this rank alone: the others may be waiting on it, so end the whole job.
-      std::fprintf(stderr, "seqpar_demo: rank %d: %s\n", rank, e.what());
-      MPI_Abort(MPI_COMM_WORLD, 3);
+      // plan's checks are collective (every rank throws the same ConfigError); after the plan,
+      // forward's and backward's are local: the others may be waiting on this rank, so end the job.
+      if (!g_planned && dynamic_cast<const ConfigError*>(&e)) {
+        status = rank == 0 ? report(e, "", o.verbose) : 2;
+        MPI_Barrier(MPI_COMM_WORLD);
+      } else {
+        std::fprintf(stderr, "seqpar_demo: rank %d: %s\n", rank, user_message(e, o.verbose).c_str());
+        MPI_Abort(MPI_COMM_WORLD, 3);
+      }
     }
   }
   return status;
@@ -421,7 +488,7 @@ int main(int argc, char** argv) {
     // but MPI is not initialised yet, so use the launcher's rank variable when it has one.
     const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
     if (!rank) rank = std::getenv("PMI_RANK");
-    if (!rank || std::string_view(rank) == "0") report(e, "");
+    if (!rank || std::string_view(rank) == "0") report(e, "", false);
     return 2;
   }
   if (o.comm.empty()) {
@@ -451,11 +518,11 @@ int main(int argc, char** argv) {
     }
     return run_threads(o, g);
   } catch (const UsageError& e) {
-    return report(e, "");
+    return report(e, "", o.verbose);
   } catch (const ConfigError& e) {
-    return report(e, "");
+    return report(e, "", o.verbose);
   } catch (const std::exception& e) {
-    return report(e, "error: ");
+    return report(e, "error: ", o.verbose);
   }
 }
 #endif  // SEQPAR_DEMO_F64_PART
