@@ -3,10 +3,12 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "seqpar/comm/mpi_communicator.hpp"
@@ -194,4 +196,63 @@ TEST_CASE("MpiCommunicator: split ranks by key, shares the stats, and owns its c
   CHECK(dup.size() == P);
   CHECK(dup.stats().bytes_sent == 0);  // a duplicate has its own counters
   dup.barrier();
+}
+
+TEST_CASE("MpiCommunicator: with a time-out every operation takes the polled path and still delivers") {
+  using namespace std::chrono_literals;
+  MpiCommunicator c = MpiCommunicator::duplicate(MPI_COMM_WORLD);
+  CHECK(c.timeout() == 0ms);  // off by default (SEQPAR_COMM_TIMEOUT_MS is not set here)
+  c.set_timeout(60000ms);
+  MpiCommunicator copy = c;
+  CHECK(copy.timeout() == 60000ms);  // copies are the same communicator
+  CHECK_THROWS_AS(c.set_timeout(-1ms), ConfigError);
+  CHECK(check_all_to_all(c, [](int from, int to) { return static_cast<std::size_t>((from * 5 + to * 3) % 7) * 3; }, 1));
+  CHECK(check_all_to_all(c, [](int from, int to) { return static_cast<std::size_t>(256 * (1 + from + 2 * to)); }, 0));
+  const int P = c.size(), me = c.rank(), next = (me + 1) % P, prev = (me - 1 + P) % P;
+  std::vector<std::int64_t> a(100000, me), ra(100000, -1);  // rendezvous-sized
+  auto r = c.start_exchange(reinterpret_cast<const std::byte*>(a.data()), 800000, next,
+                            reinterpret_cast<std::byte*>(ra.data()), 800000, prev);
+  c.wait(r);
+  CHECK(all_ranks(c, ra.front() == prev && ra.back() == prev));
+  // A short message is still checked on the polled path.
+  auto fewer = c.start_exchange(reinterpret_cast<const std::byte*>(a.data()), 16, next,
+                                reinterpret_cast<std::byte*>(ra.data()), 32, prev);
+  std::string what;
+  try {
+    c.wait(fewer);
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  CHECK(all_ranks(c, what.find("sent 16 bytes") != std::string::npos));
+  c.barrier();
+  MpiCommunicator sub = c.split(me % 2, me);
+  CHECK(sub.timeout() == 60000ms);  // inherited
+  sub.barrier();
+}
+
+TEST_CASE("MpiCommunicator: a peer that does not join within the time-out is a CommError naming the operation") {
+  using namespace std::chrono_literals;
+  MpiCommunicator world(MPI_COMM_WORLD);
+  MpiCommunicator c = MpiCommunicator::duplicate(MPI_COMM_WORLD);
+  c.set_timeout(300ms);
+  // Rank 0 arrives at the barrier 2 s late: every other rank gives up after 300 ms. (A barrier
+  // has no buffers, so the late arrival may still complete the others' abandoned request.)
+  std::string what;
+  const auto start = std::chrono::steady_clock::now();
+  if (c.rank() == 0) std::this_thread::sleep_for(2000ms);
+  try {
+    c.barrier();
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  INFO(what);
+  if (c.rank() != 0) {
+    CHECK(what.find("MpiCommunicator: barrier: no progress for 300 ms") != std::string::npos);
+    CHECK(took >= 300ms);
+    CHECK(took < 1900ms);
+  } else {
+    CHECK(what.empty());  // everyone else had arrived (and given up waiting)
+  }
+  CHECK(all_ranks(world, c.rank() == 0 ? what.empty() : !what.empty()));
 }

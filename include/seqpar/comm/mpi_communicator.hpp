@@ -6,12 +6,14 @@
 #include <mpi.h>
 
 #include <array>
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -71,12 +73,13 @@ inline bool mpi_finalized() {
   return done != 0;
 }
 
-/// The communicator handle and the datatypes made for it, shared by every copy of one
-/// MpiCommunicator (not by its splits, which own their own handle).
+/// The communicator handle, the datatypes made for it and the time-out, shared by every copy
+/// of one MpiCommunicator (not by its splits, which own their own handle).
 class MpiCommState {
  public:
   /// Holds `comm`; frees it at the end when `owned`.
-  MpiCommState(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {}
+  MpiCommState(MPI_Comm comm, bool owned, std::chrono::milliseconds timeout)
+      : comm_(comm), owned_(owned), timeout_(timeout) {}
   MpiCommState(const MpiCommState&) = delete;
   MpiCommState& operator=(const MpiCommState&) = delete;
   /// Frees the datatypes and, if owned, the communicator.
@@ -89,6 +92,10 @@ class MpiCommState {
 
   /// The MPI communicator.
   MPI_Comm comm() const { return comm_; }
+  /// The time-out of every wait (zero: none).
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Sets the time-out of every wait (zero: none).
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
   /// A committed contiguous datatype of `unit` bytes (a power of two <= 256), made on first use.
   MPI_Datatype unit_type(std::size_t unit) {
@@ -110,6 +117,7 @@ class MpiCommState {
  private:
   MPI_Comm comm_;
   bool owned_;
+  std::chrono::milliseconds timeout_;
   std::array<MPI_Datatype, 9> types_{MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
                                      MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
                                      MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};
@@ -131,6 +139,22 @@ class MpiCommState {
 /// Counts and displacements are bytes (size_t). MPI counts are int, so transfers go in units of
 /// a contiguous datatype: the largest power of two <= 256 dividing every count and
 /// displacement of the call. A transfer that still needs more than INT_MAX units throws MpiError.
+///
+/// Time-out (off by default, as in MPI): set_timeout(), or the environment variable
+/// SEQPAR_COMM_TIMEOUT_MS read when the communicator is made (splits inherit their parent's).
+/// With one, every wait (all_to_all_v, wait, all_gather_host, barrier) uses MPI's nonblocking
+/// call (MPI_Ialltoallv, MPI_Isend/Irecv, MPI_Iallgather, MPI_Ibarrier) and polls it, yielding
+/// or sleeping between polls; when it makes no progress for that long it throws CommError
+/// naming the operation and, for an exchange, the peer (a peer that failed but stays alive,
+/// finalized, or waits in another operation). MPI cannot cancel a collective, so after a
+/// time-out the communicator and the buffers of that operation still belong to MPI: end the
+/// job (MPI_Abort). split() and duplicate() stay blocking. Without a time-out the blocking
+/// calls are used, unchanged.
+///
+/// Thread safety: one thread at a time per communicator (and MPI must be initialised with
+/// MPI_THREAD_MULTIPLE for different communicators on different threads); no call is safe
+/// concurrently with another on the same communicator or its copies. The traffic counters
+/// (stats(), shared with splits) are updated atomically; see CommStats for reading them.
 template <class Space = HostSpace>
 class BasicMpiCommunicator {
  public:
@@ -150,7 +174,8 @@ class BasicMpiCommunicator {
   /// Wraps `comm` without owning it and sets its error handler to MPI_ERRORS_RETURN.
   /// MPI must be initialised; `comm` must outlive every copy.
   explicit BasicMpiCommunicator(MPI_Comm comm)
-      : BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(comm, false), std::make_shared<CommStats>()) {}
+      : BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(comm, false, comm_timeout_from_env()),
+                             std::make_shared<CommStats>()) {}
 
   /// An owning communicator over a duplicate of `comm` (collective): its traffic cannot match
   /// the caller's messages, and `comm`'s error handler is left as it was.
@@ -158,7 +183,8 @@ class BasicMpiCommunicator {
     MPI_Comm dup = MPI_COMM_NULL;
     // The user's handler decides what a failure here does: we have not touched it.
     detail::mpi_check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", __FILE__, __LINE__);
-    return BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(dup, true), std::make_shared<CommStats>());
+    return BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(dup, true, comm_timeout_from_env()),
+                                std::make_shared<CommStats>());
   }
 
   /// The wrapped MPI communicator (e.g. for the user's own collectives).
@@ -171,6 +197,13 @@ class BasicMpiCommunicator {
   const CommStats& stats() const { return *stats_; }
   /// Counters, mutable (to reset them).
   CommStats& stats() { return *stats_; }
+  /// The time-out of every wait; zero: none (see the class comment).
+  std::chrono::milliseconds timeout() const { return state_->timeout(); }
+  /// Sets the time-out of every wait, for every copy of this communicator; zero: none.
+  void set_timeout(std::chrono::milliseconds t) {
+    SEQPAR_CHECK(t.count() >= 0, ConfigError, "MpiCommunicator: set_timeout: expected >= 0 ms, got ", t.count());
+    state_->set_timeout(t);
+  }
 
   /// Variable-count all-to-all over MPI_Alltoallv (see the Communicator concept).
   void all_to_all_v(const std::byte* send, std::span<const std::size_t> send_counts,
@@ -191,8 +224,16 @@ class BasicMpiCommunicator {
       ints[2 * n + j] = detail::mpi_count(recv_counts[j], ru, "all_to_all_v receive count");
       ints[3 * n + j] = detail::mpi_count(recv_displs[j], ru, "all_to_all_v receive displacement");
     }
-    SEQPAR_MPI_CHECK(MPI_Alltoallv(send, ints.data(), ints.data() + n, state_->unit_type(su), recv,
-                                   ints.data() + 2 * n, ints.data() + 3 * n, state_->unit_type(ru), native()));
+    if (timeout().count() > 0) {
+      MPI_Request req = MPI_REQUEST_NULL;
+      SEQPAR_MPI_CHECK(MPI_Ialltoallv(send, ints.data(), ints.data() + n, state_->unit_type(su), recv,
+                                      ints.data() + 2 * n, ints.data() + 3 * n, state_->unit_type(ru), native(),
+                                      &req));
+      poll_collective(req, "all_to_all_v", "MPI_Ialltoallv");
+    } else {
+      SEQPAR_MPI_CHECK(MPI_Alltoallv(send, ints.data(), ints.data() + n, state_->unit_type(su), recv,
+                                     ints.data() + 2 * n, ints.data() + 3 * n, state_->unit_type(ru), native()));
+    }
     stats_->count_all_to_all(send_counts, rank_);
   }
 
@@ -219,20 +260,36 @@ class BasicMpiCommunicator {
       MPI_Request_free(&req.requests[0]);
       detail::mpi_check(rc, "MPI_Isend", __FILE__, __LINE__);
     }
-    if (dest != rank_) {
-      stats_->bytes_sent += send_bytes;
-      ++stats_->messages_sent;
-    }
-    ++stats_->exchanges;
+    stats_->count_exchange(send_bytes, dest != rank_);
     return req;
   }
 
-  /// Completes both halves of an exchange (MPI_Waitall). Throws MpiError if MPI reports a
-  /// failure (e.g. the peer sent more than expected) and CommError if it sent fewer bytes.
+  /// Completes both halves of an exchange (MPI_Waitall; with a time-out, MPI_Testall polled).
+  /// Throws MpiError if MPI reports a failure (e.g. the peer sent more than expected),
+  /// CommError if it sent fewer bytes, and CommError naming the peer on a time-out.
   void wait(request_type& req) {
     if (req.complete) return;  // test() finished and checked it
     std::array<MPI_Status, 2> status{};
-    finish(req, MPI_Waitall(2, req.requests.data(), status.data()), status, "MPI_Waitall");
+    if (timeout().count() == 0) {
+      finish(req, MPI_Waitall(2, req.requests.data(), status.data()), status, "MPI_Waitall");
+      return;
+    }
+    int flag = 0, rc = MPI_SUCCESS;
+    if (poll([&] { return (rc = MPI_Testall(2, req.requests.data(), &flag, status.data())) != MPI_SUCCESS || flag; })) {
+      finish(req, rc, status, "MPI_Testall");
+      return;
+    }
+    // Which half is stuck: the receive (the source never sent) or the send (dest never received).
+    int received = 0;
+    MPI_Request_get_status(req.requests[0], &received, MPI_STATUS_IGNORE);
+    const std::string peer = received ? "for rank " + std::to_string(req.dest) + " to receive our message"
+                                      : "for rank " + std::to_string(req.source) + " to send";
+    // The receive can still be withdrawn; the send stays with MPI (see the class comment).
+    if (!received) {
+      MPI_Cancel(&req.requests[0]);
+      MPI_Request_free(&req.requests[0]);
+    }
+    timed_out("exchange", " (waiting " + peer + ")");
   }
 
   /// Lets MPI move the exchange's bytes without blocking (MPI_Testall) and returns true once
@@ -254,12 +311,26 @@ class BasicMpiCommunicator {
                  "MpiCommunicator: all_gather_host: output size: expected ", mine.size() * size_, ", got ",
                  all.size());
     const int n = detail::mpi_count(mine.size() * sizeof(std::int64_t), sizeof(std::int64_t), "all_gather_host");
-    SEQPAR_MPI_CHECK(MPI_Allgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, native()));
-    ++stats_->host_gathers;
+    if (timeout().count() > 0) {
+      MPI_Request req = MPI_REQUEST_NULL;
+      SEQPAR_MPI_CHECK(MPI_Iallgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, native(), &req));
+      poll_collective(req, "all_gather_host", "MPI_Iallgather");
+    } else {
+      SEQPAR_MPI_CHECK(MPI_Allgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, native()));
+    }
+    stats_->count_host_gather();
   }
 
-  /// Blocks until every rank of the group arrives (MPI_Barrier).
-  void barrier() { SEQPAR_MPI_CHECK(MPI_Barrier(native())); }
+  /// Blocks until every rank of the group arrives (MPI_Barrier; with a time-out, MPI_Ibarrier polled).
+  void barrier() {
+    if (timeout().count() == 0) {
+      SEQPAR_MPI_CHECK(MPI_Barrier(native()));
+      return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    SEQPAR_MPI_CHECK(MPI_Ibarrier(native(), &req));
+    poll_collective(req, "barrier", "MPI_Ibarrier");
+  }
 
   /// Splits into one communicator per color, ranked by key (MPI_Comm_split; collective).
   /// The result owns its MPI communicator and shares this one's stats.
@@ -267,7 +338,7 @@ class BasicMpiCommunicator {
     SEQPAR_CHECK(color >= 0, ConfigError, "MpiCommunicator: split: color: expected >= 0, got ", color);
     MPI_Comm out = MPI_COMM_NULL;
     SEQPAR_MPI_CHECK(MPI_Comm_split(native(), color, key, &out));
-    return BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(out, true), stats_);
+    return BasicMpiCommunicator(std::make_shared<detail::MpiCommState>(out, true, timeout()), stats_);
   }
 
  private:
@@ -299,6 +370,42 @@ class BasicMpiCommunicator {
     SEQPAR_CHECK(got == static_cast<MPI_Count>(req.recv_bytes), CommError, "MpiCommunicator: exchange: rank ",
                  req.source, " sent ", got, " bytes to rank ", rank_, ", which expects ", req.recv_bytes);
     req.complete = true;
+  }
+
+  /// Calls `done()` (true: finished, or an MPI error to report) until it says so or the
+  /// time-out passes; returns whether it finished. Yields between polls for the first
+  /// millisecond, then sleeps 100 us, so ranks that wait leave the cores to ranks that compute.
+  template <class Done>
+  bool poll(Done done) const {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    const auto deadline = start + timeout();
+    for (;;) {
+      if (done()) return true;
+      const auto now = Clock::now();
+      if (now >= deadline) return false;
+      if (now - start < std::chrono::milliseconds(1))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  /// Completes a nonblocking collective `call` by polling it; on time-out throws CommError.
+  void poll_collective(MPI_Request& req, const char* what, const char* call) const {
+    int flag = 0, rc = MPI_SUCCESS;
+    if (poll([&] { return (rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE)) != MPI_SUCCESS || flag; })) {
+      detail::mpi_check(rc, call, __FILE__, __LINE__);
+      return;
+    }
+    timed_out(what, " (a peer has not joined it: it failed, finalized, or waits in another operation)");
+  }
+
+  /// Throws the time-out CommError of operation `what`; `peer` says whom it waited for.
+  [[noreturn]] void timed_out(const char* what, const std::string& peer) const {
+    detail::throw_error<CommError>(__FILE__, __LINE__, "MpiCommunicator: ", what, ": no progress for ", timeout().count(),
+                           " ms", peer, " on rank ", rank_, " of ", size_,
+                           "; the operation cannot be cancelled: end the job (MPI_Abort)");
   }
 
   void check_rank(int r, const char* name) const {
