@@ -16,16 +16,34 @@
 /// device memory to the host. split() is ncclCommSplit (NCCL >= 2.18) plus the host split.
 ///
 /// Every NCCL and CUDA return code is checked: failures throw NcclError / CudaError.
+///
+/// Time-out (off by default): set_timeout(), or SEQPAR_COMM_TIMEOUT_MS read when the
+/// communicator is made. all_to_all_v, start_exchange and wait only enqueue work, so the host
+/// never blocks in them; a peer that never joins leaves the GPU streams waiting, and the host
+/// sees it where it synchronises. barrier() is where this communicator does: with a time-out it
+/// polls cudaStreamQuery and ncclCommGetAsyncError instead of cudaStreamSynchronize, and when
+/// the stream makes no progress for that long it calls ncclCommAbort (which releases the
+/// stuck kernels) and throws CommError; an asynchronous NCCL error throws NcclError. The host
+/// communicator's waits (all_gather_host, the host barrier) are bounded by its own time-out
+/// (SEQPAR_COMM_TIMEOUT_MS sets both; set_timeout() sets the host one too where it has one).
+/// The user's own stream synchronisations are not covered (NCCL has no such time-out of its
+/// own; PyTorch's ProcessGroupNCCL watchdog, the `timeout` of init_process_group, plays that
+/// part there). Under the CPU emulation of the device (SEQPAR_CUDA_EMULATION) barrier()
+/// synchronises as without a time-out: the emulated receive has its own time-out
+/// (SEQPAR_EMU_NCCL_TIMEOUT_S).
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <span>
+#include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -71,12 +89,14 @@ struct NcclState {
 
   ncclComm_t comm = nullptr;
   bool owned = false;
+  bool aborted = false;  // ncclCommAbort freed `comm` after a time-out
+  std::chrono::milliseconds timeout{0};
   cudaStream_t comm_stream = nullptr;
   cudaEvent_t ready = nullptr;
   std::array<cudaEvent_t, max_in_flight> done{};
   std::size_t next_done = 0;
 
-  NcclState(ncclComm_t c, bool own) : comm(c), owned(own) {
+  NcclState(ncclComm_t c, bool own, std::chrono::milliseconds t) : comm(c), owned(own), timeout(t) {
     try {
       SEQPAR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
       SEQPAR_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -97,7 +117,7 @@ struct NcclState {
       if (e) cudaEventDestroy(e);
     if (ready) cudaEventDestroy(ready);
     if (comm_stream) cudaStreamDestroy(comm_stream);
-    if (owned && comm) ncclCommDestroy(comm);
+    if (owned && comm && !aborted) ncclCommDestroy(comm);
   }
 };
 
@@ -137,6 +157,10 @@ class NcclGroup {
 /// A Communicator over NCCL with its metadata on `HostComm` (see the file comment). A handle:
 /// copies are the same rank and share the NCCL communicator, which the last copy destroys
 /// when this object created it. Buffers are device memory of the communicator's device.
+///
+/// Thread safety: one thread at a time per communicator (copies included), as NCCL requires
+/// for one ncclComm_t; no call is safe concurrently with another on it. The traffic counters
+/// (stats(), shared with splits) are updated atomically; see CommStats for reading them.
 template <class HostComm>
 class NcclCommunicator {
   static_assert(Communicator<HostComm>, "NcclCommunicator<HostComm>: HostComm must model seqpar::Communicator");
@@ -158,15 +182,15 @@ class NcclCommunicator {
   /// is enqueued on `stream` (the compute stream; set_stream changes it).
   static NcclCommunicator create(HostComm host, cudaStream_t stream = nullptr) {
     ncclComm_t comm = init_over(host);
-    return NcclCommunicator(std::make_shared<detail::NcclState>(comm, true), std::move(host), stream,
-                            std::make_shared<CommStats>());
+    return NcclCommunicator(std::make_shared<detail::NcclState>(comm, true, comm_timeout_from_env()), std::move(host),
+                            stream, std::make_shared<CommStats>());
   }
 
   /// Wraps an existing NCCL communicator whose ranks match `host`'s. It is not destroyed here
   /// unless `take_ownership`.
   NcclCommunicator(ncclComm_t comm, HostComm host, cudaStream_t stream = nullptr, bool take_ownership = false)
-      : NcclCommunicator(std::make_shared<detail::NcclState>(comm, take_ownership), std::move(host), stream,
-                         std::make_shared<CommStats>()) {}
+      : NcclCommunicator(std::make_shared<detail::NcclState>(comm, take_ownership, comm_timeout_from_env()),
+                         std::move(host), stream, std::make_shared<CommStats>()) {}
 
   /// This rank.
   int rank() const { return rank_; }
@@ -186,6 +210,15 @@ class NcclCommunicator {
   const CommStats& stats() const { return *stats_; }
   /// Counters, mutable (to reset them).
   CommStats& stats() { return *stats_; }
+  /// The time-out of barrier()'s device wait; zero: none (see the file comment).
+  std::chrono::milliseconds timeout() const { return state_->timeout; }
+  /// Sets the time-out of barrier()'s device wait for every copy, and the host
+  /// communicator's when it has set_timeout(); zero: none.
+  void set_timeout(std::chrono::milliseconds t) {
+    SEQPAR_CHECK(t.count() >= 0, ConfigError, "NcclCommunicator: set_timeout: expected >= 0 ms, got ", t.count());
+    state_->timeout = t;
+    if constexpr (requires { host_.set_timeout(t); }) host_.set_timeout(t);
+  }
 
   /// Variable-count all-to-all (see the Communicator concept) as one group of ncclSend/ncclRecv
   /// on the compute stream; the piece to itself is a device copy. Returns once enqueued.
@@ -240,11 +273,7 @@ class NcclCommunicator {
     request_type req{st.done[st.next_done]};
     st.next_done = (st.next_done + 1) % detail::NcclState::max_in_flight;
     SEQPAR_CUDA_CHECK(cudaEventRecord(req.done, st.comm_stream));
-    if (dest != rank_) {
-      stats_->bytes_sent += send_bytes;
-      ++stats_->messages_sent;
-    }
-    ++stats_->exchanges;
+    stats_->count_exchange(send_bytes, dest != rank_);
     return req;
   }
 
@@ -259,12 +288,13 @@ class NcclCommunicator {
   /// Metadata all-gather of host integers over the host communicator.
   void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
     host_.all_gather_host(mine, all);
-    ++stats_->host_gathers;
+    stats_->count_host_gather();
   }
 
-  /// Waits for this rank's compute stream, then for every rank (host barrier).
+  /// Waits for this rank's compute stream (bounded by the time-out, see the file comment),
+  /// then for every rank (host barrier).
   void barrier() {
-    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    sync_stream("barrier");
     host_.barrier();
   }
 
@@ -279,7 +309,8 @@ class NcclCommunicator {
 #else
     child = init_over(child_host);
 #endif
-    return NcclCommunicator(std::make_shared<detail::NcclState>(child, true), std::move(child_host), stream_, stats_);
+    return NcclCommunicator(std::make_shared<detail::NcclState>(child, true, timeout()), std::move(child_host), stream_,
+                            stats_);
   }
 
  private:
@@ -308,7 +339,7 @@ class NcclCommunicator {
     }
     std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(host.size()));
     host.all_gather_host(mine, all);
-    --host.stats().host_gathers;  // set-up, not per-call metadata
+    host.stats().uncount_host_gather();  // set-up, not per-call metadata
     if (all[0] != ncclSuccess)
       detail::throw_nccl_error(static_cast<ncclResult_t>(all[0]), "ncclGetUniqueId (on rank 0)", __FILE__, __LINE__);
     ncclUniqueId id{};
@@ -316,6 +347,51 @@ class NcclCommunicator {
     ncclComm_t comm = nullptr;
     SEQPAR_NCCL_CHECK(ncclCommInitRank(&comm, host.size(), id, host.rank()));
     return comm;
+  }
+
+  /// cudaStreamSynchronize(stream_), or with a time-out a poll of cudaStreamQuery and
+  /// ncclCommGetAsyncError that aborts the NCCL communicator when the deadline passes.
+  void sync_stream(const char* what) {
+#if defined(SEQPAR_CUDA_EMULATION)
+    (void)what;
+    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream_));
+#else
+    detail::NcclState& st = *state_;
+    SEQPAR_CHECK(!st.aborted, CommError, "NcclCommunicator: ", what,
+                 ": the NCCL communicator was aborted after a time-out; end the job");
+    if (st.timeout.count() == 0) {
+      SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      return;
+    }
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    for (;;) {
+      const cudaError_t rc = cudaStreamQuery(stream_);
+      if (rc == cudaSuccess) return;
+      if (rc != cudaErrorNotReady) SEQPAR_CUDA_CHECK(rc);
+      ncclResult_t async = ncclSuccess;
+      SEQPAR_NCCL_CHECK(ncclCommGetAsyncError(st.comm, &async));
+      bool failed = async != ncclSuccess;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+      failed = failed && async != ncclInProgress;  // a nonblocking communicator still working
+#endif
+      if (failed) detail::throw_nccl_error(async, "ncclCommGetAsyncError", __FILE__, __LINE__);
+      const auto now = Clock::now();
+      if (now - start >= st.timeout) break;
+      if (now - start < std::chrono::milliseconds(1))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    // The stream waits for transfers a peer never joined: aborting the communicator ends the
+    // kernels that wait for them (every later call on it fails).
+    ncclCommAbort(st.comm);
+    st.aborted = true;
+    detail::throw_error<CommError>(__FILE__, __LINE__, "NcclCommunicator: ", what, ": no progress for ",
+                                   st.timeout.count(), " ms on rank ", rank_, " of ", size_,
+                                   " (the compute stream waits for NCCL transfers a peer has not joined); "
+                                   "the NCCL communicator was aborted: end the job");
+#endif
   }
 
   void check_rank(int r, const char* name) const {
