@@ -30,10 +30,10 @@ struct AttentionProblem {
   /// Packed documents (varlen): lengths summing to the global sequence, either one list shared
   /// by every batch element or one list per batch element; attention stays inside a
   /// document. Needs S_q == S_kv. Empty: one document.
-  std::vector<std::vector<std::int64_t>> documents;
+  std::vector<std::vector<std::int64_t>> documents{};
   /// Key padding: valid keys per batch element (keys at positions >= kv_valid[b] are hidden).
   /// Empty: every key is valid.
-  std::vector<std::int64_t> kv_valid;
+  std::vector<std::int64_t> kv_valid{};
 
   /// True when a mask family besides causal is on (window, documents, key padding).
   bool has_extra_mask() const { return window.active() || !documents.empty() || !kv_valid.empty(); }

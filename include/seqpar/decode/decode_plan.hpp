@@ -50,7 +50,7 @@ struct DecodeProblem {
   double scale = 0.0;           ///< softmax scale; 0: 1/sqrt(D)
   DType dtype = DType::f32;     ///< element type of Q, the cache and O
   std::int64_t new_tokens = 1;  ///< T: query tokens per sequence per step (1..16), causal among themselves
-  std::vector<std::int64_t> kv_len;  ///< global cache length of each sequence before the first step
+  std::vector<std::int64_t> kv_len{};  ///< global cache length of each sequence before the first step
   std::int64_t capacity = 0;    ///< most tokens a sequence's cache will hold (sizes each rank's shard)
   std::int64_t page = 0;        ///< 0: contiguous layout; N > 0: pages of N tokens round-robin
   DecodeExchange exchange = DecodeExchange::all_gather;  ///< how partials are combined

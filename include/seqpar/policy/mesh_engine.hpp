@@ -286,7 +286,7 @@ class MeshEngine {
     const int n = world.size();
     std::vector<std::int64_t> all(static_cast<std::size_t>(5 * n));
     world.all_gather_host(mine, all);
-    --world.stats().host_gathers;  // set-up, not per-call metadata
+    world.stats().uncount_host_gather();  // set-up, not per-call metadata
     static constexpr const char* names[5] = {"ulysses_degree", "ring_degree", "placement", "layout", "anything"};
     static constexpr int fields[5] = {f_ulysses, f_ring, f_placement, f_layout, f_anything};
     for (int f = 0; f < 5; ++f)
