@@ -387,6 +387,34 @@ TEST_CASE("tile math: a row that sees nothing stays finite and ends at O = 0, LS
   // LSE in natural log from the base-2 state: m = 1 (log2 units), l = 2 -> (1 + 1) ln 2.
   CHECK(tile::finish_row(1.0f, 2.0f).lse == doctest::Approx(2.0f * tile::ln2));
   CHECK(tile::finish_row(1.0f, 2.0f).inv_sum == 0.5f);
+  // A row that saw a NaN score keeps it (issue 18): NaN output and LSE, not "saw nothing".
+  const tile::RowFinish nan_row = tile::finish_row(1.0f, NAN);
+  CHECK(std::isnan(nan_row.inv_sum));
+  CHECK(std::isnan(nan_row.lse));
+}
+
+TEST_CASE("tile math: zero_nonfinite_pair zeroes exactly the NaN and Inf halves of a 16-bit pair") {
+  // half: +-Inf 0x7c00 / 0xfc00, NaNs 0x7e00 / 0x7c01 / 0xffff; largest finite 0x7bff, 0xfbff.
+  for (std::uint32_t x : {0x7c00u, 0xfc00u, 0x7e00u, 0x7c01u, 0xffffu}) {
+    CHECK(tile::nonfinite16(x, tile::half_exponent));
+    CHECK(tile::zero_nonfinite_pair(x | 0x3c000000u, tile::half_exponent) == 0x3c000000u);  // hi: 1.0
+    CHECK(tile::zero_nonfinite_pair((x << 16) | 0x0001u, tile::half_exponent) == 0x0001u);  // lo: subnormal
+    CHECK(tile::zero_nonfinite_pair(x | (x << 16), tile::half_exponent) == 0u);
+  }
+  for (std::uint32_t x : {0x7bffu, 0xfbffu, 0x0000u, 0x8000u, 0x03ffu, 0x3c00u, 0x3f80u}) {
+    CHECK_FALSE(tile::nonfinite16(x, tile::half_exponent));
+    CHECK(tile::zero_nonfinite_pair(x | (x << 16), tile::half_exponent) == (x | (x << 16)));
+  }
+  // bf16: +-Inf 0x7f80 / 0xff80, NaNs 0x7fc0 / 0x7f81; largest finite 0x7f7f; 0x7c00 is finite.
+  for (std::uint32_t x : {0x7f80u, 0xff80u, 0x7fc0u, 0x7f81u, 0xffffu}) {
+    CHECK(tile::nonfinite16(x, tile::bf16_exponent));
+    CHECK(tile::zero_nonfinite_pair(x | 0x3f800000u, tile::bf16_exponent) == 0x3f800000u);
+    CHECK(tile::zero_nonfinite_pair(x << 16 | 0x8001u, tile::bf16_exponent) == 0x8001u);
+  }
+  for (std::uint32_t x : {0x7f7fu, 0xff7fu, 0x0000u, 0x7c00u, 0x3f80u}) {
+    CHECK_FALSE(tile::nonfinite16(x, tile::bf16_exponent));
+    CHECK(tile::zero_nonfinite_pair(x | (x << 16), tile::bf16_exponent) == (x | (x << 16)));
+  }
 }
 
 TEST_CASE("tile math: the mma fragment layouts are bijections and P's accumulators form operand A") {

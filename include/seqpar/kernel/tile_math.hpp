@@ -5,7 +5,8 @@
 /// - the online-softmax steps (FlashAttention-2, Alg. 1) in base 2: scores are pre-multiplied
 ///   by scale * log2(e), so each exponential is one exp2 and the row state is (m, l) in log2
 ///   units; the natural-log LSE is (m + log2 l) * ln 2;
-/// - the guards that keep a row that sees no key at O = 0, LSE = -inf, never NaN;
+/// - the guards that keep a row that sees no key at O = 0, LSE = -inf, never NaN (and a row
+///   that saw a NaN at NaN), and the zeroing of NaN/Inf 16-bit elements at keys a mask hides;
 /// - causal tile classification from global positions, and device copies of PositionMap and
 ///   of the query-to-K/V head map (plain structs, cheap to pass to a kernel by value);
 /// - the register layout of the mma.sync m16n8k16 fragments the tensor-core kernel uses.
@@ -62,9 +63,11 @@ struct RowFinish {
   float lse;      ///< (m + log2 l) * ln 2, or -inf for a row that saw no key
 };
 
-/// Closes a row with running max `m` (log2 units) and running sum `l`.
+/// Closes a row with running max `m` (log2 units) and running sum `l`. A NaN sum (the row saw
+/// a NaN score, or an Inf one) stays NaN in both, as the reference's: marking such a row as one
+/// that saw nothing (LSE = -inf) would let a merge or the backward drop the NaN silently.
 SEQPAR_HOST_DEVICE inline RowFinish finish_row(float m, float l) {
-  if (!(l > 0.0f)) return {0.0f, -INFINITY};
+  if (l == 0.0f) return {0.0f, -INFINITY};
   return {1.0f / l, (m + log2_fast(l)) * ln2};
 }
 
@@ -82,6 +85,26 @@ SEQPAR_HOST_DEVICE inline TileMask classify_tile(bool causal, std::int64_t q_fir
   if (!causal) return TileMask::visible;
   if (k_first > q_last) return TileMask::hidden;
   return k_last <= q_first ? TileMask::visible : TileMask::partial;
+}
+
+/// Exponent bits of the 16-bit float formats: an element whose exponent bits are all set is
+/// NaN or +-Inf.
+inline constexpr std::uint32_t half_exponent = 0x7c00u;
+inline constexpr std::uint32_t bf16_exponent = 0x7f80u;
+
+/// Whether the 16-bit float in the low half of `bits` (exponent mask `exponent`: half_exponent
+/// or bf16_exponent) is NaN or +-Inf.
+SEQPAR_HOST_DEVICE constexpr bool nonfinite16(std::uint32_t bits, std::uint32_t exponent) {
+  return (bits & exponent) == exponent;
+}
+
+/// A register of two packed 16-bit floats with each NaN or +-Inf element replaced by +0 (the
+/// others untouched). The kernels apply it to the K or V elements of a tile the causal mask
+/// cuts: a hidden key's weight is exactly 0, and 0 x NaN would otherwise be NaN.
+SEQPAR_HOST_DEVICE constexpr std::uint32_t zero_nonfinite_pair(std::uint32_t pair, std::uint32_t exponent) {
+  const std::uint32_t keep_lo = nonfinite16(pair, exponent) ? 0xffff0000u : 0xffffffffu;
+  const std::uint32_t keep_hi = nonfinite16(pair >> 16, exponent) ? 0x0000ffffu : 0xffffffffu;
+  return pair & keep_lo & keep_hi;
 }
 
 /// PositionMap as a kernel argument: at most two runs, no std:: types, callable on the device.
