@@ -33,10 +33,21 @@ struct Tensor {
         dev(static_cast<std::size_t>(b_ * s_ * h_ * (d_ + pad_))) {
     std::uniform_real_distribution<double> u(lo, hi);
     for (auto& x : host) x = to_double(from_double<T>(u(rng)));
+    upload();
+  }
+  /// Copies the host values to the device.
+  void upload() {
     std::vector<double> padded(dev.size(), 0.0);
     for (std::int64_t r = 0; r < b * s * h; ++r)
       for (std::int64_t i = 0; i < d; ++i) padded[r * (d + pad) + i] = host[r * d + i];
     dev.upload(padded);
+  }
+  /// Sets every element of token `j` (all batches and heads) to `value`, here and on the device.
+  void set_token(std::int64_t j, double value) {
+    for (std::int64_t bb = 0; bb < b; ++bb)
+      for (std::int64_t hh = 0; hh < h; ++hh)
+        for (std::int64_t i = 0; i < d; ++i) host[((bb * s + j) * h + hh) * d + i] = value;
+    upload();
   }
   TensorView<const T, CudaSpace> view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
   TensorView<T, CudaSpace> mut_view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
@@ -102,6 +113,13 @@ KernelParams params_of(const KernelCase& c) {
   return p;
 }
 
+/// Sets a kernel's forward options.
+void configure(CudaFlashKernel& kernel, bool tensor_cores, bool ldmatrix, int query_tile) {
+  kernel.set_tensor_cores(tensor_cores);
+  kernel.set_ldmatrix(ldmatrix);
+  kernel.set_query_tile(query_tile);
+}
+
 /// Runs the forward of one case with output type O and compares with the reference.
 template <class T, class O>
 void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, bool with_lse, const char* want_path,
@@ -127,9 +145,7 @@ void check_forward(const KernelCase& c, bool tensor_cores, std::int64_t pad, boo
   const KernelParams p = params_of(c);
   Stream stream;
   CudaFlashKernel kernel(stream);
-  kernel.set_tensor_cores(tensor_cores);
-  kernel.set_ldmatrix(ldmatrix);
-  kernel.set_query_tile(query_tile);
+  configure(kernel, tensor_cores, ldmatrix, query_tile);
   CHECK(std::string(kernel.forward_path<T>(q.view(), k.view(), v.view())) == want_path);
   const auto lv = with_lse ? TensorView<float, CudaSpace>::lse_bhs(lse.data(), c.batch, c.sq, c.heads)
                            : TensorView<float, CudaSpace>{};
@@ -261,6 +277,181 @@ void backward_suite() {
   }
 }
 
+// Issue 18: a NaN or Inf at a key the causal mask hides from some rows must reach only the
+// rows that see it (0 x NaN = NaN: a hidden key's weight P = 0 is not enough).
+
+/// Positions of the poison checks, 300 queries and 300 keys (five 64-key tiles), as ring steps
+/// give them. 0: both contiguous from 0 (the diagonal step); 1: both zigzag-like (tokens 0-149
+/// at 0-149, 150-299 at 450-599); 2: contiguous queries, zigzag-like keys (keys 150 on are
+/// hidden from every query, in a tile the mask cuts); 3: contiguous queries, keys 37 positions
+/// later (cuts that miss the tile edges). Two query heads share one K/V head.
+constexpr std::int64_t poison_seq = 300;
+KernelParams poison_params(int layout, std::int64_t dim) {
+  const std::int64_t n = poison_seq, half = n / 2;
+  PositionMap zigzag = PositionMap::run(half, 0);
+  zigzag.seg[zigzag.segments++] = {n - half, 3 * n / 2, 1};
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(dim));
+  p.causal = true;
+  p.group_size = 2;
+  p.q_positions = layout == 1 ? zigzag : PositionMap::run(n, 0);
+  p.k_positions = layout == 1 || layout == 2 ? zigzag : PositionMap::run(n, layout == 3 ? 37 : 0);
+  return p;
+}
+
+/// A poisoned token: V at key 100 or K at key 150, set to NaN or +Inf.
+struct Poison {
+  bool in_v;
+  double value;
+  std::int64_t key() const { return in_v ? 100 : 150; }
+};
+constexpr double nan_value = std::numeric_limits<double>::quiet_NaN();
+constexpr double inf_value = std::numeric_limits<double>::infinity();
+constexpr Poison poisons[] = {{true, nan_value}, {false, nan_value}, {true, inf_value}, {false, inf_value}};
+
+/// What a poison check runs, for its messages.
+std::string poison_case(const char* type, const char* path, int layout, std::int64_t dim, Poison poison) {
+  return std::string(type) + " " + path + " layout " + std::to_string(layout) + " dim " + std::to_string(dim) +
+         (poison.in_v ? " V[" : " K[") + std::to_string(poison.key()) + "] = " + (std::isnan(poison.value) ? "NaN" : "Inf");
+}
+
+/// Poisoned results against the reference on the same poisoned inputs: where the reference is
+/// finite, `got` is finite, within `tol` (normwise over those entries) and, given `clean` (the
+/// same kernel on unpoisoned inputs), equal to it; where the reference is NaN, `got` is NaN;
+/// where it is infinite, `got` is NaN or infinite (an Inf times a rescale that underflowed to 0
+/// is NaN). `row_len` elements make a row, for the messages. Returns the reference's finite count.
+std::size_t check_poisoned(const char* what, const std::vector<double>& got, const std::vector<double>& want,
+                           double tol, const std::vector<double>* clean, std::int64_t row_len) {
+  REQUIRE(got.size() == want.size());
+  std::size_t finite = 0, leaked = 0, lost = 0, changed = 0;
+  std::int64_t first_leak = -1, first_lost = -1;
+  double err = 0, ref = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const auto row = static_cast<std::int64_t>(i) / row_len;
+    if (std::isfinite(want[i])) {
+      ++finite;
+      if (!std::isfinite(got[i])) {
+        if (leaked++ == 0) first_leak = row;
+        continue;
+      }
+      err = std::max(err, std::abs(got[i] - want[i]));
+      ref = std::max(ref, std::abs(want[i]));
+      if (clean && got[i] != (*clean)[i]) ++changed;
+    } else if (std::isnan(want[i]) ? !std::isnan(got[i]) : std::isfinite(got[i])) {
+      if (lost++ == 0) first_lost = row;
+    }
+  }
+  INFO(std::string(what) << ": " << finite << " finite of " << got.size() << ", first leaked row " << first_leak
+            << ", first row that lost its NaN/Inf " << first_lost);
+  CHECK(leaked == 0);
+  CHECK(lost == 0);
+  CHECK((ref > 0 ? err / ref : err) <= tol);
+  CHECK(changed == 0);
+  return finite;
+}
+
+/// The forward on poisoned inputs: rows that cannot see the poisoned key equal the same kernel
+/// on clean inputs bit for bit and the reference within the usual tolerance, O and LSE; rows
+/// that see it are NaN (or Inf) as the reference's.
+template <class T>
+void check_poison_forward(int layout, std::int64_t dim, Poison poison, bool tensor_cores, const char* want_path,
+                          bool ldmatrix = true, int query_tile = 64) {
+  const std::string what = poison_case(type_name<T>(), want_path, layout, dim, poison);
+  CAPTURE(what);
+  CAPTURE(ldmatrix);
+  CAPTURE(query_tile);
+  const std::int64_t n = poison_seq, heads = 2;
+  std::mt19937_64 rng(static_cast<std::uint64_t>(layout * 17 + dim));
+  Tensor<T> q(1, n, heads, dim, 0, rng), k(1, n, 1, dim, 0, rng), v(1, n, 1, dim, 0, rng);
+  const KernelParams p = poison_params(layout, dim);
+  Stream stream;
+  CudaFlashKernel kernel(stream);
+  configure(kernel, tensor_cores, ldmatrix, query_tile);
+  CHECK(std::string(kernel.forward_path<T>(q.view(), k.view(), v.view())) == want_path);
+  DeviceBuffer<T> out(q.host.size());
+  DeviceBuffer<float> lse(static_cast<std::size_t>(n * heads));
+  auto run = [&](std::vector<double>& o, std::vector<double>& l) {
+    out.poison();
+    lse.poison();
+    kernel.forward(q.view(), k.view(), v.view(), TensorView<T, CudaSpace>::bshd(out.data(), 1, n, heads, dim),
+                   TensorView<float, CudaSpace>::lse_bhs(lse.data(), 1, n, heads), p);
+    stream.sync();
+    o = out.download();
+    l = lse.download();
+  };
+  std::vector<double> clean_out, clean_lse, got_out, got_lse;
+  run(clean_out, clean_lse);
+  (poison.in_v ? v : k).set_token(poison.key(), poison.value);
+  run(got_out, got_lse);
+  std::vector<double> want(q.host.size()), want_lse(static_cast<std::size_t>(n * heads));
+  ReferenceKernel{}.forward(q.host_view(), k.host_view(), v.host_view(),
+                            TensorView<double>::bshd(want.data(), 1, n, heads, dim),
+                            TensorView<double>::lse_bhs(want_lse.data(), 1, n, heads), p);
+  // LSE is [B, H, S]: its "row" is one entry.
+  CHECK(check_poisoned("O", got_out, want, tolerance<T>, &clean_out, dim * heads) > 0);
+  CHECK(check_poisoned("LSE", got_lse, want_lse, 1e-5, &clean_lse, 1) > 0);
+}
+
+/// The backward on poisoned inputs (forward output and LSE from the reference, as in
+/// check_backward): every gradient the reference keeps finite is finite and within the usual
+/// tolerance; every one it makes NaN (or Inf) is NaN (or NaN or Inf).
+template <class T>
+void check_poison_backward(int layout, std::int64_t dim, Poison poison, bool tensor_cores, const char* want_path) {
+  const std::string what = poison_case(type_name<T>(), want_path, layout, dim, poison);
+  CAPTURE(what);
+  const std::int64_t n = poison_seq, heads = 2;
+  std::mt19937_64 rng(static_cast<std::uint64_t>(layout * 29 + dim));
+  Tensor<T> q(1, n, heads, dim, 0, rng), k(1, n, 1, dim, 0, rng), v(1, n, 1, dim, 0, rng),
+      dout(1, n, heads, dim, 0, rng);
+  (poison.in_v ? v : k).set_token(poison.key(), poison.value);
+  const KernelParams p = poison_params(layout, dim);
+  std::vector<double> out(q.host.size()), lse(static_cast<std::size_t>(n * heads));
+  ReferenceKernel{}.forward(q.host_view(), k.host_view(), v.host_view(),
+                            TensorView<double>::bshd(out.data(), 1, n, heads, dim),
+                            TensorView<double>::bshd(lse.data(), 1, n, heads, 1), p);
+  for (auto& x : out) x = to_double(from_double<T>(x));
+  DeviceBuffer<T> out_d(out.size());
+  out_d.upload(out);
+  DeviceBuffer<float> lse_d(lse.size());
+  lse_d.upload(lse);
+  Tensor<float> dq(1, n, heads, dim, 0, rng), dk(1, n, 1, dim, 0, rng), dv(1, n, 1, dim, 0, rng);
+  Stream stream;
+  CudaFlashKernel kernel(stream);
+  kernel.set_tensor_cores(tensor_cores);
+  CHECK(std::string(kernel.backward_path<T>(dout.view(), q.view(), k.view(), v.view())) == want_path);
+  kernel.backward(dout.view(), q.view(), k.view(), v.view(),
+                  TensorView<const T, CudaSpace>::bshd(out_d.data(), 1, n, heads, dim),
+                  TensorView<const float, CudaSpace>::bshd(lse_d.data(), 1, n, heads, 1), dq.mut_view(),
+                  dk.mut_view(), dv.mut_view(), p);
+  stream.sync();
+  std::vector<double> want_dq = dq.host, want_dk = dk.host, want_dv = dv.host;
+  using G = TensorView<double>;
+  ReferenceKernel{}.backward(dout.host_view(), q.host_view(), k.host_view(), v.host_view(),
+                             TensorView<const double>::bshd(out.data(), 1, n, heads, dim),
+                             TensorView<const double>::bshd(lse.data(), 1, n, heads, 1),
+                             G::bshd(want_dq.data(), 1, n, heads, dim), G::bshd(want_dk.data(), 1, n, 1, dim),
+                             G::bshd(want_dv.data(), 1, n, 1, dim), p);
+  const double unit_roundoff = std::is_same_v<T, __half> ? 0x1p-11 : 0x1p-8;
+  const double tol = std::string(want_path) == "mma" ? 2 * unit_roundoff : 1e-4;
+  CHECK(check_poisoned("dQ", dq.values(), want_dq, tol, nullptr, dim * heads) > 0);
+  check_poisoned("dK", dk.values(), want_dk, tol, nullptr, dim);
+  check_poisoned("dV", dv.values(), want_dv, tol, nullptr, dim);
+}
+
+/// Every layout and poison through one path.
+template <class T>
+void poison_forward_suite(std::int64_t dim, bool tensor_cores, const char* want_path, bool ldmatrix = true,
+                          int query_tile = 64) {
+  for (int layout = 0; layout < 4; ++layout)
+    for (const Poison& poison : poisons)
+      check_poison_forward<T>(layout, dim, poison, tensor_cores, want_path, ldmatrix, query_tile);
+}
+template <class T>
+void poison_backward_suite(std::int64_t dim, bool tensor_cores, const char* want_path) {
+  for (int layout = 0; layout < 4; ++layout)
+    for (const Poison& poison : poisons) check_poison_backward<T>(layout, dim, poison, tensor_cores, want_path);
+}
+
 }  // namespace
 
 TEST_CASE("CudaFlashKernel forward matches the exact reference: float") { forward_suite<float>(); }
@@ -312,6 +503,35 @@ TEST_CASE("CudaFlashKernel: empty inputs and rows that see no key give O = 0, LS
 TEST_CASE("CudaFlashKernel backward adds the exact gradients: float") { backward_suite<float>(); }
 TEST_CASE("CudaFlashKernel backward adds the exact gradients: half") { backward_suite<__half>(); }
 TEST_CASE("CudaFlashKernel backward adds the exact gradients: bf16") { backward_suite<__nv_bfloat16>(); }
+
+TEST_CASE("CudaFlashKernel forward: a NaN or Inf at a hidden key reaches only the rows that see it (tensor cores)") {
+  if (!tensor_core_device()) return;
+  for (std::int64_t dim : {64, 128}) {
+    poison_forward_suite<__half>(dim, true, "mma");
+    poison_forward_suite<__nv_bfloat16>(dim, true, "mma");
+  }
+  poison_forward_suite<__half>(64, true, "mma", false);          // plain shared loads
+  poison_forward_suite<__nv_bfloat16>(128, true, "mma", true, 128);  // two m-tiles per warp
+  poison_forward_suite<__half>(64, true, "mma", false, 128);
+}
+
+TEST_CASE("CudaFlashKernel forward: a NaN or Inf at a hidden key reaches only the rows that see it (SIMT)") {
+  poison_forward_suite<float>(64, true, "simt");
+  poison_forward_suite<float>(40, true, "simt");
+  poison_forward_suite<__half>(64, false, "simt");
+  poison_forward_suite<__nv_bfloat16>(128, false, "simt");
+}
+
+TEST_CASE("CudaFlashKernel backward: a NaN or Inf at a hidden key reaches only the gradients that depend on it") {
+  const bool tc = tensor_core_device();
+  for (std::int64_t dim : {64, 128}) {
+    if (tc) poison_backward_suite<__half>(dim, true, "mma");
+    if (tc) poison_backward_suite<__nv_bfloat16>(dim, true, "mma");
+  }
+  poison_backward_suite<float>(64, true, "simt");
+  poison_backward_suite<__half>(40, true, "simt");
+  poison_backward_suite<__nv_bfloat16>(64, false, "simt");
+}
 
 TEST_CASE("CudaFlashKernel rejects head dims above 256 and mismatched shapes") {
   CudaFlashKernel kernel;

@@ -60,6 +60,13 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+/// Whether `x` is nonzero in any of the 32 lanes of the warp (every lane gets it).
+__device__ __forceinline__ bool warp_any(bool x) {
+  int v = x ? 1 : 0;
+  for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, o);
+  return v != 0;
+}
+
 /// A query position after every key: the row of a non-causal call, or past the tile, hides none.
 inline constexpr std::int64_t no_position = std::numeric_limits<std::int64_t>::max();
 

@@ -5,7 +5,8 @@
 /// register packing of 16-bit pairs, and the block shape they assume (mma_bk keys per tile,
 /// mma_threads threads). Each wraps inline PTX; under SEQPAR_CUDA_EMULATION (tests/emu) it
 /// calls the CPU emulation instead, and below sm_80 it traps (the host never picks these paths
-/// there). Used by kernel/cuda_flash_tensor_core_forward.cuh and
+/// there). Also the NaN/Inf tests of 16-bit operands that tiles cut by the causal mask apply.
+/// Used by kernel/cuda_flash_tensor_core_forward.cuh and
 /// kernel/cuda_flash_tensor_core_backward.cuh.
 
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@
 
 #include "seqpar/core/cuda_types.hpp"
 #include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/tile_math.hpp"
 
 namespace seqpar {
 namespace cuda_detail {
@@ -48,6 +50,30 @@ template <class T>
 __device__ __forceinline__ std::uint32_t pack_bits(const T& lo, const T& hi) {
   return static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t&>(lo)) |
          (static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t&>(hi)) << 16);
+}
+
+/// The exponent bits of T (__half or __nv_bfloat16): all set in a NaN or +-Inf element.
+template <class T>
+inline constexpr std::uint32_t exponent_bits = std::is_same_v<T, __half> ? tile::half_exponent : tile::bf16_exponent;
+
+/// Whether one element of T (__half or __nv_bfloat16) is NaN or +-Inf.
+template <class T>
+__device__ __forceinline__ bool nonfinite(const T& x) {
+  return tile::nonfinite16(reinterpret_cast<const std::uint16_t&>(x), exponent_bits<T>);
+}
+
+/// Replaces each NaN and +-Inf element of four packed operand registers by 0; returns whether
+/// there was one.
+template <class T>
+__device__ __forceinline__ bool zero_nonfinite(std::uint32_t (&r)[4]) {
+  bool found = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t x = tile::zero_nonfinite_pair(r[i], exponent_bits<T>);
+    found |= x != r[i];
+    r[i] = x;
+  }
+  return found;
 }
 
 /// c += a * b for one m16n8k16 tile, float accumulators.

@@ -39,6 +39,30 @@ constexpr std::size_t simt_fwd_smem(int dim, int dc) {
           static_cast<std::size_t>(simt_bk) * 32 * dc + static_cast<std::size_t>(simt_bq) * simt_bk);
 }
 
+/// O += P V for this warp's rows over the tile's nk keys (P in sP, V in sV with rows of Dv).
+/// CUT (a tile the causal mask cuts): a key a row does not see adds exactly 0 to it whatever V
+/// holds (its weight is 0, but 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
+template <int DC, bool CUT, class T, class O>
+__device__ __forceinline__ void simt_add_pv(float (&o)[simt_rows][DC], const float* sP, const float* sV, int Dv,
+                                            int nk, const FwdArgs<T, O>& a, std::int64_t j0,
+                                            const std::int64_t (&qp)[simt_rows]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int j = 0; j < nk; ++j) {
+    float vv[DC];
+#pragma unroll
+    for (int c = 0; c < DC; ++c) vv[c] = sV[j * Dv + lane + 32 * c];
+    std::int64_t kp = 0;
+    if constexpr (CUT) kp = a.kpos(j0 + j);
+#pragma unroll
+    for (int rr = 0; rr < simt_rows; ++rr) {
+      if (CUT && kp > qp[rr]) continue;
+      const float p = sP[(warp * simt_rows + rr) * simt_bk + j];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) o[rr][c] += p * vv[c];
+    }
+  }
+}
+
 /// The SIMT forward: one block per (32-row query tile, query head, batch), launched last tile
 /// first; each lane holds DC output columns of its rows (head_dim <= 32 DC).
 template <class T, class O, int DC>
@@ -116,17 +140,10 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
       sP[(warp * simt_rows + rr) * simt_bk + lane] = p;
     }
     __syncwarp();
-    for (int j = 0; j < nk; ++j) {
-      float vv[DC];
-#pragma unroll
-      for (int c = 0; c < DC; ++c) vv[c] = sV[j * Dv + lane + 32 * c];
-#pragma unroll
-      for (int rr = 0; rr < simt_rows; ++rr) {
-        const float p = sP[(warp * simt_rows + rr) * simt_bk + j];
-#pragma unroll
-        for (int c = 0; c < DC; ++c) o[rr][c] += p * vv[c];
-      }
-    }
+    if (mask == tile::TileMask::partial)
+      simt_add_pv<DC, true>(o, sP, sV, Dv, nk, a, j0, qp);
+    else
+      simt_add_pv<DC, false>(o, sP, sV, Dv, nk, a, j0, qp);
   }
 
 #pragma unroll
@@ -155,6 +172,42 @@ inline constexpr int bwd_rows = bwd_bq / (bwd_threads / 32);  // query rows (or 
 constexpr std::size_t simt_bwd_smem(int dim) {
   const std::size_t dp = static_cast<std::size_t>(simt_padded_dim(dim));
   return sizeof(float) * (2 * bwd_bk * (dp + 1) + 2 * bwd_bq * dp + 2 * bwd_bq * (bwd_bk + 1) + 2 * bwd_bq);
+}
+
+/// dQ += scale * dS K for this warp's rows of the query tile (dS in sS, K in sK, strides as
+/// flash_bwd_simt's): warp rows, lane columns; other key tiles add to the same rows. CUT (a
+/// tile the causal mask cuts): a key a row does not see adds exactly 0 whatever K holds (its
+/// dS is 0, but 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
+template <int DC, bool CUT, class T>
+__device__ __forceinline__ void simt_add_dq(const BwdArgs<T>& a, const float* sS, const float* sK, int nq, int nk,
+                                            std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t j0) {
+  const int D = a.dim, Dp = simt_padded_dim(D), Ks = Dp + 1, Ps = bwd_bk + 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rr = 0; rr < bwd_rows; ++rr) {
+    const int r = warp * bwd_rows + rr;
+    if (r >= nq) continue;
+    std::int64_t qp = 0;
+    if constexpr (CUT) qp = a.qpos(i0 + r);
+    float acc[DC];
+#pragma unroll
+    for (int c = 0; c < DC; ++c) acc[c] = 0.0f;
+    for (int j = 0; j < nk; ++j) {
+      if (CUT && a.kpos(j0 + j) > qp) continue;
+      const float ds = sS[r * Ps + j];
+#pragma unroll
+      for (int c = 0; c < DC; ++c) {
+        const int d = lane + 32 * c;
+        acc[c] += ds * (d < Dp ? sK[j * Ks + d] : 0.0f);
+      }
+    }
+    float* dqr = a.dq.row(b, i0 + r, h);
+#pragma unroll
+    for (int c = 0; c < DC; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) atomicAdd(dqr + d, acc[c] * a.scale);
+    }
+  }
 }
 
 /// The SIMT backward: one block per (32-key tile, query head, batch) keeps that tile's dK, dV
@@ -227,7 +280,8 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
       if (visible && mask == tile::TileMask::partial) visible = kp <= a.qpos(i0 + r);
       const float p = visible ? tile::exp2_fast(s * a.scale_log2 - sL[r]) : 0.0f;
       sP[r * Ps + lane] = p;
-      sS[r * Ps + lane] = p * (dp - sD[r]);
+      // Not p * (...) alone: a hidden key's dP is NaN when its V is, and 0 x NaN = NaN.
+      sS[r * Ps + lane] = visible ? p * (dp - sD[r]) : 0.0f;
     }
     __syncthreads();
 
@@ -250,29 +304,10 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
         }
       }
     }
-    // dQ += scale * dS K: warp rows, lane columns; other key tiles add to the same rows.
-#pragma unroll
-    for (int rr = 0; rr < bwd_rows; ++rr) {
-      const int r = warp * bwd_rows + rr;
-      if (r >= nq) continue;
-      float acc[DC];
-#pragma unroll
-      for (int c = 0; c < DC; ++c) acc[c] = 0.0f;
-      for (int j = 0; j < nk; ++j) {
-        const float ds = sS[r * Ps + j];
-#pragma unroll
-        for (int c = 0; c < DC; ++c) {
-          const int d = lane + 32 * c;
-          acc[c] += ds * (d < Dp ? sK[j * Ks + d] : 0.0f);
-        }
-      }
-      float* dqr = a.dq.row(b, i0 + r, h);
-#pragma unroll
-      for (int c = 0; c < DC; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) atomicAdd(dqr + d, acc[c] * a.scale);
-      }
-    }
+    if (mask == tile::TileMask::partial)
+      simt_add_dq<DC, true>(a, sS, sK, nq, nk, b, h, i0, j0);
+    else
+      simt_add_dq<DC, false>(a, sS, sK, nq, nk, b, h, i0, j0);
   }
 
 #pragma unroll

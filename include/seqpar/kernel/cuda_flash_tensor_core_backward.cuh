@@ -42,6 +42,104 @@ constexpr std::size_t mma_bwd_smem() {
   return sizeof(T) * ((2 * mma_bwd_bk + 2 * bq) * (D + 8) + bq * (mma_bwd_bk + 8)) + 2 * sizeof(float) * bq;
 }
 
+/// P^T and dS^T of one query tile on the accumulators of S^T (in s) and dP^T (in dp): row =
+/// key, column = query (a column past nq has LSE = -inf). dS^T also goes to shared memory as
+/// dS, for dQ = dS K, which needs every warp's keys. CUT (a tile the causal mask cuts): a
+/// (key, query) pair the mask hides gets P = dS = 0 exactly, whatever its dP (NaN when the
+/// key's V is: 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
+template <class T, int D, bool CUT>
+__device__ __forceinline__ void bwd_p_ds(float (&s)[mma_bwd_bq<D> / 8][4], float (&dp)[mma_bwd_bq<D> / 8][4],
+                                         const bool (&key_ok)[2], const std::int64_t (&kp)[2], const BwdArgs<T>& a,
+                                         std::int64_t i0, int key0, const float* sL, const float* sD, T* sS) {
+  constexpr int ds_stride = mma_bwd_bk + 8;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int nt = 0; nt < mma_bwd_bq<D> / 8; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const tile::FragCoord c = tile::mma_c_coord(lane, i);
+      const int col = nt * 8 + c.col;
+      const float lse = sL[col];
+      bool visible = key_ok[i >> 1] && lse != -INFINITY;
+      if (CUT && visible) visible = kp[i >> 1] <= a.qpos(i0 + col);
+      const float p = visible ? tile::exp2_fast(s[nt][i] * a.scale_log2 - lse) : 0.0f;
+      s[nt][i] = p;
+      if constexpr (CUT)
+        dp[nt][i] = visible ? p * (dp[nt][i] - sD[col]) : 0.0f;
+      else
+        dp[nt][i] = p * (dp[nt][i] - sD[col]);
+      sS[col * ds_stride + key0 + c.row] = convert<T>(dp[nt][i]);
+    }
+}
+
+/// dQ += scale dS K for one query tile of nq rows: warp task rows 16 rb .. 16 rb + 15 (A = dS
+/// rows from sS), head-dim n-tiles of column group cg (B = K from sK); float atomics, since other
+/// key blocks add to the same rows. CUT (a tile the causal mask cuts): the K operands' NaN and
+/// +-Inf elements are replaced by 0, so that a key hidden from a row (dS = 0) adds exactly 0
+/// to it, and the rows that do see such an element get dS_ij K_jd back in float (the reference's
+/// NaN or Inf); fully visible tiles take CUT = false, unchanged.
+template <class T, int D, bool CUT>
+__device__ __forceinline__ void bwd_add_dq(const BwdArgs<T>& a, const T* sS, const T* sK, std::int64_t b,
+                                           std::int64_t h, std::int64_t i0, int nq, std::int64_t j0, int nk) {
+  constexpr int bk = mma_bwd_bk, bq = mma_bwd_bq<D>, stride = D + 8, ds_stride = bk + 8;
+  constexpr int row_blocks = bq / 16, col_groups = (mma_threads / 32) / row_blocks, nt_per_group = (D / 8) / col_groups;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rb = warp % row_blocks, cg = warp / row_blocks;
+  if (16 * rb >= nq) return;  // the same in the whole warp
+  const int off_t = tile::ldmatrix_v_offset(lane, stride);
+  std::uint32_t sa[bk / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < bk / 16; ++kc)
+    ldmatrix_x4<false>(sa[kc], sS + 16 * rb * ds_stride + kc * 16 + tile::ldmatrix_a_offset(lane, ds_stride));
+#pragma unroll
+  for (int n = cg * nt_per_group; n < (cg + 1) * nt_per_group; n += 2) {
+    float acc[2][4] = {};
+    bool zeroed = false;
+#pragma unroll
+    for (int kc = 0; kc < bk / 16; ++kc) {
+      const T* kb = sK + kc * 16 * stride + n * 8 + off_t;
+      if constexpr (CUT) {
+        std::uint32_t kr[4];
+        ldmatrix_x4<true>(kr, kb);
+        zeroed |= zero_nonfinite<T>(kr);
+        mma_16816<T>(acc[0], sa[kc], kr[0], kr[1]);
+        mma_16816<T>(acc[1], sa[kc], kr[2], kr[3]);
+      } else {
+        mma_x2<true>(acc[0], acc[1], sa[kc], kb);
+      }
+    }
+    if (CUT && warp_any(zeroed)) {
+      // This lane's rows (C rows g, g + 8) and columns ((n + t) 8 + 2 (lane % 4) + e).
+      std::int64_t qp[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = 16 * rb + tile::mma_c_coord(lane, 2 * hf).row;
+        qp[hf] = row < nq ? a.qpos(i0 + row) : -1;  // -1: a row past nq sees nothing
+      }
+      for (int j = 0; j < nk; ++j) {
+        const std::int64_t kpj = a.kpos(j0 + j);
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const tile::FragCoord c = tile::mma_c_coord(lane, i);
+            const T x = sK[j * stride + (n + t) * 8 + c.col];
+            if (nonfinite(x) && kpj <= qp[i >> 1])
+              acc[t][i] += to_float(sS[(16 * rb + c.row) * ds_stride + j]) * to_float(x);
+          }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const tile::FragCoord c = tile::mma_c_coord(lane, i);
+        const int row = 16 * rb + c.row;
+        if (row < nq) atomicAdd(a.dq.row(b, i0 + row, h) + (n + t) * 8 + c.col, acc[t][i] * a.scale);
+      }
+  }
+}
+
 /// The tensor-core backward. Per query tile, warp w (keys 16w .. 16w + 15):
 ///   S^T = K Q^T and dP^T = V dO^T (mma, B operands by ldmatrix exactly as K^T in the forward);
 ///   P^T = exp2(S^T scale log2e - LSE), dS^T = P^T (dP^T - D) on the accumulators;
@@ -136,22 +234,11 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
         mma_x2<false>(dp[nt], dp[nt + 1], va, sG + nt * 8 * stride + kc * 16 + off_b);
       }
     }
-    // P^T and dS^T: row = key, column = query (a column past nq has LSE = -inf). dS^T also
-    // goes to shared memory as dS, for dQ = dS K, which needs every warp's keys.
-#pragma unroll
-    for (int nt = 0; nt < nt_q; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const tile::FragCoord c = tile::mma_c_coord(lane, i);
-        const int col = nt * 8 + c.col;
-        const float lse = sL[col];
-        bool visible = key_ok[i >> 1] && lse != -INFINITY;
-        if (visible && mask == tile::TileMask::partial) visible = kp[i >> 1] <= a.qpos(i0 + col);
-        const float p = visible ? tile::exp2_fast(s[nt][i] * a.scale_log2 - lse) : 0.0f;
-        s[nt][i] = p;
-        dp[nt][i] = p * (dp[nt][i] - sD[col]);
-        sS[col * ds_stride + key0 + c.row] = convert<T>(dp[nt][i]);
-      }
+    const bool cut = mask == tile::TileMask::partial;
+    if (cut)
+      bwd_p_ds<T, D, true>(s, dp, key_ok, kp, a, i0, key0, sL, sD, sS);
+    else
+      bwd_p_ds<T, D, false>(s, dp, key_ok, kp, a, i0, key0, sL, sD, sS);
 #pragma unroll
     for (int kc = 0; kc < bq / 16; ++kc) {
       std::uint32_t pa[4], da[4];
@@ -171,29 +258,10 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
     const std::int64_t i1 = next_tile(i0 + bq);
     if (i1 < a.sq) start_tile(i1);  // lands while dQ is computed
 
-    // dQ rows 16 rb .. 16 rb + 15, head-dim n-tiles of column group cg: A = dS rows, B = K.
-    const int rb = warp % row_blocks, cg = warp / row_blocks;
-    if (16 * rb < nq) {
-      std::uint32_t sa[bk / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < bk / 16; ++kc)
-        ldmatrix_x4<false>(sa[kc], sS + 16 * rb * ds_stride + kc * 16 + tile::ldmatrix_a_offset(lane, ds_stride));
-#pragma unroll
-      for (int n = cg * nt_per_group; n < (cg + 1) * nt_per_group; n += 2) {
-        float acc[2][4] = {};
-#pragma unroll
-        for (int kc = 0; kc < bk / 16; ++kc)
-          mma_x2<true>(acc[0], acc[1], sa[kc], sK + kc * 16 * stride + n * 8 + off_t);
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const tile::FragCoord c = tile::mma_c_coord(lane, i);
-            const int row = 16 * rb + c.row;
-            if (row < nq) atomicAdd(a.dq.row(b, i0 + row, h) + (n + t) * 8 + c.col, acc[t][i] * a.scale);
-          }
-      }
-    }
+    if (cut)
+      bwd_add_dq<T, D, true>(a, sS, sK, b, h, i0, nq, j0, nk);
+    else
+      bwd_add_dq<T, D, false>(a, sS, sK, b, h, i0, nq, j0, nk);
     cp_async_wait<0>();
     __syncthreads();  // the next tile is in; every warp is done with sS
     i0 = i1;

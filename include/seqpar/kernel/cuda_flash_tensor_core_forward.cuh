@@ -33,6 +33,84 @@ constexpr std::size_t mma_fwd_smem() {
   return MT == 1 ? 0 : sizeof(T) * static_cast<std::size_t>(mma_block_rows<MT> + 2 * mma_bk) * (D + 8);
 }
 
+/// Block-wide, on a key tile the causal mask cuts: replaces each NaN and +-Inf element of the
+/// [mma_bk][D + 8] V tile in shared memory by 0, so that P V adds exactly 0 for a key hidden
+/// from a row (its weight P is 0, but 0 x NaN = NaN). Two threads per key: thread t scans half
+/// t % 2 of key t / 2's row and sets bad[t] when it replaced anything. Returns whether any
+/// thread did, the same in every thread (one barrier: call it from a block-uniform branch).
+template <class T, int D>
+__device__ __forceinline__ bool zero_nonfinite_keys(T* tile, int* bad, int* bad_warp) {
+  static_assert(mma_threads == 2 * mma_bk, "zero_nonfinite_keys: two threads per key");
+  const int t = threadIdx.x;
+  std::uint32_t* row = reinterpret_cast<std::uint32_t*>(tile + (t >> 1) * (D + 8) + (t & 1) * (D / 2));
+  bool found = false;
+#pragma unroll
+  for (int w = 0; w < D / 4; ++w) {
+    const std::uint32_t x = row[w], y = tile::zero_nonfinite_pair(x, exponent_bits<T>);
+    if (y != x) {
+      row[w] = y;
+      found = true;
+    }
+  }
+  bad[t] = found;
+  const bool any = warp_any(found);
+  if ((t & 31) == 0) bad_warp[t >> 5] = any;
+  __syncthreads();
+  bool block_any = false;
+#pragma unroll
+  for (int w = 0; w < mma_threads / 32; ++w) block_any |= bad_warp[w] != 0;
+  return block_any;
+}
+
+/// On a tile whose V zero_nonfinite_keys cleaned (for P V): gives back to each row that sees
+/// key j the terms P_ij V_jd of the NaN and +-Inf elements V_jd (read again from global
+/// memory), in float, so that exactly the rows that see a non-finite value get it, as the
+/// reference's do. `p`: the tile's P accumulators; `qp`: the positions of this thread's rows;
+/// `bad`: zero_nonfinite_keys's marks. Every index into p and oacc is a compile-time constant,
+/// so that they stay in registers (a run-time index would put them in local memory for the
+/// whole kernel): P element e of n-tile nt in the lane `lane ^ m` of the quad is the row's
+/// weight of key 8 nt + 2 ((lane % 4) ^ m) + e, which each lane takes with a shuffle.
+template <class T, class O, int D, int MT>
+__device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4], const float (&p)[MT][mma_bk / 8][4],
+                                                    const std::int64_t (&qp)[MT][2], const FwdArgs<T, O>& a,
+                                                    std::int64_t b, std::int64_t kh, std::int64_t j0,
+                                                    const int* bad) {
+  const int quad = threadIdx.x & 3;
+#pragma unroll
+  for (int nt = 0; nt < mma_bk / 8; ++nt) {
+    bool any = false;  // the same in every thread
+#pragma unroll
+    for (int t = 0; t < 16; ++t) any |= bad[16 * nt + t] != 0;
+    if (!any) continue;
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = nt * 8 + 2 * (quad ^ m) + e;  // this lane's key in this round
+        float pj[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) pj[mt][hf] = __shfl_xor_sync(0xffffffffu, p[mt][nt][2 * hf + e], m);
+        if (!(bad[2 * j] | bad[2 * j + 1])) continue;
+        const std::int64_t kpj = a.kpos(j0 + j);
+        const T* vr = a.v.row(b, j0 + j, kh);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const T x = vr[n * 8 + 2 * quad + c];
+            if (!nonfinite(x)) continue;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+              for (int hf = 0; hf < 2; ++hf)
+                if (kpj <= qp[mt][hf]) oacc[mt][n][2 * hf + c] += pj[mt][hf] * to_float(x);
+          }
+      }
+  }
+}
+
 /// The tensor-core forward. `ldsm`: K, V (and Q) fragments come from ldmatrix (four registers
 /// per instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant,
 /// kept as a cross-check and fallback). MT m-tiles of 16 query rows per warp: MT = 1 keeps Q
@@ -47,6 +125,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   T* sK;
   T* sV;
   T* sQ;
+  __shared__ int bad_keys[mma_threads], bad_warps[mma_threads / 32];  // zero_nonfinite_keys's marks
   if constexpr (MT == 1) {
     __shared__ __align__(16) T sK1[mma_bk * stride];
     __shared__ __align__(16) T sV1[mma_bk * stride];
@@ -227,6 +306,11 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
 
     cp_async_wait<1>();  // V(j0) has landed (the next K may still be in flight)
     __syncthreads();
+    // A tile the mask cuts: NaN/Inf in V become 0 for P V, and their terms go to the rows that
+    // see them (before P V, while P is live anyway: the order of the terms only matters to
+    // rows that become NaN or Inf). Fully visible tiles skip both.
+    if (mask == tile::TileMask::partial && zero_nonfinite_keys<T, D>(sV, bad_keys, bad_warps))
+      restore_nonfinite_v<T, O, D, MT>(oacc, sacc, qp, a, b, kh, j0, bad_keys);
     int vb[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride);
