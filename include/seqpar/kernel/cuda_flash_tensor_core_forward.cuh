@@ -82,7 +82,7 @@ __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4],
 #pragma unroll
     for (int t = 0; t < 16; ++t) any |= bad[16 * nt + t] != 0;
     if (!any) continue;
-#pragma unroll
+#pragma unroll 1
     for (int m = 0; m < 4; ++m)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
