@@ -27,6 +27,7 @@
 /// 1 when the compiler can build the AVX2 and AVX-512 copies (GCC or Clang on x86).
 #define SEQPAR_CPU_ISA_X86 1
 #else
+/// 0: only the 128-bit copy of the CPU kernels (not GCC or Clang on x86).
 #define SEQPAR_CPU_ISA_X86 0
 #endif
 

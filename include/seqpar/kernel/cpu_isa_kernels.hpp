@@ -75,11 +75,14 @@ inline RowKeys row_keys(const KernelParams& p, std::int64_t b, std::int64_t i, s
 /// Ends the region of SEQPAR_TARGET_PUSH.
 #define SEQPAR_TARGET_POP() SEQPAR_PRAGMA(clang attribute pop)
 #else
+/// Starts a region whose functions are compiled for the target `features` (a string literal).
 #define SEQPAR_TARGET_PUSH(features) SEQPAR_PRAGMA(GCC push_options) SEQPAR_PRAGMA(GCC target(features))
+/// Ends the region of SEQPAR_TARGET_PUSH.
 #define SEQPAR_TARGET_POP() SEQPAR_PRAGMA(GCC pop_options)
 #endif
 /// The target features of the AVX-512 and AVX2 copies (what cpu_isa_supported checks).
 #define SEQPAR_TARGET_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"
+/// The target features of the AVX2 copy.
 #define SEQPAR_TARGET_AVX2 "avx2,fma"
 
 #if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
@@ -88,12 +91,15 @@ SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512)
 #if SEQPAR_CPU_ISA_DISPATCH ? SEQPAR_CPU_ISA_X86 : defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__FMA__)
 /// The AVX-512 copy.
 namespace seqpar::detail::isa_avx512 {
+/// Vector width of the copy being compiled, in bytes (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_BYTES 64
+/// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 32
 #include "seqpar/kernel/cpu_isa_kernels.inl"
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_avx512
+/// Defined when the AVX-512 copy was compiled.
 #define SEQPAR_HAS_ISA_AVX512 1
 #endif
 #if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
@@ -103,12 +109,15 @@ SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX2)
 #if SEQPAR_CPU_ISA_DISPATCH ? SEQPAR_CPU_ISA_X86 : !defined(SEQPAR_HAS_ISA_AVX512) && defined(__AVX2__) && defined(__FMA__)
 /// The AVX2 copy.
 namespace seqpar::detail::isa_avx2 {
+/// Vector width of the copy being compiled, in bytes (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_BYTES 32
+/// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 16
 #include "seqpar/kernel/cpu_isa_kernels.inl"
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_avx2
+/// Defined when the AVX2 copy was compiled.
 #define SEQPAR_HAS_ISA_AVX2 1
 #endif
 #if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
@@ -118,16 +127,20 @@ SEQPAR_TARGET_POP()
 #if SEQPAR_CPU_ISA_DISPATCH || !(defined(SEQPAR_HAS_ISA_AVX512) || defined(SEQPAR_HAS_ISA_AVX2))
 /// The 128-bit copy, compiled for the including unit's own target (SSE2, NEON, ...).
 namespace seqpar::detail::isa_vec128 {
+/// Vector width of the copy being compiled, in bytes (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_BYTES 16
 #if defined(__aarch64__)
+/// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 32
 #else
+/// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 16
 #endif
 #include "seqpar/kernel/cpu_isa_kernels.inl"
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_vec128
+/// Defined when the 128-bit copy was compiled.
 #define SEQPAR_HAS_ISA_VEC128 1
 #endif
 

@@ -90,6 +90,7 @@ SEQPAR_HOST_DEVICE inline TileMask classify_tile(bool causal, std::int64_t q_fir
 /// Exponent bits of the 16-bit float formats: an element whose exponent bits are all set is
 /// NaN or +-Inf.
 inline constexpr std::uint32_t half_exponent = 0x7c00u;
+/// Exponent bits of bf16 (see half_exponent).
 inline constexpr std::uint32_t bf16_exponent = 0x7f80u;
 
 /// Whether the 16-bit float in the low half of `bits` (exponent mask `exponent`: half_exponent
