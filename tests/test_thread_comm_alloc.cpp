@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/backward_check.hpp"
+#include "support/decode_check.hpp"
 
 namespace {
 
@@ -325,4 +326,23 @@ TEST_CASE("thread comm alloc: warmed-up forward and backward allocate nothing in
   check("Ring, ReferenceKernel", count_steps<RingPolicy<>, ReferenceKernel>({}), false);
   check("Ulysses, ReferenceKernel", count_steps<UlyssesPolicy, ReferenceKernel>({}), false);
   check("Unified 2x2, ReferenceKernel", count_steps<UnifiedPolicy<>, ReferenceKernel>({2, 2}), false);
+}
+
+TEST_CASE("thread comm alloc: warmed-up decode steps allocate nothing at all") {
+  // An inference engine calls step once per generated token: after the first step (the
+  // kernel's and the communicator's buffers warm), a step allocates nothing anywhere. The
+  // outputs are still checked against the double reference.
+  using E = DecodeExchange;
+  for (const test::DecodeCase& c : {test::DecodeCase{4, {3000, 517}, 16, 1, 4, 2, E::all_gather, 4},
+                                    test::DecodeCase{3, {61, 300}, 0, 4, 6, 3, E::heads, 4}}) {
+    CAPTURE(static_cast<int>(c.exchange));
+    std::atomic<std::uint64_t> counted{0};
+    const double err = test::run_decode_case<CpuFlashKernel>(c, [&](ThreadCommunicator& world, int s, auto&& step) {
+      if (s == 0) return step();
+      const std::uint64_t n = count_everywhere_during(world, step);
+      if (world.rank() == 0) counted += n;
+    });
+    CHECK(err < 1e-5);
+    CHECK(counted == 0);
+  }
 }

@@ -29,6 +29,7 @@
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/plan.hpp"
 #include "seqpar/core/sequence_layout.hpp"
+#include "seqpar/core/workspace.hpp"
 #include "seqpar/core/types.hpp"
 
 namespace seqpar {
@@ -108,6 +109,23 @@ class CacheLayout {
 namespace detail {
 template <class Comm, class Kernel>
 class DecodeEngine;
+
+/// The named workspace slots of a decode step.
+enum DecodeSlot : std::size_t { s_q_send, s_q_recv, s_q_full, s_part_o, s_part_l, s_part_t, s_send, s_recv, s_count };
+
+/// Byte sizes of every piece of a step's all-to-alls, indexed by rank; fixed by the plan.
+struct DecodePieces {
+  std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;  // partials
+  std::vector<std::size_t> q, q_displs, q_send_counts, zero;                    // queries (heads exchange)
+  std::size_t send_total = 0, recv_total = 0, q_total = 0;
+  /// Bytes rank `me` sends to other ranks.
+  std::size_t bytes_sent(int me) const {
+    std::size_t n = 0;
+    for (std::size_t v = 0; v < send_counts.size(); ++v)
+      if (static_cast<int>(v) != me) n += send_counts[v] + (q_send_counts.empty() ? 0 : q_send_counts[v]);
+    return n;
+  }
+};
 }  // namespace detail
 
 /// The plan of SequenceParallelDecode: made once per cache layout (collective), reused every
@@ -139,9 +157,9 @@ class DecodePlan {
   /// Bytes this rank sends per step: partial O and LSE (accumulation type) to the ranks that
   /// merge them, the gathered queries in the heads exchange, and an 8-byte step tag per
   /// message that lets every rank detect a step whose lengths disagree.
-  std::size_t step_bytes() const { return step_bytes_; }
+  std::size_t step_bytes() const { return pieces_.bytes_sent(rank_); }
   /// Workspace bytes of a step.
-  std::size_t workspace_bytes() const { return workspace_; }
+  std::size_t workspace_bytes() const { return slots_.bytes(); }
   /// Moves every sequence on by `tokens` (after a step: its T tokens are now cache). Local:
   /// every rank must advance alike, and a step detects when they did not.
   void advance(std::int64_t tokens) {
@@ -169,7 +187,8 @@ class DecodePlan {
   std::int64_t shard_capacity_ = 0;
   HeadRange out_heads_;
   std::vector<HeadRange> heads_of_;  // heads each rank merges (heads exchange)
-  std::size_t step_bytes_ = 0, workspace_ = 0;
+  detail::DecodePieces pieces_;                          // message sizes of every step
+  WorkspaceLayout<detail::s_count> slots_;               // where a step's buffers live
   std::vector<std::int64_t> row_key_end_;  // [B x T] per step, filled without allocating
 };
 

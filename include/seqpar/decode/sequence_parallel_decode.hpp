@@ -82,9 +82,8 @@ class DecodeEngine {
     p.out_heads_ = pr.exchange == DecodeExchange::heads ? p.heads_of_[static_cast<std::size_t>(me)]
                                                          : HeadRange{0, pr.heads};
     p.row_key_end_.assign(static_cast<std::size_t>(pr.batch * pr.new_tokens), 0);
-    const Pieces sz = pieces(p);
-    p.step_bytes_ = sz.bytes_sent(me);
-    p.workspace_ = layout(p).bytes();
+    p.pieces_ = pieces(p);
+    p.slots_ = layout(p);
     if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(pr.head_dim);
     return p;
   }
@@ -113,10 +112,10 @@ class DecodeEngine {
     for (std::int64_t b = 0; b < B; ++b)
       SEQPAR_CHECK(p.kv_len(b) + Tn <= pr.capacity, ConfigError, "decode step: sequence ", b, " holds ", p.kv_len(b),
                    " tokens: the step's ", Tn, " would exceed the capacity ", pr.capacity);
-    const auto slots = layout(p);
+    const auto& slots = p.slots_;
     SEQPAR_CHECK(workspace.size() >= slots.bytes(), ConfigError, "decode step: workspace: expected at least ",
                  slots.bytes(), " bytes (plan.workspace_bytes()), got ", workspace.size());
-    const Pieces sz = pieces(p);
+    const DecodePieces& sz = p.pieces_;
     const std::int64_t tag = step_tag(p);
     const int P = world_.size(), me = world_.rank();
 
@@ -195,30 +194,15 @@ class DecodeEngine {
   Kernel& kernel() { return kernel_; }
 
  private:
-  enum Slot : std::size_t { s_q_send, s_q_recv, s_q_full, s_part_o, s_part_l, s_part_t, s_send, s_recv, s_count };
-
-  /// Byte sizes of every piece of a step, indexed by rank.
-  struct Pieces {
-    std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;  // partials
-    std::vector<std::size_t> q, q_displs, q_send_counts, zero;                    // queries (heads exchange)
-    std::size_t send_total = 0, recv_total = 0, q_total = 0;
-    /// Bytes rank `me` sends to other ranks.
-    std::size_t bytes_sent(int me) const {
-      std::size_t n = 0;
-      for (std::size_t v = 0; v < send_counts.size(); ++v)
-        if (static_cast<int>(v) != me) n += send_counts[v] + (q_send_counts.empty() ? 0 : q_send_counts[v]);
-      return n;
-    }
-  };
-
-  Pieces pieces(const DecodePlan& p) const {
+  /// The sizes of a step's messages (made once, by plan).
+  DecodePieces pieces(const DecodePlan& p) const {
     const DecodeProblem& pr = p.problem_;
     const int P = world_.size(), me = world_.rank();
     const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens);
     const std::size_t a = pr.dtype == DType::f64 ? 8 : 4, e = dtype_bytes(pr.dtype), tag = 8;
     const auto D = static_cast<std::size_t>(pr.head_dim);
     auto partial = [&](HeadRange h) { return rows * static_cast<std::size_t>(h.count) * (D + 1) * a + tag; };
-    Pieces s;
+    DecodePieces s;
     const bool by_heads = pr.exchange == DecodeExchange::heads;
     for (int v = 0; v < P; ++v) {
       const HeadRange hv = by_heads ? p.heads_of_[static_cast<std::size_t>(v)] : HeadRange{0, pr.heads};
@@ -242,9 +226,10 @@ class DecodeEngine {
     return s;
   }
 
+  /// The step's workspace slots (made once, by plan, after pieces).
   WorkspaceLayout<s_count> layout(const DecodePlan& p) const {
     const DecodeProblem& pr = p.problem_;
-    const Pieces sz = pieces(p);
+    const DecodePieces& sz = p.pieces_;
     const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens), H = static_cast<std::size_t>(pr.heads),
                D = static_cast<std::size_t>(pr.head_dim);
     const std::size_t a = pr.dtype == DType::f64 ? 8 : 4, e = dtype_bytes(pr.dtype);
@@ -282,12 +267,13 @@ class DecodeEngine {
     return pr.scale != 0.0 ? pr.scale : 1.0 / std::sqrt(static_cast<double>(pr.head_dim));
   }
 
-  /// The step's identity: the lengths, T and the step count, hashed.
+  /// The step's identity: the lengths, T and the step count, hashed (nothing allocated).
   static std::int64_t step_tag(const DecodePlan& p) {
-    std::vector<std::int64_t> v = p.len_;
-    v.push_back(p.problem_.new_tokens);
-    v.push_back(p.step_);
-    return hash_lists({v});
+    Fnv f;
+    f.mix(std::span<const std::int64_t>(p.len_));
+    f.mix(p.problem_.new_tokens);
+    f.mix(p.step_);
+    return f.value();
   }
   static void check_tag(const DecodePlan& p, const std::byte* at, int from, std::int64_t mine) {
     std::int64_t theirs = 0;

@@ -50,19 +50,29 @@ inline constexpr const char* plan_field_names[f_count] = {
     "kv_valid (a hash of the counts)",
     "ulysses_degree", "ring_degree", "placement", "layout", "anything (AnythingPolicy)", "q_len", "kv_len"};
 
-/// A 64-bit FNV-1a hash of a list of integer lists (sizes included), so that ranks can agree
-/// on variable-length mask data in one fixed-size gather.
-inline std::int64_t hash_lists(const std::vector<std::vector<std::int64_t>>& lists) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&](std::int64_t v) {
+/// 64-bit FNV-1a over integers, so that ranks can agree on variable-length data in one
+/// fixed-size gather (and a decode step can tag its messages) without building a buffer.
+struct Fnv {
+  std::uint64_t h = 1469598103934665603ull;  ///< the running hash
+  /// Mixes in the 8 bytes of `v`.
+  void mix(std::int64_t v) {
     for (int byte = 0; byte < 8; ++byte) h = (h ^ ((static_cast<std::uint64_t>(v) >> (8 * byte)) & 0xff)) * 1099511628211ull;
-  };
-  mix(static_cast<std::int64_t>(lists.size()));
-  for (const auto& l : lists) {
-    mix(static_cast<std::int64_t>(l.size()));
-    for (std::int64_t v : l) mix(v);
   }
-  return static_cast<std::int64_t>(h);
+  /// Mixes in a list's size, then its values.
+  void mix(std::span<const std::int64_t> list) {
+    mix(static_cast<std::int64_t>(list.size()));
+    for (std::int64_t v : list) mix(v);
+  }
+  /// The hash so far.
+  std::int64_t value() const { return static_cast<std::int64_t>(h); }
+};
+
+/// The hash of a list of integer lists (sizes included).
+inline std::int64_t hash_lists(const std::vector<std::vector<std::int64_t>>& lists) {
+  Fnv f;
+  f.mix(static_cast<std::int64_t>(lists.size()));
+  for (const auto& l : lists) f.mix(std::span<const std::int64_t>(l));
+  return f.value();
 }
 inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one must match
 

@@ -1,0 +1,148 @@
+// The decode scenarios' exact reference: a cache and queries known in whole, every step's
+// output against attention over the whole cache in double (tests/test_decode.cpp and the
+// allocation count of tests/test_thread_comm_alloc.cpp).
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "seqpar/decode/sequence_parallel_decode.hpp"
+#include "seqpar/seqpar.hpp"
+
+namespace seqpar::test {
+
+/// One decode scenario: world size, per-sequence cache lengths before the first step, page
+/// (0 = contiguous), new tokens per step, head counts, exchange and number of steps.
+struct DecodeCase {
+  int ranks;
+  std::vector<std::int64_t> kv_len;
+  std::int64_t page, new_tokens, heads, kv_heads;
+  DecodeExchange exchange;
+  int steps;
+};
+
+/// Head dim of every decode case (small: the cases vary layout and world, not the kernel).
+inline constexpr std::int64_t D = 8;
+
+/// The whole truth: per sequence, K and V for every position up to capacity, and every step's
+/// queries [B, T, H, D].
+struct Truth {
+  std::int64_t B, cap, H, K, T;
+  std::vector<float> k, v;               // [B, cap, K, D]
+  std::vector<std::vector<float>> q;     // per step, [B, T, H, D]
+  Truth(const DecodeCase& c, std::int64_t capacity)
+      : B(static_cast<std::int64_t>(c.kv_len.size())), cap(capacity), H(c.heads), K(c.kv_heads), T(c.new_tokens) {
+    std::mt19937_64 rng(5 + c.ranks * 7 + c.page);
+    std::normal_distribution<float> n(0.f, 1.f);
+    k.resize(static_cast<std::size_t>(B * cap * K * D));
+    v.resize(k.size());
+    for (float& x : k) x = n(rng);
+    for (float& x : v) x = n(rng);
+    for (int s = 0; s < c.steps; ++s) {
+      q.emplace_back(static_cast<std::size_t>(B * T * H * D));
+      for (float& x : q.back()) x = n(rng);
+    }
+  }
+  const float* krow(std::int64_t b, std::int64_t pos, std::int64_t h) const { return &k[((b * cap + pos) * K + h) * D]; }
+  const float* vrow(std::int64_t b, std::int64_t pos, std::int64_t h) const { return &v[((b * cap + pos) * K + h) * D]; }
+};
+
+/// Attention of step s's query (b, t, h) over positions 0..len_b + t, in double.
+inline std::vector<double> reference(const Truth& tr, int s, std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t len) {
+  const float* q = &tr.q[static_cast<std::size_t>(s)][((b * tr.T + t) * tr.H + h) * D];
+  const std::int64_t kh = h / (tr.H / tr.K), n = len + t + 1;
+  std::vector<double> sc(static_cast<std::size_t>(n));
+  double mx = -std::numeric_limits<double>::infinity();
+  for (std::int64_t j = 0; j < n; ++j) {
+    double d = 0;
+    for (std::int64_t e = 0; e < D; ++e) d += double(q[e]) * tr.krow(b, j, kh)[e];
+    sc[j] = d / std::sqrt(double(D));
+    mx = std::max(mx, sc[j]);
+  }
+  std::vector<double> o(D, 0.0);
+  double sum = 0;
+  for (std::int64_t j = 0; j < n; ++j) sum += std::exp(sc[j] - mx);
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int64_t e = 0; e < D; ++e) o[e] += std::exp(sc[j] - mx) / sum * tr.vrow(b, j, kh)[e];
+  return o;
+}
+
+/// Calls the step it is given (the default hook of run_decode_case).
+struct JustStep {
+  template <class Step>
+  void operator()(ThreadCommunicator&, int, Step&& step) const { step(); }
+};
+
+/// Runs the case's steps on thread ranks with `Kernel`; returns the worst normwise error over
+/// all steps. `hook(world, s, step)` runs step s (a test can wrap it, e.g. to count allocations).
+template <class Kernel = ReferenceKernel, class Hook = JustStep>
+double run_decode_case(const DecodeCase& c, Hook hook = {}) {
+  const std::int64_t B = static_cast<std::int64_t>(c.kv_len.size());
+  std::int64_t capacity = 0;
+  for (std::int64_t l : c.kv_len) capacity = std::max(capacity, l);
+  capacity += c.new_tokens * c.steps;
+  const Truth tr(c, capacity);
+  std::vector<double> err(static_cast<std::size_t>(c.ranks), 0.0);
+  run_ranks(c.ranks, [&](ThreadCommunicator& world) {
+    const int me = world.rank();
+    SequenceParallelDecode<ThreadCommunicator, Kernel> dec(world);
+    DecodeProblem pr{.batch = B, .heads = c.heads, .kv_heads = c.kv_heads, .head_dim = D, .new_tokens = c.new_tokens,
+                     .kv_len = c.kv_len, .capacity = capacity, .page = c.page, .exchange = c.exchange};
+    DecodePlan plan = dec.plan(pr);
+    const std::int64_t C = plan.shard_capacity(), T = c.new_tokens;
+    std::vector<float> kc(static_cast<std::size_t>(B * C * c.kv_heads * D)), vc(kc.size());
+    // Prefill leaves the cache where the layout says; each step appends its T tokens.
+    auto put = [&](std::int64_t b, std::int64_t pos) {
+      if (plan.owner(b, pos) != me) return;
+      const std::int64_t s = plan.slot(b, pos);
+      REQUIRE(s < C);
+      for (std::int64_t h = 0; h < c.kv_heads; ++h)
+        for (std::int64_t e = 0; e < D; ++e) {
+          kc[((b * C + s) * c.kv_heads + h) * D + e] = tr.krow(b, pos, h)[e];
+          vc[((b * C + s) * c.kv_heads + h) * D + e] = tr.vrow(b, pos, h)[e];
+        }
+    };
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t pos = 0; pos < c.kv_len[static_cast<std::size_t>(b)]; ++pos) put(b, pos);
+    const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
+    std::vector<float> q(static_cast<std::size_t>(B * T * qh.count * D)), out(static_cast<std::size_t>(B * T * oh.count * D));
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    for (int s = 0; s < c.steps; ++s) {
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < T; ++t) put(b, plan.kv_len(b) + t);
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t h = 0; h < qh.count; ++h)
+            for (std::int64_t e = 0; e < D; ++e)
+              q[((b * T + t) * qh.count + h) * D + e] = tr.q[static_cast<std::size_t>(s)][((b * T + t) * c.heads + qh.begin + h) * D + e];
+      const std::uint64_t before = world.stats().bytes_sent;
+      hook(world, s, [&] {
+        dec.template step<float>(plan, TensorView<const float>::bshd(q.data(), B, T, qh.count, D),
+                      TensorView<const float>::bshd(kc.data(), B, C, c.kv_heads, D),
+                      TensorView<const float>::bshd(vc.data(), B, C, c.kv_heads, D),
+                      TensorView<float>::bshd(out.data(), B, T, oh.count, D), ws);
+      });
+      CHECK(world.stats().bytes_sent - before == plan.step_bytes());
+      double num = 0, den = 0;
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t h = 0; h < oh.count; ++h) {
+            const auto want = reference(tr, s, b, t, oh.begin + h, plan.kv_len(b));
+            for (std::int64_t e = 0; e < D; ++e) {
+              num = std::max(num, std::abs(out[((b * T + t) * oh.count + h) * D + e] - want[e]));
+              den = std::max(den, std::abs(want[e]));
+            }
+          }
+      err[static_cast<std::size_t>(me)] = std::max(err[static_cast<std::size_t>(me)], den > 0 ? num / den : num);
+      plan.advance(T);
+    }
+  });
+  return *std::max_element(err.begin(), err.end());
+}
+
+}  // namespace seqpar::test
