@@ -29,6 +29,10 @@ struct GlobalShape {
   std::int64_t kv_heads = 0;  ///< K; 0 means H
   std::int64_t head_dim = 64; ///< D
   bool causal = false;        ///< causal mask over global positions
+  CausalAlign causal_align = CausalAlign::top_left;  ///< where the diagonal sits when seq_kv != seq_q
+  Window window{};            ///< sliding window ({-1, -1}: none)
+  std::vector<std::vector<std::int64_t>> documents{};  ///< packed documents (AttentionProblem::documents)
+  std::vector<std::int64_t> kv_valid{};                ///< key padding per batch element (empty: none)
   double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim), as AttentionProblem
   std::uint64_t seed = 2024;  ///< seed of the random inputs
 
@@ -46,10 +50,16 @@ struct GlobalShape {
     p.kv_heads = kv_head_count();
     p.head_dim = head_dim;
     p.causal = causal;
+    p.causal_align = causal_align;
+    p.window = window;
+    p.documents = documents;
+    p.kv_valid = kv_valid;
     p.scale = scale;
     p.dtype = dtype_v<T>;
     return p;
   }
+  /// The mask's tables (documents, key padding) for the reference kernel.
+  MaskTables mask_tables() const { return MaskTables(documents, kv_valid); }
   /// The scale the softmax uses (scale with 0 resolved).
   double softmax_scale() const { return problem<double>().softmax_scale(); }
 };
@@ -148,11 +158,16 @@ LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, cons
   return l;
 }
 
-/// Kernel parameters of the global problem for query rows at `qpos` against keys at `kpos`.
-inline KernelParams reference_params(const GlobalShape& s, const PositionMap& qpos, const PositionMap& kpos) {
+/// Kernel parameters of the global problem for query rows at `qpos` against keys at `kpos`,
+/// with the shape's mask (`tables` from shape.mask_tables(), kept alive by the caller).
+inline KernelParams reference_params(const GlobalShape& s, const MaskTables& tables, PositionMap qpos,
+                                     const PositionMap& kpos) {
   KernelParams p;
   p.scale = s.softmax_scale();
   p.causal = s.causal;
+  p.mask = tables.view(s.causal, s.window);
+  if (s.causal_align == CausalAlign::bottom_right)  // the kernel compares keys with diagonals
+    for (int g = 0; g < qpos.segments; ++g) qpos.seg[g].start += s.kv_len() - s.seq_q;
   p.q_positions = qpos;
   p.k_positions = kpos;
   p.group_size = s.heads / s.kv_head_count();
@@ -175,7 +190,7 @@ inline std::vector<double> reference_rows(const GlobalInputs& g, const PositionM
                             CV::bshd(g.v.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
                             TensorView<double>::bshd(out.data(), s.batch, n, s.heads, s.head_dim),
                             lse ? TensorView<double>::bshd(lse->data(), s.batch, n, s.heads, 1) : TensorView<double>{},
-                            reference_params(s, qpos, PositionMap::run(s.kv_len(), 0)));
+                            reference_params(s, s.mask_tables(), qpos, PositionMap::run(s.kv_len(), 0)));
   return out;
 }
 
@@ -191,6 +206,7 @@ inline ReferenceGrads reference_grads(const GlobalInputs& g, const PositionMap& 
   const GlobalShape& s = g.shape;
   const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim, Sq = s.seq_q, Sk = s.kv_len();
   const PositionMap all_q = PositionMap::run(Sq, 0), all_k = PositionMap::run(Sk, 0);
+  const MaskTables tables = s.mask_tables();
   std::vector<double> lse;
   const std::vector<double> out = reference_rows(g, all_q, &lse);
   using CV = TensorView<const double>;
@@ -208,14 +224,14 @@ inline ReferenceGrads reference_grads(const GlobalInputs& g, const PositionMap& 
                              CV::bshd(g.k.data(), B, Sk, K, D), CV::bshd(g.v.data(), B, Sk, K, D),
                              CV::bshd(o_mine.data(), B, lq, H, D), CV::bshd(l_mine.data(), B, lq, H, 1),
                              V::bshd(r.dq.data(), B, lq, H, D), V::bshd(unused_k.data(), B, Sk, K, D),
-                             V::bshd(unused_v.data(), B, Sk, K, D), reference_params(s, qpos, all_k));
+                             V::bshd(unused_v.data(), B, Sk, K, D), reference_params(s, tables, qpos, all_k));
   // dk, dv of my K/V rows: every query row against my keys.
   const auto k_mine = take_rows<double>(g.k, B, Sk, K, D, kvpos), v_mine = take_rows<double>(g.v, B, Sk, K, D, kvpos);
   ReferenceKernel{}.backward(CV::bshd(g.dout.data(), B, Sq, H, D), CV::bshd(g.q.data(), B, Sq, H, D),
                              CV::bshd(k_mine.data(), B, lk, K, D), CV::bshd(v_mine.data(), B, lk, K, D),
                              CV::bshd(out.data(), B, Sq, H, D), CV::bshd(lse.data(), B, Sq, H, 1),
                              V::bshd(unused_q.data(), B, Sq, H, D), V::bshd(r.dk.data(), B, lk, K, D),
-                             V::bshd(r.dv.data(), B, lk, K, D), reference_params(s, all_q, kvpos));
+                             V::bshd(r.dv.data(), B, lk, K, D), reference_params(s, tables, all_q, kvpos));
   return r;
 }
 

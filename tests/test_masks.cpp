@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "seqpar/seqpar.hpp"
+#include "support/attention_check.hpp"
 #include "support/rank_outcomes.hpp"
 
 using namespace seqpar;
@@ -340,4 +341,51 @@ TEST_CASE("masks: packed documents of uneven length stay balanced with the strip
   MESSAGE("documents 3000,700,4100,392 causal on 4 ranks, max/mean work: stripe " << stripe << ", zigzag " << zigzag
                                                                                   << ", contiguous " << contiguous);
   CHECK(stripe <= 1.05);
+}
+
+TEST_CASE("masks: the examples' reference (examples/common.hpp) applies every family as the brute force does") {
+  // The demo's and the examples' --check use reference_rows with the shape's mask; a run of
+  // every policy against it must agree, and the reference itself must match visible_brute.
+  test::GlobalShape s = test::make_case(42, H, K, D, true, 91, 2);
+  s.seq_kv = 57;
+  s.causal_align = CausalAlign::bottom_right;
+  s.window = {9, -1};
+  s.kv_valid = {50, 23};
+  const test::GlobalInputs g = test::make_inputs(s);
+  const std::vector<double> ref = test::reference_rows(g, PositionMap::run(s.seq_q, 0));
+  // Brute force, straight from the definitions.
+  const AttentionProblem pr = s.problem<double>();
+  double worst = 0;
+  for (std::int64_t b = 0; b < s.batch; ++b)
+    for (std::int64_t i = 0; i < s.seq_q; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        std::vector<double> sc;
+        std::vector<std::int64_t> keys;
+        for (std::int64_t j = 0; j < s.kv_len(); ++j)
+          if (visible_brute(pr, s.seq_q, s.kv_len(), b, i, j)) {
+            double dot = 0;
+            for (std::int64_t e = 0; e < D; ++e)
+              dot += g.q[((b * s.seq_q + i) * H + h) * D + e] * g.k[((b * s.kv_len() + j) * K + h / (H / K)) * D + e];
+            sc.push_back(dot * s.softmax_scale());
+            keys.push_back(j);
+          }
+        const double mx = sc.empty() ? 0 : *std::max_element(sc.begin(), sc.end());
+        double sum = 0;
+        for (double x : sc) sum += std::exp(x - mx);
+        for (std::int64_t e = 0; e < D; ++e) {
+          double o = 0;
+          for (std::size_t n = 0; n < keys.size(); ++n)
+            o += std::exp(sc[n] - mx) / sum * g.v[((b * s.kv_len() + keys[n]) * K + h / (H / K)) * D + e];
+          worst = std::max(worst, std::abs(o - ref[static_cast<std::size_t>(((b * s.seq_q + i) * H + h) * D + e)]));
+        }
+      }
+  CHECK(worst < 1e-12);
+  // A policy run checked against it (Anything over Ring Zigzag on 3 ranks: S_q != S_kv).
+  std::vector<double> err(3, 1.0);
+  run_ranks(3, [&](ThreadCommunicator& world) {
+    SequenceParallelAttention<AnythingPolicy<RingPolicy<Zigzag>>, ThreadCommunicator, ReferenceKernel> attn(world);
+    const Plan plan = attn.plan(s.problem<float>(), {s.seq_q / 3, s.kv_len() / 3});
+    err[static_cast<std::size_t>(world.rank())] = examples::forward_error<float>(attn, plan, g).rel();
+  });
+  for (double e : err) CHECK(e < 1e-5);
 }

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "seqpar/core/host_device.hpp"
@@ -105,6 +106,44 @@ struct MaskView {
     const KeyRange r = keys(b, d);
     return r.lo <= k && k <= r.hi;
   }
+};
+
+/// The tables a MaskView points into, built once from the problem's documents and key
+/// padding: a Plan owns one, and so can a check against a reference that has no plan.
+class MaskTables {
+ public:
+  /// No documents, no key padding.
+  MaskTables() = default;
+  /// Document starts per batch row (a single list is shared by every row; lists of different
+  /// lengths are padded with empty documents at the end, which no search finds) and the key
+  /// padding (valid keys per batch element; empty: none).
+  MaskTables(const std::vector<std::vector<std::int64_t>>& documents, std::vector<std::int64_t> kv_valid)
+      : kv_valid_(std::move(kv_valid)) {
+    for (const auto& docs : documents) doc_count_ = std::max(doc_count_, static_cast<std::int64_t>(docs.size()));
+    doc_stride_ = documents.size() > 1 ? doc_count_ + 1 : 0;
+    for (const auto& docs : documents) {
+      std::int64_t at = 0;
+      for (std::int64_t len : docs) doc_starts_.push_back(std::exchange(at, at + len));
+      for (auto d = static_cast<std::int64_t>(docs.size()); d <= doc_count_; ++d) doc_starts_.push_back(at);
+    }
+  }
+  /// The view with `causal` and `window`, pointing into this object (valid while it lives).
+  MaskView view(bool causal, Window window) const {
+    MaskView m;
+    m.causal = causal;
+    m.window_left = window.left;
+    m.window_right = window.right;
+    m.doc_count = doc_count_;
+    m.doc_starts = doc_count_ > 0 ? doc_starts_.data() : nullptr;
+    m.doc_batch_stride = doc_stride_;
+    m.kv_valid = kv_valid_.empty() ? nullptr : kv_valid_.data();
+    return m;
+  }
+
+ private:
+  std::vector<std::int64_t> doc_starts_;  // per batch row (or shared): document starts, then the total
+  std::int64_t doc_count_ = 0, doc_stride_ = 0;
+  std::vector<std::int64_t> kv_valid_;
 };
 
 /// Keys of `k` (positions) inside the inclusive range `r`: each run is an arithmetic sequence.

@@ -131,17 +131,7 @@ class Plan {
 
   /// The mask as kernels see it (causal, window, documents, key padding); it points into
   /// this plan, so it is valid while the plan is.
-  MaskView mask() const {
-    MaskView m;
-    m.causal = problem_.causal;
-    m.window_left = problem_.window.left;
-    m.window_right = problem_.window.right;
-    m.doc_count = doc_count_;
-    m.doc_starts = doc_count_ > 0 ? doc_starts_.data() : nullptr;
-    m.doc_batch_stride = doc_stride_;
-    m.kv_valid = kv_valid_.empty() ? nullptr : kv_valid_.data();
-    return m;
-  }
+  MaskView mask() const { return mask_tables_.view(problem_.causal, problem_.window); }
   /// Diagonal positions of ring rank r's queries: their global positions, shifted by
   /// S_kv - S_q under bottom-right alignment (what the mask compares keys with).
   PositionMap q_diagonals(int r) const {
@@ -237,9 +227,7 @@ class Plan {
   SequenceLayout q_layout_, kv_layout_;
   std::vector<HeadRange> q_heads_, kv_heads_;
   std::size_t elem_bytes_ = 4, acc_bytes_ = 4;
-  std::vector<std::int64_t> doc_starts_;     // per batch row (or shared): document starts, then the total
-  std::int64_t doc_count_ = 0, doc_stride_ = 0;
-  std::vector<std::int64_t> kv_valid_;
+  MaskTables mask_tables_;  // documents and key padding, what mask() points into
   detail::PlanSchedule schedule_;
 };
 
@@ -265,39 +253,9 @@ struct PlanAccess {
     p.kv_heads_ = std::move(kv_heads);
     p.elem_bytes_ = elem_bytes;
     p.acc_bytes_ = acc_bytes;
-    p.doc_starts_.clear();
-    p.doc_count_ = problem.documents.empty() ? 0 : static_cast<std::int64_t>(problem.documents[0].size());
-    p.doc_stride_ = problem.documents.size() > 1 ? p.doc_count_ + 1 : 0;
-    for (const auto& docs : problem.documents) {
-      if (static_cast<std::int64_t>(docs.size()) != p.doc_count_) {  // lists of different lengths: pad
-        p.doc_count_ = -1;
-        break;
-      }
-      std::int64_t at = 0;
-      for (std::int64_t n : docs) p.doc_starts_.push_back(std::exchange(at, at + n));
-      p.doc_starts_.push_back(at);
-    }
-    if (p.doc_count_ < 0) pad_documents(p, problem.documents);
-    p.kv_valid_ = problem.kv_valid;
+    p.mask_tables_ = MaskTables(problem.documents, problem.kv_valid);
   }
 
- private:
-  /// Per-batch document lists of different lengths: each row gets the longest count, the
-  /// missing documents as empty ones at the end (never found by the search: starts equal).
-  static void pad_documents(Plan& p, const std::vector<std::vector<std::int64_t>>& lists) {
-    std::size_t n = 0;
-    for (const auto& docs : lists) n = std::max(n, docs.size());
-    p.doc_count_ = static_cast<std::int64_t>(n);
-    p.doc_stride_ = p.doc_count_ + 1;
-    p.doc_starts_.clear();
-    for (const auto& docs : lists) {
-      std::int64_t at = 0;
-      for (std::int64_t len : docs) p.doc_starts_.push_back(std::exchange(at, at + len));
-      for (std::size_t d = docs.size(); d <= n; ++d) p.doc_starts_.push_back(at);
-    }
-  }
-
- public:
   /// The schedule, for the builder to fill.
   static PlanSchedule& schedule(Plan& p) { return p.schedule_; }
 };
