@@ -42,6 +42,15 @@ function(build_and_run what src bin exe)
   run_step("${what}: run" "${bin}/${exe}")
   string(STRIP "${step_output}" printed)
   message(STATUS "${what}: ${printed}")
+  set(step_output "${step_output}" PARENT_SCOPE)
+endfunction()
+
+# Fails unless `text` (a program's output) contains `needle`.
+function(expect_match what needle text)
+  string(FIND "${text}" "${needle}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "${what}: its output lacks \"${needle}\":\n${text}")
+  endif()
 endfunction()
 
 # Configures a consumer project that must be refused, with a message containing `needle`.
@@ -174,20 +183,27 @@ elseif(MODE STREQUAL "find_package")
 
 elseif(MODE STREQUAL "quickstart")
   # The README's quick start, pasted into a fresh project; FetchContent is pointed at this tree.
+  # Both programs run and must say that they match the reference (the MPI one where this
+  # build has MPI: WITH_MPI, MPIEXEC and MPIEXEC_FLAGS).
   file(READ "${SOURCE}/README.md" readme)
-  readme_block("${readme}" "CMakeLists.txt" cmakelists)
-  readme_block("${readme}" "main.cpp" main_cpp)
-  file(WRITE "${WORK}/src/CMakeLists.txt" "${cmakelists}")
-  file(WRITE "${WORK}/src/main.cpp" "${main_cpp}")
-  if(NOT cmakelists MATCHES "add_executable\\(([A-Za-z0-9_]+)")
-    message(FATAL_ERROR "README.md quick start: its CMakeLists.txt has no add_executable(...)")
-  endif()
-  set(exe "${CMAKE_MATCH_1}")
+  foreach(name CMakeLists.txt hello_rank.hpp main.cpp main_mpi.cpp)
+    readme_block("${readme}" "${name}" text)
+    file(WRITE "${WORK}/src/${name}" "${text}")
+  endforeach()
+  file(READ "${WORK}/src/CMakeLists.txt" cmakelists)
   if(NOT cmakelists MATCHES "FetchContent_Declare\\(seqpar")
     message(FATAL_ERROR "README.md quick start: its CMakeLists.txt must get seqpar with FetchContent_Declare(seqpar ...)")
   endif()
-  build_and_run("README quick start" "${WORK}/src" "${WORK}/build" "${exe}"
-                "-DFETCHCONTENT_SOURCE_DIR_SEQPAR=${SOURCE}" -DSEQPAR_ENABLE_MPI=OFF)
+  build_and_run("README quick start" "${WORK}/src" "${WORK}/build" hello_seqpar
+                "-DFETCHCONTENT_SOURCE_DIR_SEQPAR=${SOURCE}" -DSEQPAR_ENABLE_MPI=${WITH_MPI})
+  expect_match("README quick start" "matches the reference: yes" "${step_output}")
+  if(WITH_MPI)
+    set(ENV{OMPI_ALLOW_RUN_AS_ROOT} 1)
+    set(ENV{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM} 1)
+    run_step("README quick start (MPI): run" "${MPIEXEC}" ${MPIEXEC_FLAGS} -np 4 "${WORK}/build/hello_seqpar_mpi")
+    expect_match("README quick start (MPI)" "matches the reference: yes" "${step_output}")
+    message(STATUS "README quick start (MPI, 4 processes): ok")
+  endif()
 
 else()
   message(FATAL_ERROR "run.cmake: MODE: expected fetchcontent, subdirectory, find_package or quickstart, got '${MODE}'")
