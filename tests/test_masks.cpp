@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -322,25 +323,54 @@ TEST_CASE("masks: invalid descriptions fail alike on every rank; a causal-only k
   CHECK(test::all_same_config_error(cpu, "this kernel handles causal masks only"));
 }
 
-TEST_CASE("masks: packed documents of uneven length stay balanced with the stripe layout") {
-  // Causal within documents of 3000, 700, 4100 and 392 tokens on 4 ring ranks: max/mean of
-  // plan.work. Stripe (token t on rank t mod R) gives every rank a quarter of every document.
-  auto imbalance = [](auto policy) {
+TEST_CASE("masks: which layout balances which mask (the README's table)") {
+  // max/mean of plan.work on 4 ring ranks, S = 8192, for each mask family and layout; printed
+  // as the README's table. Stripe (token t on rank t mod R) gives every rank a share of every
+  // document and of every padded stretch, so it balances them all; zigzag balances plain causal.
+  struct Row {
+    const char* mask;
+    AttentionProblem problem;
+  };
+  auto with = [](auto&& set) {
+    AttentionProblem p{.heads = 1, .head_dim = 8};
+    set(p);
+    return p;
+  };
+  const std::vector<Row> rows = {
+      {"causal", with([](auto& p) { p.causal = true; })},
+      {"causal + documents 3000, 700, 4100, 392",
+       with([](auto& p) { p.causal = true, p.documents = {{3000, 700, 4100, 392}}; })},
+      {"causal + documents 8 x 1024",
+       with([](auto& p) { p.causal = true, p.documents = {std::vector<std::int64_t>(8, 1024)}; })},
+      {"causal + window (512, -1)", with([](auto& p) { p.causal = true, p.window = {512, -1}; })},
+      {"window (256, 256)", with([](auto& p) { p.window = {256, 256}; })},
+      {"key padding 5000, 8192 (batch 2)", with([](auto& p) { p.batch = 2, p.kv_valid = {5000, 8192}; })},
+      {"causal + key padding 5000, 8192", with([](auto& p) { p.causal = true, p.batch = 2, p.kv_valid = {5000, 8192}; })},
+  };
+  auto imbalance = [](auto policy, const AttentionProblem& problem) {
     std::vector<std::int64_t> work(4);
     run_ranks(4, [&](ThreadCommunicator& world) {
       SequenceParallelAttention<decltype(policy), ThreadCommunicator, ReferenceKernel> attn(world, policy);
-      const Plan plan =
-          attn.plan({.heads = 1, .head_dim = 8, .causal = true, .documents = {{3000, 700, 4100, 392}}}, {8192 / 4});
+      const Plan plan = attn.plan(problem, {8192 / 4});
       work[static_cast<std::size_t>(world.rank())] = plan.work(world.rank());
     });
     const double mean = std::accumulate(work.begin(), work.end(), 0.0) / 4;
     return *std::max_element(work.begin(), work.end()) / mean;
   };
-  const double stripe = imbalance(RingPolicy<Stripe>{}), zigzag = imbalance(RingPolicy<Zigzag>{}),
-               contiguous = imbalance(RingPolicy<Contiguous>{});
-  MESSAGE("documents 3000,700,4100,392 causal on 4 ranks, max/mean work: stripe " << stripe << ", zigzag " << zigzag
-                                                                                  << ", contiguous " << contiguous);
-  CHECK(stripe <= 1.05);
+  std::string table = "| mask (S = 8192, 4 ring ranks) | contiguous | zigzag | stripe |\n|---|---|---|---|\n";
+  for (const Row& r : rows) {
+    const double c = imbalance(RingPolicy<Contiguous>{}, r.problem), z = imbalance(RingPolicy<Zigzag>{}, r.problem),
+                 st = imbalance(RingPolicy<Stripe>{}, r.problem);
+    char line[160];
+    std::snprintf(line, sizeof line, "| %s | %.3f | %.3f | %.3f |\n", r.mask, c, z, st);
+    table += line;
+    const std::string mask = r.mask;
+    CAPTURE(mask);
+    CHECK(st <= 1.05);  // the issue's bound, documents of uneven length included
+    if (r.problem.causal && r.problem.documents.empty() && !r.problem.window.active() && r.problem.kv_valid.empty())
+      CHECK(z <= 1.01);  // zigzag exists for plain causal
+  }
+  MESSAGE("max/mean plan.work:\n" << table);
 }
 
 TEST_CASE("masks: the examples' reference (examples/common.hpp) applies every family as the brute force does") {
