@@ -15,6 +15,7 @@
 
 #include "seqpar/seqpar.hpp"
 #include "support/attention_check.hpp"
+#include "support/mask_brute.hpp"
 #include "support/rank_outcomes.hpp"
 
 using namespace seqpar;
@@ -23,26 +24,7 @@ namespace {
 
 constexpr std::int64_t H = 4, K = 2, D = 8;
 
-/// Key j visible to query i of batch b, straight from the definitions in AttentionProblem.
-bool visible_brute(const AttentionProblem& pr, std::int64_t sq, std::int64_t skv, std::int64_t b, std::int64_t i,
-                   std::int64_t j) {
-  const std::int64_t d = i + (pr.causal_align == CausalAlign::bottom_right ? skv - sq : 0);
-  if (pr.causal && j > d) return false;
-  if (pr.window.left >= 0 && j < d - pr.window.left) return false;
-  if (pr.window.right >= 0 && j > d + pr.window.right) return false;
-  if (!pr.kv_valid.empty() && j >= pr.kv_valid[static_cast<std::size_t>(b)]) return false;
-  if (!pr.documents.empty()) {
-    const auto& docs = pr.documents[pr.documents.size() == 1 ? 0 : static_cast<std::size_t>(b)];
-    auto doc_of = [&](std::int64_t pos) {
-      std::int64_t at = 0;
-      for (std::size_t n = 0; n < docs.size(); ++n)
-        if (pos < (at += docs[n])) return static_cast<std::int64_t>(n);
-      return std::int64_t{-1};
-    };
-    if (doc_of(i) != doc_of(j)) return false;
-  }
-  return true;
-}
+using test::visible_by_definition;
 
 /// Global tensors of one case: Q [B, Sq, H, D], K/V [B, Skv, K, D], dO like Q.
 struct Global {
@@ -71,7 +53,7 @@ void brute_forward(const AttentionProblem& pr, const Global& g, std::vector<doub
         std::vector<double> s(static_cast<std::size_t>(g.skv), -std::numeric_limits<double>::infinity());
         double mx = -std::numeric_limits<double>::infinity();
         for (std::int64_t j = 0; j < g.skv; ++j) {
-          if (!visible_brute(pr, g.sq, g.skv, b, i, j)) continue;
+          if (!visible_by_definition(pr, g.sq, g.skv, b, i, j)) continue;
           double dot = 0;
           for (std::int64_t d = 0; d < D; ++d)
             dot += g.q[((b * g.sq + i) * H + h) * D + d] * g.k[((b * g.skv + j) * K + kh) * D + d];
@@ -166,7 +148,7 @@ std::int64_t brute_work(const AttentionProblem& pr, const Global& g) {
   std::int64_t n = 0;
   for (std::int64_t b = 0; b < g.B; ++b)
     for (std::int64_t i = 0; i < g.sq; ++i)
-      for (std::int64_t j = 0; j < g.skv; ++j) n += visible_brute(pr, g.sq, g.skv, b, i, j);
+      for (std::int64_t j = 0; j < g.skv; ++j) n += visible_by_definition(pr, g.sq, g.skv, b, i, j);
   return n * H;
 }
 
@@ -375,7 +357,7 @@ TEST_CASE("masks: which layout balances which mask (the README's table)") {
 
 TEST_CASE("masks: the examples' reference (examples/common.hpp) applies every family as the brute force does") {
   // The demo's and the examples' --check use reference_rows with the shape's mask; a run of
-  // every policy against it must agree, and the reference itself must match visible_brute.
+  // every policy against it must agree, and the reference itself must match visible_by_definition.
   test::GlobalShape s = test::make_case(42, H, K, D, true, 91, 2);
   s.seq_kv = 57;
   s.causal_align = CausalAlign::bottom_right;
@@ -392,7 +374,7 @@ TEST_CASE("masks: the examples' reference (examples/common.hpp) applies every fa
         std::vector<double> sc;
         std::vector<std::int64_t> keys;
         for (std::int64_t j = 0; j < s.kv_len(); ++j)
-          if (visible_brute(pr, s.seq_q, s.kv_len(), b, i, j)) {
+          if (visible_by_definition(pr, s.seq_q, s.kv_len(), b, i, j)) {
             double dot = 0;
             for (std::int64_t e = 0; e < D; ++e)
               dot += g.q[((b * s.seq_q + i) * H + h) * D + e] * g.k[((b * s.kv_len() + j) * K + h / (H / K)) * D + e];
