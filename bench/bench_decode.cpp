@@ -4,6 +4,9 @@
 // the timed steps), bytes rank 0 sent per step and the plan's count, cache bytes held per rank.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -99,6 +102,51 @@ void BM_decode(benchmark::State& state) {
   state.SetLabel(mode == 0 ? "sharded" : "gather cache");
 }
 
+/// Args: new tokens T, threads. CpuFlashKernel alone on one decode step's shape: T queries of
+/// H heads against a cache_len-token shard (K heads, D, float), each row limited to its own
+/// keys by row_key_end (the cache and the step's earlier tokens), as SequenceParallelDecode
+/// calls it. Fastest call in wall time; GFLOPs = 4 T H D x visible keys per second, GBs = K
+/// and V bytes read once (2 x keys x K x D x 4) per second: decode is bound by the latter.
+void BM_decode_kernel(benchmark::State& state) {
+  const std::int64_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  const auto q = bench::random_values<float>(static_cast<std::size_t>(T * H * D), 1);
+  const auto k = bench::random_values<float>(static_cast<std::size_t>(cache_len * K * D), 2);
+  const auto v = bench::random_values<float>(k.size(), 3);
+  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(T * H));
+  std::vector<std::int64_t> ends(static_cast<std::size_t>(T));
+  double pairs = 0;
+  for (std::int64_t t = 0; t < T; ++t) pairs += double(ends[static_cast<std::size_t>(t)] = cache_len - T + t + 1);
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(D));
+  p.q_positions = PositionMap::run(T, 0);
+  p.k_positions = PositionMap::run(cache_len, 0);
+  p.group_size = H / K;
+  p.mask.row_key_end = ends.data();
+  p.mask.row_stride = T;
+  CpuFlashKernel kernel(CpuFlashOptions{.threads = threads});
+  using CV = TensorView<const float>;
+  auto call = [&] {
+    kernel.forward(CV::bshd(q.data(), 1, T, H, D), CV::bshd(k.data(), 1, cache_len, K, D),
+                   CV::bshd(v.data(), 1, cache_len, K, D), TensorView<float>::bshd(out.data(), 1, T, H, D),
+                   TensorView<float>::bshd(lse.data(), 1, T, H, 1), p);
+  };
+  call();  // warm-up: scratch, pages
+  double best = 1e30;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    benchmark::ClobberMemory();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(s);
+    best = std::min(best, s);
+  }
+  state.counters["ms_per_call"] = best * 1e3;
+  state.counters["GFLOPs"] = 4.0 * double(H * D) * pairs * 1e-9 / best;
+  state.counters["GBs"] = 2.0 * double(cache_len * K * D) * sizeof(float) * 1e-9 / best;
+}
+
 }  // namespace
 
+BENCHMARK(BM_decode_kernel)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode)->ArgNames({"P", "gather"})->ArgsProduct({{1, 2, 4}, {0, 1}})->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);

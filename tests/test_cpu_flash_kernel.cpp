@@ -348,10 +348,14 @@ struct MaskCase {
   std::vector<std::int64_t> docs;  ///< document starts then the total; per batch element when per_batch
   bool per_batch = false;
   std::vector<std::int64_t> kv_valid;  ///< valid keys per batch element (empty: no padding)
+  /// Per (batch element, query diagonal 0..sq-1): keys before this index are the row's (a
+  /// decode step's row_key_end; empty: not used).
+  std::vector<std::int64_t> row_end;
   /// (batch element, key) whose V row is NaN, and whose K row is NaN (even entries) or +Inf.
   std::vector<std::pair<std::int64_t, std::int64_t>> nan_v, bad_k;
   int threads = 1;
   std::uint64_t seed = 1;
+  bool backward = true;  ///< also check the backward
 
   KernelParams params() const {
     KernelParams p;
@@ -369,6 +373,10 @@ struct MaskCase {
       p.mask.doc_starts = docs.data();
     }
     if (!kv_valid.empty()) p.mask.kv_valid = kv_valid.data();
+    if (!row_end.empty()) {
+      p.mask.row_key_end = row_end.data();
+      p.mask.row_stride = sq;
+    }
     return p;
   }
 };
@@ -499,6 +507,7 @@ void check_masked(const MaskCase& c) {
     CHECK(e.rel() <= test::tolerance<T>);
     CHECK(e.lse_rel() <= test::tolerance<T>);
 
+    if (!c.backward) continue;
     std::vector<A> dq(dq0.begin(), dq0.end()), dk(dk0.begin(), dk0.end()), dv(dv0.begin(), dv0.end());
     kernel.backward(rows_q(dot.data()), qv, kv, vv, rows_q(ot.data()), lse_of(lt.data()), rows_q(dq.data()),
                     rows_k(dk.data()), rows_k(dv.data()), p);
@@ -675,4 +684,53 @@ TEST_CASE_TEMPLATE("flash kernel masks: NaN and Inf at hidden keys reach no row 
   pad.window_left = 64;
   pad.threads = 2;
   check_masked<T>(pad);
+}
+
+TEST_CASE_TEMPLATE("flash kernel decode shapes: 1 and 16 queries, 1..40000 keys, GQA, ragged row_key_end, NaN in "
+                   "hidden slots",
+                   T, float, double) {
+  // The decode path (<= 16 query rows): each row its own key count, as SequenceParallelDecode
+  // passes them (q positions 0..T-1). Keys past every row's end hold NaN and Inf (stale cache
+  // slots): nothing may change. Two threads split a group's keys into chunks merged by LSE.
+  struct Shape {
+    std::int64_t batch, sq, sk, heads, kv_heads;
+    int threads;
+  };
+  const Shape shapes[] = {{1, 1, 1, 4, 1, 1},      {2, 1, 129, 8, 2, 2},   {1, 16, 40000, 4, 1, 2},
+                          {1, 1, 40000, 8, 2, 1},  {2, 16, 700, 8, 2, 2},  {1, 5, 3000, 2, 2, 2},
+                          {1, 16, 97, 16, 1, 1}};
+  std::uint64_t seed = 600;
+  for (const Shape& sh : shapes) {
+    CAPTURE(sh.sq);
+    CAPTURE(sh.sk);
+    CAPTURE(sh.heads);
+    CAPTURE(sh.threads);
+    MaskCase c = cross_case(PositionMap::run(sh.sq, 0), PositionMap::run(sh.sk, 0), ++seed);
+    c.batch = sh.batch;
+    c.heads = sh.heads;
+    c.kv_heads = sh.kv_heads;
+    c.threads = sh.threads;
+    c.dim = sh.sk > 10000 ? 16 : 40;
+    // The backward (not the decode path) sums 40000 keys' float products: beyond the 1e-4
+    // its check allows. The forward is checked at every length.
+    c.backward = std::is_same_v<T, double> || sh.sk <= 10000;
+    // Ragged ends: the cache (some of it) and the step's earlier tokens; the second batch
+    // element sees fewer keys, its first row none when the cache is tiny.
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      const std::int64_t cache = b == 0 ? sh.sk - sh.sq : (sh.sk - sh.sq) / 3;
+      for (std::int64_t t = 0; t < sh.sq; ++t) c.row_end.push_back(std::clamp<std::int64_t>(cache + t + 1, 0, sh.sk));
+      for (std::int64_t j = c.row_end.back(); j < sh.sk && j < c.row_end.back() + 40; ++j) {
+        c.nan_v.push_back({b, j});
+        c.bad_k.push_back({b, j});
+      }
+    }
+    check_masked<T>(c);
+    // A NaN V and an Inf K inside the ragged part: the rows that see them are NaN (as the
+    // reference), the others exact.
+    if (sh.sq > 1 && sh.sk > sh.sq) {
+      c.nan_v = {{0, c.row_end[sh.sq / 2] - 1}};
+      c.bad_k = {{0, c.row_end[1] - 1}, {0, c.row_end[sh.sq - 1] - 1}};
+      check_masked<T>(c);
+    }
+  }
 }

@@ -31,6 +31,7 @@
 
 #include "seqpar/core/error.hpp"
 #include "seqpar/kernel/cpu_flash_backward.hpp"
+#include "seqpar/kernel/cpu_flash_decode.hpp"
 #include "seqpar/kernel/cpu_flash_scratch.hpp"
 #include "seqpar/kernel/cpu_isa.hpp"
 #include "seqpar/kernel/cpu_isa_kernels.hpp"
@@ -103,7 +104,8 @@ class CpuFlashKernel {
   CpuFlashKernel(CpuFlashKernel&& other) noexcept
       : options_(std::exchange(other.options_, CpuFlashOptions{})), isa_(other.isa_), pool_(std::move(other.pool_)),
         prepared_dim_(std::exchange(other.prepared_dim_, 0)), thread_stride_(std::exchange(other.thread_stride_, 0)),
-        scratch_(std::move(other.scratch_)), backward_scratch_(std::move(other.backward_scratch_)) {}
+        scratch_(std::move(other.scratch_)), backward_scratch_(std::move(other.backward_scratch_)),
+        decode_scratch_(std::move(other.decode_scratch_)) {}
   /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
   CpuFlashKernel& operator=(CpuFlashKernel&& other) noexcept {
     if (this != &other) {
@@ -116,6 +118,8 @@ class CpuFlashKernel {
       other.scratch_.clear();
       backward_scratch_ = std::move(other.backward_scratch_);
       other.backward_scratch_.clear();
+      decode_scratch_ = std::move(other.decode_scratch_);
+      other.decode_scratch_.clear();
     }
     return *this;
   }
@@ -151,10 +155,25 @@ class CpuFlashKernel {
   }
 
   /// See LocalAttentionKernel. `out` may be T or the accumulation type.
+  /// Up to 16 query rows (a decode step) take the decode path of kernel/cpu_flash_decode.hpp:
+  /// the query heads of a GQA group together, K and V read in place, a group's keys split
+  /// over the threads when there are fewer groups than threads (its partials buffer is sized
+  /// on the first call of a shape).
   template <class T, class O>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<acc_t<T>> lse, const KernelParams& p) {
     prepare(q.dim());  // no-op once prepared
+    using Decode = detail::FlashDecode<T, O, acc_t<T>>;
+    if (Decode::applies(q, k, p)) {
+      Decode job{q, k, v, out, lse, p};
+      job.chunks = Decode::chunk_count(options_.threads, q, k);
+      if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
+        if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
+        job.part = reinterpret_cast<acc_t<T>*>(aligned(decode_scratch_.data()));
+      }
+      detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+      return;
+    }
     detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
   }
 
@@ -202,6 +221,18 @@ class CpuFlashKernel {
     }
   };
 
+  /// dispatch_cpu_isa functor of the decode path: the tasks (groups x key chunks), then, with
+  /// chunks, the merge of each group's partials.
+  struct DecodeOn {
+    template <class Kernels, class T, class O, class A>
+    static void run(CpuFlashKernel& self, const detail::FlashDecode<T, O, A>& job) {
+      self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
+        Kernels::template decode<T, O, A>(job, t, self.thread_scratch<A>(worker, job.q.dim()));
+      });
+      if (job.chunks > 1) self.run_tasks(job.groups(), [&](std::int64_t g, int) { job.merge(g); });
+    }
+  };
+
   /// dispatch_cpu_isa functor of backward: job's tasks on the pool, each thread on its
   /// scratch slice after `base`.
   struct BackwardOn {
@@ -246,6 +277,7 @@ class CpuFlashKernel {
   std::size_t thread_stride_ = 0;
   std::vector<std::byte> scratch_;
   std::vector<std::byte> backward_scratch_;  // backward's own; copies start empty and grow on use
+  std::vector<std::byte> decode_scratch_;    // the decode path's partials; as backward's
 };
 
 }  // namespace seqpar

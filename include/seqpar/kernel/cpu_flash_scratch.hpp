@@ -55,6 +55,7 @@ struct PanelKeys {
 template <class A>
 struct ForwardScratch {
   A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
+  A* ones;  ///< one panel of 1 (the alpha of an accumulating micro-kernel call: the decode path's P V)
   std::int64_t *first, *last;  ///< per query row: the key indices it sees (RowKeys)
   std::int64_t *lane_lo, *lane_hi;  ///< per key of a panel's masked part: lanes [lo, hi) see it
   PanelKeys* panel;  ///< per query panel of the block
@@ -84,6 +85,8 @@ struct ForwardScratch {
     c.take(r.lane_lo, fwd_block_k);
     c.take(r.lane_hi, fwd_block_k);
     c.take(r.panel, fwd_block_q);  // at most one panel per query row
+    c.take(r.ones, max_panel<A>);
+    if (s) std::fill(r.ones, r.ones + max_panel<A>, A(1));
     return c.used();
   }
 };

@@ -3,6 +3,99 @@
 // has no include guard, in kernel/cpu_isa_kernels.hpp). Needs the SIMD layer
 // (cpu_isa_simd.inl) of the same namespace.
 
+/// What a finished row writes: its output times `inv`, and its LSE.
+template <class A>
+struct RowEnd {
+  A inv;  ///< 1 / l, or 0 for a row that saw no key (its output is then 0)
+  A lse;  ///< m + log l, or -inf for a row that saw no key; NaN stays NaN
+};
+
+/// Closes a row with running max `m` and sum `l`.
+template <class A>
+inline RowEnd<A> row_end(A m, A l) {
+  if (l == 0) return {A(0), -std::numeric_limits<A>::infinity()};
+  return {A(1) / l, m + std::log(l)};
+}
+
+/// The keys rows [0, n) reach together and the keys all of them see (PanelKeys), from the
+/// rows' ranges [first[i], last[i]] among `sk` keys.
+inline PanelKeys join_row_keys(const std::int64_t* first, const std::int64_t* last, std::int64_t n, std::int64_t sk) {
+  PanelKeys r{sk, -1, 0, sk - 1};
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (first[i] <= last[i]) {
+      r.lo = std::min(r.lo, first[i]);
+      r.hi = std::max(r.hi, last[i]);
+    }
+    r.all_lo = std::max(r.all_lo, first[i]);
+    r.all_hi = std::min(r.all_hi, last[i]);
+  }
+  return r;
+}
+
+/// Keys a range boundary cuts, in a panel's S^T (`nkp` keys from key index `ja`, PW lanes, of
+/// which the first `np` are rows with ranges [first, last]): keys [0, f0) and [f1, nkp) are
+/// not seen by every lane. Both ends of the rows' ranges grow down the panel, so the lanes
+/// that see key j are one interval [lane_lo[j], lane_hi[j]), whose ends grow with j; the
+/// other lanes' scores become -inf.
+template <int PW, class A>
+[[gnu::always_inline]] inline void cut_keys(A* st, std::int64_t ja, std::int64_t nkp, std::int64_t f0, std::int64_t f1,
+                                            std::int64_t np, const std::int64_t* first, const std::int64_t* last,
+                                            std::int64_t* lane_lo, std::int64_t* lane_hi) {
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  std::int64_t lo = 0, hi = 0;
+  auto cut = [&](std::int64_t j) {
+    const std::int64_t key = ja + j;
+    while (lo < np && last[lo] < key) ++lo;
+    while (hi < np && first[hi] <= key) ++hi;
+    hi = std::max(hi, lo);
+    std::fill(st + j * PW, st + j * PW + lo, neg_inf);
+    std::fill(st + j * PW + hi, st + j * PW + np, neg_inf);
+    lane_lo[j] = lo;
+    lane_hi[j] = hi;
+  };
+  for (std::int64_t j = 0; j < f0; ++j) cut(j);
+  for (std::int64_t j = f1; j < nkp; ++j) cut(j);
+}
+
+/// The online-softmax step of a panel, W lanes at a time: P^T = exp(S^T - m') in place over
+/// `nkp` keys of PW lanes; the panel's running max `m` and sum `l` updated, and the factor
+/// `alpha` = exp(m - m') that rescales its output.
+template <int PW, class A>
+[[gnu::always_inline]] inline void softmax_panel(A* st, std::int64_t nkp, A* m_run, A* l_run, A* alpha) {
+  using V = simd_t<A>;
+  constexpr int W = FlashTile<A>::width;
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  for (std::int64_t c = 0; c < PW; c += W) {
+    A* col = st + c;
+    A *m = m_run + c, *l = l_run + c;
+    const V m_old = simd_load(m);
+    // The column's max in four independent chains (one chain waits on each max's latency).
+    V mx0 = m_old, mx1 = m_old, mx2 = m_old, mx3 = m_old;
+    std::int64_t j = 0;
+    for (; j + 4 <= nkp; j += 4) {
+      mx0 = simd_max(simd_load(col + j * PW), mx0);
+      mx1 = simd_max(simd_load(col + (j + 1) * PW), mx1);
+      mx2 = simd_max(simd_load(col + (j + 2) * PW), mx2);
+      mx3 = simd_max(simd_load(col + (j + 3) * PW), mx3);
+    }
+    for (; j < nkp; ++j) mx0 = simd_max(simd_load(col + j * PW), mx0);
+    const V mx = simd_max(simd_max(mx0, mx1), simd_max(mx2, mx3));
+    // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
+    // weights exp(-inf) = 0 instead of NaN. NaN scores pass through to the output.
+    const V shift = mx == neg_inf ? V{} : mx;
+    V sum{};
+    for (j = 0; j < nkp; ++j) {
+      const V e = exp_lanes(simd_load(col + j * PW) - shift);
+      simd_store(col + j * PW, e);
+      sum += e;
+    }
+    const V a = exp_lanes(m_old - shift);
+    simd_store(alpha + c, a);
+    simd_store(l, simd_fma(a, simd_load(l), sum));
+    simd_store(m, mx);
+  }
+}
+
 /// Output rows [i0, i0 + bq) of head h of batch element b (fewer at the end of the sequence),
 /// and their LSE when `lse` is present.
 ///
@@ -19,8 +112,7 @@ template <class T, class O, class A>
 void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                          TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
                          std::int64_t i0, std::int64_t bq, const ForwardScratch<A>& s) {
-  using V = simd_t<A>;
-  constexpr int W = FlashTile<A>::width, PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
+  constexpr int PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
   static_assert(fwd_block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();
   const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h), sk = k.seq();
@@ -50,15 +142,8 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   // The keys each panel reaches (its rows' ranges joined) and the keys all of its rows see.
   std::int64_t block_lo = sk, block_hi = -1;
   for (std::int64_t panel = 0; panel < panels; ++panel) {
-    PanelKeys r{sk, -1, 0, sk - 1};
-    for (std::int64_t i = panel * PW, ie = std::min(nq, i + PW); i < ie; ++i) {
-      if (s.first[i] <= s.last[i]) {
-        r.lo = std::min(r.lo, s.first[i]);
-        r.hi = std::max(r.hi, s.last[i]);
-      }
-      r.all_lo = std::max(r.all_lo, s.first[i]);
-      r.all_hi = std::min(r.all_hi, s.last[i]);
-    }
+    const std::int64_t i = panel * PW;
+    const PanelKeys r = join_row_keys(s.first + i, s.last + i, std::min(nq, i + PW) - i, sk);
     s.panel[panel] = r;
     block_lo = std::min(block_lo, r.lo);
     block_hi = std::max(block_hi, r.hi);
@@ -120,55 +205,8 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       // S^T = K Q^T (the Q^T panel stays in L1).
       flash_tiles<false>(nkp, s.kbuf + (ja - j0) * ldk, ldk, 1, MR * ldk, qt, PW, dim, st, PW,
                          static_cast<const A*>(nullptr));
-      if (f0 > 0 || f1 < nkp) {
-        // Keys a range boundary cuts. Both ends of the rows' ranges grow down the panel, so
-        // the lanes that see key j are one interval [lane_lo, lane_hi), whose ends grow with
-        // j; the other lanes' scores become -inf.
-        std::int64_t lo = 0, hi = 0;
-        auto cut = [&](std::int64_t j) {
-          const std::int64_t key = ja + j;
-          while (lo < np && s.last[c0 + lo] < key) ++lo;
-          while (hi < np && s.first[c0 + hi] <= key) ++hi;
-          hi = std::max(hi, lo);
-          std::fill(st + j * PW, st + j * PW + lo, neg_inf);
-          std::fill(st + j * PW + hi, st + j * PW + np, neg_inf);
-          s.lane_lo[j] = lo;
-          s.lane_hi[j] = hi;
-        };
-        for (std::int64_t j = 0; j < f0; ++j) cut(j);
-        for (std::int64_t j = f1; j < nkp; ++j) cut(j);
-      }
-
-      // Online softmax, W queries at a time: P^T = exp(S^T - m') in place.
-      for (std::int64_t c = 0; c < PW; c += W) {
-        A* col = st + c;
-        A *m = s.m + c0 + c, *l = s.l + c0 + c;
-        const V m_old = simd_load(m);
-        // The column's max in four independent chains (one chain waits on each max's latency).
-        V mx0 = m_old, mx1 = m_old, mx2 = m_old, mx3 = m_old;
-        std::int64_t j = 0;
-        for (; j + 4 <= nkp; j += 4) {
-          mx0 = simd_max(simd_load(col + j * PW), mx0);
-          mx1 = simd_max(simd_load(col + (j + 1) * PW), mx1);
-          mx2 = simd_max(simd_load(col + (j + 2) * PW), mx2);
-          mx3 = simd_max(simd_load(col + (j + 3) * PW), mx3);
-        }
-        for (; j < nkp; ++j) mx0 = simd_max(simd_load(col + j * PW), mx0);
-        const V mx = simd_max(simd_max(mx0, mx1), simd_max(mx2, mx3));
-        // A column that saw only hidden keys keeps m = -inf; shifting it by 0 makes its
-        // weights exp(-inf) = 0 instead of NaN. NaN scores pass through to the output.
-        const V shift = mx == neg_inf ? V{} : mx;
-        V sum{};
-        for (j = 0; j < nkp; ++j) {
-          const V e = exp_lanes(simd_load(col + j * PW) - shift);
-          simd_store(col + j * PW, e);
-          sum += e;
-        }
-        const V alpha = exp_lanes(m_old - shift);
-        simd_store(s.alpha + c, alpha);
-        simd_store(l, simd_fma(alpha, simd_load(l), sum));
-        simd_store(m, mx);
-      }
+      if (f0 > 0 || f1 < nkp) cut_keys<PW>(st, ja, nkp, f0, f1, np, s.first + c0, s.last + c0, s.lane_lo, s.lane_hi);
+      softmax_panel<PW>(st, nkp, s.m + c0, s.l + c0, s.alpha);
 
       // O^T = alpha O^T + V^T P^T: A is the packed V, B the P^T panel (the rescale by alpha
       // happens here, even with no unmasked key). A key hidden from some lanes has P = 0
@@ -189,10 +227,9 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
 
   for (std::int64_t i = 0; i < nq; ++i) {
     O* dst = out.row(b, i0 + i, h);
-    const A l = s.l[i];
-    const A inv = l != 0 ? A(1) / l : A(0);
+    const RowEnd<A> e = row_end(s.m[i], s.l[i]);
     const A* col = s.ot + i / PW * qt_panel + i % PW;
-    for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(col[d * PW] * inv);
-    if (!lse.absent()) lse(b, i0 + i, h) = l != 0 ? s.m[i] + std::log(l) : neg_inf;
+    for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(col[d * PW] * e.inv);
+    if (!lse.absent()) lse(b, i0 + i, h) = e.lse;
   }
 }

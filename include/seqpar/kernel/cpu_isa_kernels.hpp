@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "seqpar/kernel/cpu_flash_backward.hpp"
+#include "seqpar/kernel/cpu_flash_decode.hpp"
 #include "seqpar/kernel/cpu_flash_scratch.hpp"
 #include "seqpar/kernel/cpu_isa.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"

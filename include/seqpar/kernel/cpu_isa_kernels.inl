@@ -4,6 +4,7 @@
 
 #include "seqpar/kernel/cpu_isa_simd.inl"
 #include "seqpar/kernel/cpu_isa_forward.inl"
+#include "seqpar/kernel/cpu_isa_decode.inl"
 #include "seqpar/kernel/cpu_isa_backward.inl"
 
 /// `Chains` independent chains of `rounds` vector FMAs (IsaKernels::fma_burst). A fold
@@ -42,6 +43,12 @@ struct IsaKernels {
                       TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h, std::int64_t i0,
                       std::int64_t bq, const ForwardScratch<A>& s) {
     forward_query_block<T, O, A>(q, k, v, out, lse, p, b, h, i0, bq, s);
+  }
+
+  /// See decode_task.
+  template <class T, class O, class A>
+  static void decode(const FlashDecode<T, O, A>& job, std::int64_t task, const ForwardScratch<A>& s) {
+    decode_task<T, O, A>(job, task, s);
   }
 
   /// See backward_task.

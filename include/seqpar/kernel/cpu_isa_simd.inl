@@ -222,41 +222,51 @@ struct FlashTile {
 /// C[M x NR vectors] = A B (Accumulate false), or C = C * alpha + A B (Accumulate true, alpha
 /// one value per lane). A is read by broadcast at a[r * a_row + k * a_k] (so it can be K
 /// rows, or V read column-wise, in the caller's strides); B row k is the contiguous panel at
-/// b + k * ldb. The M x NR accumulators stay in registers for the whole k loop.
-template <int M, bool Accumulate, class A>
+/// b + k * ldb. The M x NR accumulators stay in registers for the whole k loop. NR is 2 (a
+/// whole FlashTile panel) or 1 (half of one: the decode path's narrow query panels).
+template <int M, bool Accumulate, int NR = FlashTile<float>::nr, class A>
 inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb,
                        std::int64_t kdim, A* c, std::ptrdiff_t ldc, const A* alpha) {
   using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width;
-  static_assert(FlashTile<A>::nr == 2, "flash_tile is written for two vectors of lanes");
+  static_assert(NR == 1 || NR == 2, "flash_tile is written for one or two vectors of lanes");
   // Fold expressions over the row index keep every accumulator a named register value (a
-  // loop over an array of them may go through the stack).
+  // loop over an array of them may go through the stack). With NR = 1 the second set is dead
+  // code.
   [&]<int... R>(std::integer_sequence<int, R...>) {
     V acc0[M] = {((void)R, V{})...}, acc1[M] = {((void)R, V{})...};
     for (std::int64_t k = 0; k < kdim; ++k) {
       const A* ak = a + k * a_k;
-      const V b0 = simd_load(b + k * ldb), b1 = simd_load(b + k * ldb + W);
-      ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
-        acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
-       ...);
+      const V b0 = simd_load(b + k * ldb);
+      if constexpr (NR == 2) {
+        const V b1 = simd_load(b + k * ldb + W);
+        ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
+          acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
+         ...);
+      } else {
+        ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R])), ...);
+      }
     }
     if constexpr (Accumulate) {
-      const V al0 = simd_load(alpha), al1 = simd_load(alpha + W);
-      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R])),
-        simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))),
-       ...);
+      const V al0 = simd_load(alpha);
+      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R]))), ...);
+      if constexpr (NR == 2) {
+        const V al1 = simd_load(alpha + W);
+        ((simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))), ...);
+      }
     } else {
-      ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
+      ((simd_store(c + R * ldc, acc0[R])), ...);
+      if constexpr (NR == 2) ((simd_store(c + R * ldc + W, acc1[R])), ...);
     }
   }(std::make_integer_sequence<int, M>{});
 }
 
-/// flash_tile over `rows` rows: full MR tiles, then one tail tile of rows % MR. Tile t's A
+/// flash_tile over `rows` rows (NR vectors of lanes): full MR tiles, then one tail tile of rows % MR. Tile t's A
 /// starts at a + t * a_tile: MR * a_row for A in plain rows, or the size of one packed tile.
 /// Always inlined, so that each call's constant strides (a query panel's width, the scratch
 /// rows') fold into the micro-kernel: left to itself, GCC 12 stops inlining it once the
 /// forward or the backward passes its size limits, which costs them 2-4%.
-template <bool Accumulate, class A>
+template <bool Accumulate, int NR = FlashTile<float>::nr, class A>
 [[gnu::always_inline]] inline void flash_tiles(std::int64_t rows, const A* a, std::ptrdiff_t a_row,
                                                std::ptrdiff_t a_k, std::ptrdiff_t a_tile, const A* b,
                                                std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc,
@@ -264,12 +274,12 @@ template <bool Accumulate, class A>
   constexpr int MR = FlashTile<A>::mr;
   std::int64_t r0 = 0;
   for (; r0 + MR <= rows; r0 += MR, a += a_tile)
-    flash_tile<MR, Accumulate>(a, a_row, a_k, b, ldb, kdim, c + r0 * ldc, ldc, alpha);
+    flash_tile<MR, Accumulate, NR>(a, a_row, a_k, b, ldb, kdim, c + r0 * ldc, ldc, alpha);
   const int tail = static_cast<int>(rows - r0);
   if (tail == 0) return;
   c += r0 * ldc;
   [&]<int... T>(std::integer_sequence<int, T...>) {
-    ((tail == T + 1 ? flash_tile<T + 1, Accumulate>(a, a_row, a_k, b, ldb, kdim, c, ldc, alpha) : void()), ...);
+    ((tail == T + 1 ? flash_tile<T + 1, Accumulate, NR>(a, a_row, a_k, b, ldb, kdim, c, ldc, alpha) : void()), ...);
   }(std::make_integer_sequence<int, MR - 1>{});
 }
 

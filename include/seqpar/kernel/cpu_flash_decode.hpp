@@ -1,0 +1,114 @@
+#pragma once
+/// \file
+/// CpuFlashKernel's decode path: few query rows (a decode step's 1-16 new tokens per sequence)
+/// against a long run of keys (a KV cache shard), each row with its own visible keys
+/// (MaskView::row_key_end, or any other mask family).
+///
+/// The prefill loop is the wrong shape for it: it packs K and V once per query head and fills
+/// a 32-lane query panel with one row, so one query against 32K keys ran at ~0.7 GFLOP/s. Here
+/// one task takes every query row that reads one K/V head, all query heads of the GQA group at
+/// once (rows = new tokens x group heads, token-major), against one chunk of that head's keys:
+///  - S^T = K Q^T reads K in place (broadcast from the caller's rows), the rows in the lanes
+///    of one or two vectors (whichever is the narrowest that holds them);
+///  - O += P V reads V in place (contiguous vectors of the caller's rows), head dims in the
+///    lanes, so a single query row wastes no lane;
+///  - K and V are read once per step for all heads of the group, which is what bounds decode
+///    (memory bandwidth), and nothing is packed.
+/// With several threads and too few (batch x K/V head) groups to keep them busy, each group's
+/// keys are split into chunks (flash-decoding): every chunk gives each row a partial (O, LSE),
+/// and a second pass merges the chunks in order with merge_row, exactly. The partials live in
+/// one buffer of the kernel, sized on the first call of a shape and reused after.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "seqpar/core/tensor_view.hpp"
+#include "seqpar/core/types.hpp"
+#include "seqpar/kernel/cpu_flash_scratch.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/kernel/merge_state.hpp"
+
+namespace seqpar::detail {
+
+/// Most query rows per sequence that take the decode path (DecodeProblem's new_tokens bound).
+inline constexpr std::int64_t decode_max_queries = 16;
+
+/// Fewest keys per chunk when a group's keys are split over threads: below, the chunk's fixed
+/// costs (packing its queries, writing and merging a partial) stop being small.
+inline constexpr std::int64_t decode_min_chunk = 512;
+
+/// One decode-shaped forward call: the tensors, the parameters and the split into tasks
+/// (batch element x K/V head x key chunk).
+template <class T, class O, class A>
+struct FlashDecode {
+  TensorView<const T> q;  ///< [B, Sq, H, D], Sq <= decode_max_queries
+  TensorView<const T> k;  ///< [B, Sk, Hkv, D]
+  TensorView<const T> v;  ///< [B, Sk, Hkv, D]
+  TensorView<O> out;      ///< [B, Sq, H, D]
+  TensorView<A> lse;      ///< [B, Sq, H, 1], or absent
+  const KernelParams& p;  ///< scale, mask, head map
+  std::int64_t chunks = 1;  ///< key chunks per group (1: each task writes its rows' output)
+  A* part = nullptr;        ///< chunks > 1: per (group, chunk, row) the chunk's O (dim) then its LSE
+
+  /// Whether a forward call of this shape takes the decode path: few query rows, every group
+  /// of rows fits one forward scratch, and K/V readable in place (T = A).
+  static bool applies(TensorView<const T> q, TensorView<const T> k, const KernelParams& p) {
+    return std::is_same_v<T, A> && q.seq() >= 1 && q.seq() <= decode_max_queries && k.heads() >= 1 &&
+           q.seq() * group_heads(q, p) <= fwd_block_q;
+  }
+  /// Most local query heads that read one K/V head.
+  static std::int64_t group_heads(TensorView<const T> q, const KernelParams& p) {
+    return std::min(p.group_size, q.heads());
+  }
+  /// Key chunks per group for `threads` threads: enough tasks for about four per thread, no
+  /// chunk under decode_min_chunk keys.
+  static std::int64_t chunk_count(int threads, TensorView<const T> q, TensorView<const T> k) {
+    if (threads <= 1) return 1;
+    const std::int64_t groups = q.batch() * k.heads(), want = (4 * threads + groups - 1) / groups;
+    return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, k.seq() / decode_min_chunk));
+  }
+
+  /// (batch element, K/V head) groups.
+  std::int64_t groups() const { return q.batch() * k.heads(); }
+  /// Tasks of the first pass: groups x chunks.
+  std::int64_t tasks() const { return groups() * chunks; }
+  /// Rows of the largest group.
+  std::int64_t max_rows() const { return q.seq() * group_heads(q, p); }
+  /// The local query heads [first, second) that read local K/V head `kh`.
+  std::pair<std::int64_t, std::int64_t> heads(std::int64_t kh) const {
+    const std::int64_t g = kh + p.kv_head_begin;
+    return {std::max<std::int64_t>(0, g * p.group_size - p.q_head_begin),
+            std::min(q.heads(), (g + 1) * p.group_size - p.q_head_begin)};
+  }
+  /// Bytes of the partials for `chunks` chunks (0 when there is one).
+  std::size_t part_bytes() const {
+    return chunks > 1 ? static_cast<std::size_t>(tasks() * max_rows() * (q.dim() + 1)) * sizeof(A) : 0;
+  }
+  /// Row `r` of chunk `c` of group `g` in the partials: dim values of O, then the LSE.
+  A* part_row(std::int64_t g, std::int64_t c, std::int64_t r) const {
+    return part + ((g * chunks + c) * max_rows() + r) * (q.dim() + 1);
+  }
+
+  /// Second pass, for group `g`: merges each row's chunks in order (merge_row) into out, lse.
+  void merge(std::int64_t g) const {
+    const std::int64_t dim = q.dim(), b = g / k.heads(), kh = g % k.heads();
+    const auto [h0, h1] = heads(kh);
+    const std::int64_t gh = h1 - h0;
+    for (std::int64_t r = 0; r < q.seq() * gh; ++r) {
+      A* o = part_row(g, 0, r);
+      A l = o[dim];
+      for (std::int64_t c = 1; c < chunks; ++c) {
+        const A* oc = part_row(g, c, r);
+        merge_row<A>(o, l, oc, oc[dim], dim);
+      }
+      O* dst = out.row(b, r / gh, h0 + r % gh);
+      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(o[d]);
+      if (!lse.absent()) lse(b, r / gh, h0 + r % gh) = l;
+    }
+  }
+};
+
+}  // namespace seqpar::detail
