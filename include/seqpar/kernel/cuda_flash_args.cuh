@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "seqpar/core/cuda_types.hpp"
+#include "seqpar/core/mask.hpp"
 #include "seqpar/kernel/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
@@ -29,7 +30,7 @@ struct FwdArgs {
   std::int64_t sq, sk;
   int dim;
   float scale_log2;  // softmax scale * log2(e)
-  bool causal;
+  MaskView mask;     // causal merged in; tables in device memory (DeviceMaskTables)
   tile::Positions qpos, kpos;
   tile::HeadMap heads;
 };
@@ -44,7 +45,7 @@ struct BwdArgs {
   int dim;
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e)
-  bool causal;
+  MaskView mask;     // causal merged in; tables in device memory (DeviceMaskTables)
   tile::Positions qpos, kpos;
   tile::HeadMap heads;
 };
@@ -66,9 +67,6 @@ __device__ __forceinline__ bool warp_any(bool x) {
   for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, o);
   return v != 0;
 }
-
-/// A query position after every key: the row of a non-causal call, or past the tile, hides none.
-inline constexpr std::int64_t no_position = std::numeric_limits<std::int64_t>::max();
 
 /// What the backward needs per query row besides Q and dO: D_i = rowsum(dO * O) into sD and
 /// the LSE in log2 units into sL, for query rows i0 .. i0 + nq of head h; each warp fills ROWS

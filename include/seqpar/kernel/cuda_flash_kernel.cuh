@@ -1,8 +1,10 @@
 #pragma once
 /// \file
 /// CudaFlashKernel: flash attention on NVIDIA GPUs for __half, __nv_bfloat16 and float inputs,
-/// float32 accumulation and a natural-log float32 LSE, with the causal mask taken from global
-/// positions and GQA through KernelParams. It models LocalAttentionKernel in CudaSpace.
+/// float32 accumulation and a natural-log float32 LSE, with every mask family of core/mask.hpp
+/// (causal of either alignment, windows, packed documents, key padding, decode's per-row key
+/// ends: supports_masks) taken from global positions, and GQA, through KernelParams. It models
+/// LocalAttentionKernel in CudaSpace.
 ///
 /// Two forward paths, chosen per call:
 /// - tensor cores (sm_80+, half/bf16, head_dim 64 or 128, 16-byte aligned rows): 64 query
@@ -12,10 +14,10 @@
 ///   (the V load overlaps Q K^T, the next K load overlaps softmax and P V);
 /// - SIMT (every type, any head_dim <= 256, any strides): 32 x 32 tiles, one warp per eight
 ///   query rows, float in shared memory.
-/// Both walk key tiles with the online softmax of kernel/tile_math.hpp, skip tiles a causal
-/// mask hides (and stop at the first: positions increase), and test the mask per element
-/// only on tiles it cuts. Query tiles are launched last-first so the heaviest causal tiles
-/// start early.
+/// Both walk key tiles with the online softmax of kernel/tile_math.hpp over the keys their
+/// rows see (each row sees one contiguous run of keys: kernel/cuda_flash_mask.cuh), skip tiles
+/// the mask hides, and test the mask per element only on tiles it cuts. Query tiles are
+/// launched last-first so the heaviest causal tiles start early.
 ///
 /// Backward follows the LocalAttentionKernel contract: it recomputes P from the saved LSE and
 /// ADDS into float dq, dk, dv with atomics, so ring steps and query heads sharing a K/V head
@@ -27,7 +29,10 @@
 ///   mma.sync with ldmatrix operands, P and dS fed back from the accumulators as A operands;
 /// - SIMT (every type, any head_dim <= 256): float in shared memory.
 ///
-/// Every launch goes on `stream()`; nothing synchronises the host and nothing is allocated.
+/// Every launch goes on `stream()`; nothing synchronises the host and nothing is allocated,
+/// except when a call's mask tables (documents, key padding, row key ends) differ from the
+/// previous call's: the kernel object then uploads them to a device buffer of its own (see
+/// cuda_detail::DeviceMaskTables: repeated calls with the same plan copy nothing).
 ///
 /// This header holds the host class and what it launches with; the device code is split by
 /// path: kernel/cuda_flash_args.cuh (argument blocks and shared helpers),
@@ -40,12 +45,14 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <type_traits>
 
 #include "seqpar/core/cuda_error.hpp"
 #include "seqpar/core/cuda_types.hpp"
 #include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_flash_mask.cuh"
 #include "seqpar/kernel/cuda_flash_simt.cuh"
 #include "seqpar/kernel/cuda_flash_tensor_core_backward.cuh"
 #include "seqpar/kernel/cuda_flash_tensor_core_forward.cuh"
@@ -106,6 +113,7 @@ class CudaFlashKernel {
   static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
   using memory_space = CudaSpace;                 ///< device tensors
   static constexpr std::int64_t max_head_dim = 256;  ///< largest head_dim supported
+  static constexpr bool supports_masks = true;       ///< windows, documents, key padding, row key ends
 
   /// A kernel that launches on the legacy default stream (set_stream changes it).
   CudaFlashKernel() = default;
@@ -203,6 +211,9 @@ class CudaFlashKernel {
     SEQPAR_CHECK(v.seq() == k.seq() && v.heads() == k.heads(), ConfigError, "CudaFlashKernel::", what,
                  ": v: expected k's seq ", k.seq(), " and heads ", k.heads(), ", got ", v.seq(), " and ", v.heads());
     check_same("out", out, q.extent);
+    // KeySpan holds local key indices as int.
+    SEQPAR_CHECK(k.seq() <= std::numeric_limits<int>::max() - 1, ConfigError, "CudaFlashKernel::", what,
+                 ": k.seq: expected <= ", std::numeric_limits<int>::max() - 1, ", got ", k.seq());
   }
 
   template <class T>
@@ -290,6 +301,7 @@ class CudaFlashKernel {
   int query_tile_ = 64;
   mutable int cached_device_ = -1;
   mutable int cached_major_ = 0;
+  mutable cuda_detail::DeviceMaskTables masks_;  // the device copy of the mask tables
 };
 
 // forward and backward are defined outside the class so that they are not inline: a program can
@@ -308,7 +320,7 @@ void CudaFlashKernel::forward(TensorView<const T, CudaSpace> q, TensorView<const
   cuda_detail::FwdArgs<T, O> a{cuda_detail::device_view(q), cuda_detail::device_view(k), cuda_detail::device_view(v),
                                cuda_detail::device_view(out), cuda_detail::device_view(lse),
                                q.seq(), k.seq(), static_cast<int>(q.dim()),
-                               static_cast<float>(p.scale) * tile::log2e, p.causal,
+                               static_cast<float>(p.scale) * tile::log2e, masks_.view(p, q.batch(), stream_),
                                tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
                                tile::HeadMap::from(p)};
   if (lse.absent()) a.lse.data = nullptr;
@@ -350,7 +362,7 @@ void CudaFlashKernel::backward(TensorView<const T, CudaSpace> dout, TensorView<c
                             cuda_detail::device_view(v), cuda_detail::device_view(out), cuda_detail::device_view(lse),
                             cuda_detail::device_view(dq), cuda_detail::device_view(dk), cuda_detail::device_view(dv),
                             q.seq(), k.seq(), static_cast<int>(q.dim()), static_cast<float>(p.scale),
-                            static_cast<float>(p.scale) * tile::log2e, p.causal,
+                            static_cast<float>(p.scale) * tile::log2e, masks_.view(p, q.batch(), stream_),
                             tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
                             tile::HeadMap::from(p)};
   if constexpr (!std::is_same_v<T, float>) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_flash_mask.cuh"
 #include "seqpar/kernel/cuda_launch.cuh"
 #include "seqpar/kernel/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
@@ -39,23 +40,21 @@ constexpr std::size_t simt_fwd_smem(int dim, int dc) {
           static_cast<std::size_t>(simt_bk) * 32 * dc + static_cast<std::size_t>(simt_bq) * simt_bk);
 }
 
-/// O += P V for this warp's rows over the tile's nk keys (P in sP, V in sV with rows of Dv).
-/// CUT (a tile the causal mask cuts): a key a row does not see adds exactly 0 to it whatever V
-/// holds (its weight is 0, but 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
-template <int DC, bool CUT, class T, class O>
+/// O += P V for this warp's rows over the tile's nk keys from local key j0 (P in sP, V in sV
+/// with rows of Dv). CUT (a tile the mask cuts): a key a row does not see (span `rs`) adds
+/// exactly 0 to it whatever V holds (its weight is 0, but 0 x NaN = NaN); fully visible tiles
+/// take CUT = false, unchanged.
+template <int DC, bool CUT>
 __device__ __forceinline__ void simt_add_pv(float (&o)[simt_rows][DC], const float* sP, const float* sV, int Dv,
-                                            int nk, const FwdArgs<T, O>& a, std::int64_t j0,
-                                            const std::int64_t (&qp)[simt_rows]) {
+                                            int nk, std::int64_t j0, const KeySpan (&rs)[simt_rows]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int j = 0; j < nk; ++j) {
     float vv[DC];
 #pragma unroll
     for (int c = 0; c < DC; ++c) vv[c] = sV[j * Dv + lane + 32 * c];
-    std::int64_t kp = 0;
-    if constexpr (CUT) kp = a.kpos(j0 + j);
 #pragma unroll
     for (int rr = 0; rr < simt_rows; ++rr) {
-      if (CUT && kp > qp[rr]) continue;
+      if (CUT && !rs[rr].sees(j0 + j)) continue;
       const float p = sP[(warp * simt_rows + rr) * simt_bk + j];
 #pragma unroll
       for (int c = 0; c < DC; ++c) o[rr][c] += p * vv[c];
@@ -84,23 +83,26 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
     const int r = idx / Dp, d = idx - r * Dp;
     sQ[idx] = (r < nq && d < D) ? to_float(a.q.row(b, i0 + r, h)[d]) * a.scale_log2 : 0.0f;
   }
+  __shared__ KeySpan spans[simt_bq];  // each row's visible keys
+  fill_spans<simt_bq>(spans, a, b, i0, nq);
+  __syncthreads();
   float m[simt_rows], l[simt_rows], o[simt_rows][DC];
-  std::int64_t qp[simt_rows];
+  KeySpan rs[simt_rows];
 #pragma unroll
   for (int rr = 0; rr < simt_rows; ++rr) {
     m[rr] = -INFINITY;
     l[rr] = 0.0f;
 #pragma unroll
     for (int c = 0; c < DC; ++c) o[rr][c] = 0.0f;
-    const int r = warp * simt_rows + rr;
-    qp[rr] = (a.causal && r < nq) ? a.qpos(i0 + r) : no_position;
+    rs[rr] = spans[warp * simt_rows + rr];
   }
-  const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
-
-  for (std::int64_t j0 = 0; j0 < a.sk; j0 += simt_bk) {
-    const int nk = static_cast<int>(a.sk - j0 < simt_bk ? a.sk - j0 : simt_bk);
-    const tile::TileMask mask = tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(j0 + nk - 1));
-    if (mask == tile::TileMask::hidden) break;
+  // The block's keys: from its first row's first to its last row's last (spans increase);
+  // keys past the last are neither loaded nor tested.
+  const std::int64_t k_end = spans[nq - 1].last + std::int64_t{1};
+  for (std::int64_t j0 = spans[0].first; j0 < k_end; j0 += simt_bk) {
+    const int nk = static_cast<int>(k_end - j0 < simt_bk ? k_end - j0 : simt_bk);
+    const tile::TileMask mask = classify_rows(spans, nq, j0, j0 + nk - 1);
+    if (mask == tile::TileMask::hidden) continue;
     __syncthreads();  // the previous tile's K, V, P are consumed
     for (int idx = tid; idx < simt_bk * Dp; idx += simt_threads) {
       const int j = idx / Dp, d = idx - j * Dp;
@@ -125,10 +127,9 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
       }
     }
     const bool key_ok = lane < nk;
-    const std::int64_t kp = (mask == tile::TileMask::partial && key_ok) ? a.kpos(j0 + lane) : 0;
 #pragma unroll
     for (int rr = 0; rr < simt_rows; ++rr) {
-      const bool visible = key_ok && (mask != tile::TileMask::partial || kp <= qp[rr]);
+      const bool visible = key_ok && (mask != tile::TileMask::partial || rs[rr].sees(j0 + lane));
       const float x = visible ? s[rr] : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(x));
       const float alpha = tile::rescale_factor(m[rr], m_new);
@@ -141,9 +142,9 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
     }
     __syncwarp();
     if (mask == tile::TileMask::partial)
-      simt_add_pv<DC, true>(o, sP, sV, Dv, nk, a, j0, qp);
+      simt_add_pv<DC, true>(o, sP, sV, Dv, nk, j0, rs);
     else
-      simt_add_pv<DC, false>(o, sP, sV, Dv, nk, a, j0, qp);
+      simt_add_pv<DC, false>(o, sP, sV, Dv, nk, j0, rs);
   }
 
 #pragma unroll
@@ -176,24 +177,23 @@ constexpr std::size_t simt_bwd_smem(int dim) {
 
 /// dQ += scale * dS K for this warp's rows of the query tile (dS in sS, K in sK, strides as
 /// flash_bwd_simt's): warp rows, lane columns; other key tiles add to the same rows. CUT (a
-/// tile the causal mask cuts): a key a row does not see adds exactly 0 whatever K holds (its
-/// dS is 0, but 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
+/// tile the mask cuts): a key a row does not see (its span in `spans`) adds exactly 0 whatever
+/// K holds (its dS is 0, but 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
 template <int DC, bool CUT, class T>
 __device__ __forceinline__ void simt_add_dq(const BwdArgs<T>& a, const float* sS, const float* sK, int nq, int nk,
-                                            std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t j0) {
+                                            std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t j0,
+                                            const KeySpan* spans) {
   const int D = a.dim, Dp = simt_padded_dim(D), Ks = Dp + 1, Ps = bwd_bk + 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
   for (int rr = 0; rr < bwd_rows; ++rr) {
     const int r = warp * bwd_rows + rr;
     if (r >= nq) continue;
-    std::int64_t qp = 0;
-    if constexpr (CUT) qp = a.qpos(i0 + r);
     float acc[DC];
 #pragma unroll
     for (int c = 0; c < DC; ++c) acc[c] = 0.0f;
     for (int j = 0; j < nk; ++j) {
-      if (CUT && a.kpos(j0 + j) > qp) continue;
+      if (CUT && !spans[r].sees(j0 + j)) continue;
       const float ds = sS[r * Ps + j];
 #pragma unroll
       for (int c = 0; c < DC; ++c) {
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
     sK[j * Ks + d] = ok ? to_float(a.k.row(b, j0 + j, kh)[d]) : 0.0f;
     sV[j * Ks + d] = ok ? to_float(a.v.row(b, j0 + j, kh)[d]) : 0.0f;
   }
-  const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
-  const std::int64_t kp = (a.causal && lane < nk) ? a.kpos(j0 + lane) : 0;
+  __shared__ KeySpan spans[bwd_bq];  // the query tile's rows' visible keys (on cut tiles)
+  const std::int64_t j_last = j0 + nk - 1;
 
   // dK, dV of keys warp * 8 + kk, columns lane + 32 c.
   float dk[bwd_rows][DC], dv[bwd_rows][DC];
@@ -247,10 +247,12 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
 #pragma unroll
     for (int c = 0; c < DC; ++c) dk[kk][c] = dv[kk][c] = 0.0f;
 
-  for (std::int64_t i0 = 0; i0 < a.sq; i0 += bwd_bq) {
+  // Query tiles from the first row that sees a key of the tile, up to the first row whose span
+  // starts after it.
+  for (std::int64_t i0 = next_query_tile(a, b, first_row_reaching(a, b, j0), bwd_bq, j0, j_last); i0 < a.sq;
+       i0 = next_query_tile(a, b, i0 + bwd_bq, bwd_bq, j0, j_last)) {
     const int nq = static_cast<int>(a.sq - i0 < bwd_bq ? a.sq - i0 : bwd_bq);
-    const tile::TileMask mask = tile::classify_tile(a.causal, a.qpos(i0), a.qpos(i0 + nq - 1), k_first, k_last);
-    if (mask == tile::TileMask::hidden) continue;
+    const tile::TileMask mask = classify_query_tile(a, b, i0, nq, j0, j_last);
     __syncthreads();  // the previous query tile is consumed
     for (int idx = tid; idx < bwd_bq * Dp; idx += bwd_threads) {
       const int r = idx / Dp, d = idx - r * Dp;
@@ -259,6 +261,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
       sO[idx] = ok ? to_float(a.dout.row(b, i0 + r, h)[d]) : 0.0f;
     }
     backward_row_stats<bwd_rows>(a, b, h, i0, nq, sD, sL);
+    if (mask == tile::TileMask::partial) fill_spans<bwd_bq>(spans, a, b, i0, nq);
     __syncthreads();
 
     // P and dS: lane = key, warp rows.
@@ -277,7 +280,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
         dp += g4.x * vr[d] + g4.y * vr[d + 1] + g4.z * vr[d + 2] + g4.w * vr[d + 3];
       }
       bool visible = lane < nk && r < nq && sL[r] != -INFINITY;
-      if (visible && mask == tile::TileMask::partial) visible = kp <= a.qpos(i0 + r);
+      if (visible && mask == tile::TileMask::partial) visible = spans[r].sees(j0 + lane);
       const float p = visible ? tile::exp2_fast(s * a.scale_log2 - sL[r]) : 0.0f;
       sP[r * Ps + lane] = p;
       // Not p * (...) alone: a hidden key's dP is NaN when its V is, and 0 x NaN = NaN.
@@ -305,9 +308,9 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
       }
     }
     if (mask == tile::TileMask::partial)
-      simt_add_dq<DC, true>(a, sS, sK, nq, nk, b, h, i0, j0);
+      simt_add_dq<DC, true>(a, sS, sK, nq, nk, b, h, i0, j0, spans);
     else
-      simt_add_dq<DC, false>(a, sS, sK, nq, nk, b, h, i0, j0);
+      simt_add_dq<DC, false>(a, sS, sK, nq, nk, b, h, i0, j0, spans);
   }
 
 #pragma unroll

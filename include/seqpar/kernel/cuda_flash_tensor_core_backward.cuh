@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_flash_mask.cuh"
 #include "seqpar/kernel/cuda_flash_mma.cuh"
 #include "seqpar/kernel/cuda_launch.cuh"
 #include "seqpar/kernel/cuda_ops.cuh"
@@ -35,22 +36,25 @@ template <int D>
 inline constexpr int mma_bwd_bq = D <= 64 ? 64 : 32;
 
 /// Dynamic shared memory of the tensor-core backward: K, V [64][D + 8] for the whole block;
-/// Q, dO [BQ][D + 8] and dS [BQ][64 + 8] (T) per query tile; D_i and LSE [BQ] (float).
+/// Q, dO [BQ][D + 8] and dS [BQ][64 + 8] (T) per query tile; D_i and LSE [BQ] (float); the
+/// rows' key spans [BQ].
 template <class T, int D>
 constexpr std::size_t mma_bwd_smem() {
   constexpr std::size_t bq = mma_bwd_bq<D>;
-  return sizeof(T) * ((2 * mma_bwd_bk + 2 * bq) * (D + 8) + bq * (mma_bwd_bk + 8)) + 2 * sizeof(float) * bq;
+  return sizeof(T) * ((2 * mma_bwd_bk + 2 * bq) * (D + 8) + bq * (mma_bwd_bk + 8)) + 2 * sizeof(float) * bq +
+         sizeof(KeySpan) * bq;
 }
 
 /// P^T and dS^T of one query tile on the accumulators of S^T (in s) and dP^T (in dp): row =
 /// key, column = query (a column past nq has LSE = -inf). dS^T also goes to shared memory as
-/// dS, for dQ = dS K, which needs every warp's keys. CUT (a tile the causal mask cuts): a
-/// (key, query) pair the mask hides gets P = dS = 0 exactly, whatever its dP (NaN when the
-/// key's V is: 0 x NaN = NaN); fully visible tiles take CUT = false, unchanged.
+/// dS, for dQ = dS K, which needs every warp's keys. CUT (a tile the mask cuts): a (key,
+/// query) pair the mask hides (the query's span in `spans` misses local key `kj`) gets P =
+/// dS = 0 exactly, whatever its dP (NaN when the key's V is: 0 x NaN = NaN); fully visible
+/// tiles take CUT = false, unchanged.
 template <class T, int D, bool CUT>
 __device__ __forceinline__ void bwd_p_ds(float (&s)[mma_bwd_bq<D> / 8][4], float (&dp)[mma_bwd_bq<D> / 8][4],
-                                         const bool (&key_ok)[2], const std::int64_t (&kp)[2], const BwdArgs<T>& a,
-                                         std::int64_t i0, int key0, const float* sL, const float* sD, T* sS) {
+                                         const bool (&key_ok)[2], const std::int64_t (&kj)[2], const KeySpan* spans,
+                                         const BwdArgs<T>& a, int key0, const float* sL, const float* sD, T* sS) {
   constexpr int ds_stride = mma_bwd_bk + 8;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -61,7 +65,7 @@ __device__ __forceinline__ void bwd_p_ds(float (&s)[mma_bwd_bq<D> / 8][4], float
       const int col = nt * 8 + c.col;
       const float lse = sL[col];
       bool visible = key_ok[i >> 1] && lse != -INFINITY;
-      if (CUT && visible) visible = kp[i >> 1] <= a.qpos(i0 + col);
+      if (CUT && visible) visible = spans[col].sees(kj[i >> 1]);
       const float p = visible ? tile::exp2_fast(s[nt][i] * a.scale_log2 - lse) : 0.0f;
       s[nt][i] = p;
       if constexpr (CUT)
@@ -74,7 +78,7 @@ __device__ __forceinline__ void bwd_p_ds(float (&s)[mma_bwd_bq<D> / 8][4], float
 
 /// dQ += scale dS K for one query tile of nq rows: warp task rows 16 rb .. 16 rb + 15 (A = dS
 /// rows from sS), head-dim n-tiles of column group cg (B = K from sK); float atomics, since other
-/// key blocks add to the same rows. CUT (a tile the causal mask cuts): the K operands' NaN and
+/// key blocks add to the same rows. CUT (a tile the mask cuts): the K operands' NaN and
 /// +-Inf elements are replaced by 0, so that a key hidden from a row (dS = 0) adds exactly 0
 /// to it, and the rows that do see such an element get dS_ij K_jd back in float (the reference's
 /// NaN or Inf); fully visible tiles take CUT = false, unchanged.
@@ -110,21 +114,20 @@ __device__ __forceinline__ void bwd_add_dq(const BwdArgs<T>& a, const T* sS, con
     }
     if (CUT && warp_any(zeroed)) {
       // This lane's rows (C rows g, g + 8) and columns ((n + t) 8 + 2 (lane % 4) + e).
-      std::int64_t qp[2];
+      KeySpan rsp[2];  // (the shared spans may already hold the next tile's)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = 16 * rb + tile::mma_c_coord(lane, 2 * hf).row;
-        qp[hf] = row < nq ? a.qpos(i0 + row) : -1;  // -1: a row past nq sees nothing
+        rsp[hf] = row < nq ? row_span(a, b, i0 + row) : KeySpan{0, -1};
       }
       for (int j = 0; j < nk; ++j) {
-        const std::int64_t kpj = a.kpos(j0 + j);
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const tile::FragCoord c = tile::mma_c_coord(lane, i);
             const T x = sK[j * stride + (n + t) * 8 + c.col];
-            if (nonfinite(x) && kpj <= qp[i >> 1])
+            if (nonfinite(x) && rsp[i >> 1].sees(j0 + j))
               acc[t][i] += to_float(sS[(16 * rb + c.row) * ds_stride + j]) * to_float(x);
           }
       }
@@ -163,6 +166,7 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   T* sS = sG + bq * stride;  // dS, [query][key]
   float* sL = reinterpret_cast<float*>(sS + bq * ds_stride);
   float* sD = sL + bq;
+  KeySpan* spans = reinterpret_cast<KeySpan*>(sD + bq);  // the query tile's rows' visible keys
 
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * bk;
   const std::int64_t h = blockIdx.y, b = blockIdx.z;
@@ -171,35 +175,29 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int key0 = warp * 16;  // this warp's first key in the tile
 
-  const std::int64_t k_first = a.kpos(j0), k_last = a.kpos(j0 + nk - 1);
+  const std::int64_t j_last = j0 + nk - 1;
   auto rows_of = [&](std::int64_t i0) { return static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq); };
-  auto tile_mask = [&](std::int64_t i0) {
-    return tile::classify_tile(a.causal, a.qpos(i0), a.qpos(i0 + rows_of(i0) - 1), k_first, k_last);
-  };
-  // The first query tile at or after i0 that sees a key of this block (positions increase, so
-  // the hidden tiles of a causal mask come first), or sq.
-  auto next_tile = [&](std::int64_t i0) {
-    while (i0 < a.sq && tile_mask(i0) == tile::TileMask::hidden) i0 += bq;
-    return i0;
-  };
+  auto tile_mask = [&](std::int64_t i0) { return classify_query_tile(a, b, i0, rows_of(i0), j0, j_last); };
+  auto next_tile = [&](std::int64_t i0) { return next_query_tile(a, b, i0, bq, j0, j_last); };
   auto start_tile = [&](std::int64_t i0) {
     const int nq = rows_of(i0);
     load_tile_async<T, D, bq>(sQ, a.q, b, i0, h, nq);
     load_tile_async<T, D, bq>(sG, a.dout, b, i0, h, nq);
     cp_async_commit();
     backward_row_stats<bq / 4>(a, b, h, i0, nq, sD, sL);
+    fill_spans<bq>(spans, a, b, i0, nq);
   };
-  std::int64_t i0 = next_tile(0);
+  std::int64_t i0 = next_tile(first_row_reaching(a, b, j0));
   if (i0 >= a.sq) return;  // no query sees these keys: nothing to add (the same for every thread)
 
   // This lane's keys: accumulator rows g and g + 8 of the warp's 16.
   bool key_ok[2];
-  std::int64_t kp[2];
+  std::int64_t kj[2];  // local indices
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int kr = key0 + tile::mma_c_coord(lane, 2 * hf).row;
     key_ok[hf] = kr < nk;
-    kp[hf] = key_ok[hf] ? a.kpos(j0 + kr) : 0;
+    kj[hf] = j0 + kr;
   }
   float dk[nt_d][4], dv[nt_d][4];
 #pragma unroll
@@ -236,9 +234,9 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
     }
     const bool cut = mask == tile::TileMask::partial;
     if (cut)
-      bwd_p_ds<T, D, true>(s, dp, key_ok, kp, a, i0, key0, sL, sD, sS);
+      bwd_p_ds<T, D, true>(s, dp, key_ok, kj, spans, a, key0, sL, sD, sS);
     else
-      bwd_p_ds<T, D, false>(s, dp, key_ok, kp, a, i0, key0, sL, sD, sS);
+      bwd_p_ds<T, D, false>(s, dp, key_ok, kj, spans, a, key0, sL, sD, sS);
 #pragma unroll
     for (int kc = 0; kc < bq / 16; ++kc) {
       std::uint32_t pa[4], da[4];
@@ -254,7 +252,7 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
         mma_x2<true>(dk[n], dk[n + 1], da, sQ + kc * 16 * stride + n * 8 + off_t);
       }
     }
-    __syncthreads();  // dS is complete; every warp is done with sQ, sG, sL, sD
+    __syncthreads();  // dS is complete; every warp is done with sQ, sG, sL, sD, spans
     const std::int64_t i1 = next_tile(i0 + bq);
     if (i1 < a.sq) start_tile(i1);  // lands while dQ is computed
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda_flash_mask.cuh"
 #include "seqpar/kernel/cuda_flash_mma.cuh"
 #include "seqpar/kernel/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
@@ -33,7 +34,7 @@ constexpr std::size_t mma_fwd_smem() {
   return MT == 1 ? 0 : sizeof(T) * static_cast<std::size_t>(mma_block_rows<MT> + 2 * mma_bk) * (D + 8);
 }
 
-/// Block-wide, on a key tile the causal mask cuts: replaces each NaN and +-Inf element of the
+/// Block-wide, on a key tile the mask cuts: replaces each NaN and +-Inf element of the
 /// [mma_bk][D + 8] V tile in shared memory by 0, so that P V adds exactly 0 for a key hidden
 /// from a row (its weight P is 0, but 0 x NaN = NaN). Two threads per key: thread t scans half
 /// t % 2 of key t / 2's row and sets bad[t] when it replaced anything. Returns whether any
@@ -65,14 +66,14 @@ __device__ __forceinline__ bool zero_nonfinite_keys(T* tile, int* bad, int* bad_
 /// On a tile whose V zero_nonfinite_keys cleaned (for P V): gives back to each row that sees
 /// key j the terms P_ij V_jd of the NaN and +-Inf elements V_jd (read again from global
 /// memory), in float, so that exactly the rows that see a non-finite value get it, as the
-/// reference's do. `p`: the tile's P accumulators; `qp`: the positions of this thread's rows;
+/// reference's do. `p`: the tile's P accumulators; `rs`: the spans of this thread's rows;
 /// `bad`: zero_nonfinite_keys's marks. Every index into p and oacc is a compile-time constant,
 /// so that they stay in registers (a run-time index would put them in local memory for the
 /// whole kernel): P element e of n-tile nt in the lane `lane ^ m` of the quad is the row's
 /// weight of key 8 nt + 2 ((lane % 4) ^ m) + e, which each lane takes with a shuffle.
 template <class T, class O, int D, int MT>
 __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4], const float (&p)[MT][mma_bk / 8][4],
-                                                    const std::int64_t (&qp)[MT][2], const FwdArgs<T, O>& a,
+                                                    const KeySpan (&rs)[MT][2], const FwdArgs<T, O>& a,
                                                     std::int64_t b, std::int64_t kh, std::int64_t j0,
                                                     const int* bad) {
   const int quad = threadIdx.x & 3;
@@ -93,7 +94,6 @@ __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4],
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) pj[mt][hf] = __shfl_xor_sync(0xffffffffu, p[mt][nt][2 * hf + e], m);
         if (!(bad[2 * j] | bad[2 * j + 1])) continue;
-        const std::int64_t kpj = a.kpos(j0 + j);
         const T* vr = a.v.row(b, j0 + j, kh);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
@@ -105,7 +105,7 @@ __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4],
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
               for (int hf = 0; hf < 2; ++hf)
-                if (kpj <= qp[mt][hf]) oacc[mt][n][2 * hf + c] += pj[mt][hf] * to_float(x);
+                if (rs[mt][hf].sees(j0 + j)) oacc[mt][n][2 * hf + c] += pj[mt][hf] * to_float(x);
           }
       }
   }
@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   T* sV;
   T* sQ;
   __shared__ int bad_keys[mma_threads], bad_warps[mma_threads / 32];  // zero_nonfinite_keys's marks
+  __shared__ KeySpan spans[bq];                                       // each row's visible keys
   if constexpr (MT == 1) {
     __shared__ __align__(16) T sK1[mma_bk * stride];
     __shared__ __align__(16) T sV1[mma_bk * stride];
@@ -147,6 +148,8 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
 
   load_tile_async<T, D, bq>(sQ, a.q, b, i0, h, nq);
   cp_async_commit();
+  fill_spans<bq>(spans, a, b, i0, nq);
+  __syncthreads();
   // MT = 1: Q as A fragments in registers for the whole block. MT = 2: Q stays in shared
   // memory; its group completes with the first K tile's wait below.
   std::uint32_t qf[MT == 1 ? kc_steps : 1][4];
@@ -179,19 +182,25 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   };
 
   // This thread's query rows: C fragment rows g and g + 8 of each of its warp's m-tiles.
-  std::int64_t qp[MT][2];
+  KeySpan rs[MT][2];
   int rows[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       rows[mt][hf] = warp_row + 16 * mt + tile::mma_c_coord(lane, 2 * hf).row;
-      qp[mt][hf] = (a.causal && rows[mt][hf] < nq) ? a.qpos(i0 + rows[mt][hf]) : no_position;
+      rs[mt][hf] = spans[rows[mt][hf]];
     }
-  const std::int64_t q_first = a.qpos(i0), q_last = a.qpos(i0 + nq - 1);
-  auto tile_mask = [&](std::int64_t j0) {
-    const std::int64_t last = (a.sk - j0 < mma_bk ? a.sk : j0 + mma_bk) - 1;
-    return tile::classify_tile(a.causal, q_first, q_last, a.kpos(j0), a.kpos(last));
+  // The block's keys: from its first row's first to its last row's last (spans increase);
+  // keys past the last are neither loaded nor tested.
+  // Local key indices fit an int (the host checks): fewer registers than int64.
+  const int k_end = spans[nq - 1].last + 1;
+  auto keys_of = [&](int j0) { return k_end - j0 < mma_bk ? k_end - j0 : mma_bk; };
+  auto tile_mask = [&](int j0) { return classify_rows(spans, nq, j0, j0 + keys_of(j0) - 1); };
+  // The first tile at or after j0 that some row sees, or k_end.
+  auto next_tile = [&](int j0) {
+    while (j0 < k_end && tile_mask(j0) == tile::TileMask::hidden) j0 += mma_bk;
+    return j0;
   };
 
   float oacc[MT][nt_o][4];
@@ -206,13 +215,15 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     l[mt][0] = l[mt][1] = 0.0f;
   }
 
-  bool tile_ok = a.sk > 0 && tile_mask(0) != tile::TileMask::hidden;
-  if (tile_ok) load_tile_async<T, D>(sK, a.k, b, 0, kh, static_cast<int>(a.sk < mma_bk ? a.sk : mma_bk));
+  int j0 = next_tile(spans[0].first);
+  if (j0 < k_end) load_tile_async<T, D>(sK, a.k, b, j0, kh, keys_of(j0));
   cp_async_commit();
 
-  for (std::int64_t j0 = 0; tile_ok; j0 += mma_bk) {
-    const int nk = static_cast<int>(a.sk - j0 < mma_bk ? a.sk - j0 : mma_bk);
+  while (j0 < k_end) {
+    const int nk = keys_of(j0);
     const tile::TileMask mask = tile_mask(j0);
+    // Decided here, while no accumulator of the tile is live, for the prefetch below.
+    const int j1 = next_tile(j0 + mma_bk);
     load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
     cp_async_commit();
     cp_async_wait<1>();  // K(j0) (and Q) have landed; V may still be in flight
@@ -256,9 +267,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
       }
     }
     __syncthreads();  // every warp is done with sK: prefetch the next K tile into it
-    const std::int64_t j1 = j0 + mma_bk;
-    const bool next_ok = j1 < a.sk && tile_mask(j1) != tile::TileMask::hidden;
-    if (next_ok) load_tile_async<T, D>(sK, a.k, b, j1, kh, static_cast<int>(a.sk - j1 < mma_bk ? a.sk - j1 : mma_bk));
+    if (j1 < k_end) load_tile_async<T, D>(sK, a.k, b, j1, kh, keys_of(j1));
     cp_async_commit();
 
     // Online softmax on the S fragments (row half 0: elements 0, 1; half 1: elements 2, 3).
@@ -271,7 +280,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
         for (int i = 0; i < 4; ++i) {
           const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
           bool visible = col < nk;
-          if (visible && mask == tile::TileMask::partial) visible = a.kpos(j0 + col) <= qp[mt][i >> 1];
+          if (visible && mask == tile::TileMask::partial) visible = rs[mt][i >> 1].sees(j0 + col);
           const float x = visible ? sacc[mt][nt][i] * a.scale_log2 : -INFINITY;
           sacc[mt][nt][i] = x;
           mx[i >> 1] = fmaxf(mx[i >> 1], x);
@@ -310,7 +319,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     // see them (before P V, while P is live anyway: the order of the terms only matters to
     // rows that become NaN or Inf). Fully visible tiles skip both.
     if (mask == tile::TileMask::partial && zero_nonfinite_keys<T, D>(sV, bad_keys, bad_warps))
-      restore_nonfinite_v<T, O, D, MT>(oacc, sacc, qp, a, b, kh, j0, bad_keys);
+      restore_nonfinite_v<T, O, D, MT>(oacc, sacc, rs, a, b, kh, j0, bad_keys);
     int vb[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride);
@@ -352,7 +361,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
       }
     }
     __syncthreads();  // every warp is done with sV before the next V load
-    tile_ok = next_ok;
+    j0 = j1;
   }
   cp_async_wait<0>();
 
