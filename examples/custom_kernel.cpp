@@ -12,6 +12,8 @@
 #include <random>
 #include <vector>
 
+#include "cli.hpp"     // argument checks and the verdict line
+#include "common.hpp"  // the error measure
 #include "custom_kernel.hpp"
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -38,14 +40,9 @@ struct Global {
   }
 };
 
-/// Largest |got - want| over the largest |want| of one tensor's rows.
+/// Largest |got - want| over the largest |want| of one tensor's rows (infinite after a NaN).
 double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    num = std::max(num, std::abs(static_cast<double>(got[i]) - want[i]));
-    den = std::max(den, std::abs(want[i]));
-  }
-  return den > 0 ? num / den : num;
+  return seqpar::examples::compare(got, want).rel();
 }
 
 /// Runs PlainKernel under `policy` with `lengths[rank]` tokens per rank; returns the worst
@@ -54,7 +51,7 @@ template <class Policy>
 double run(MpiCommunicator& world, Policy policy, const Global& g, const std::vector<std::int64_t>& lengths,
            bool causal) {
   const int me = world.rank();
-  SequenceParallelAttention<Policy, MpiCommunicator, examples::PlainKernel> attn(world, policy);
+  SequenceParallelAttention<Policy, MpiCommunicator, ::examples::PlainKernel> attn(world, policy);
   AttentionProblem problem{.batch = g.B, .heads = g.H, .kv_heads = g.K, .head_dim = g.D, .causal = causal,
                            .with_lse = true};  // backward needs the forward's LSE
   const Plan plan = attn.template plan<float>(problem, {lengths[static_cast<std::size_t>(me)]});
@@ -115,6 +112,8 @@ double run(MpiCommunicator& world, Policy policy, const Global& g, const std::ve
 }  // namespace
 
 int main(int argc, char** argv) {
+  seqpar::examples::Args args(argc, argv, "mpirun -np <ranks> custom_kernel   (no arguments)");
+  if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
@@ -137,5 +136,6 @@ int main(int argc, char** argv) {
   const Global gu(total, H, K);
   report("AnythingPolicy<RingPolicy<Zigzag>>", run(world, AnythingPolicy<RingPolicy<Zigzag>>{}, gu, uneven, true));
   if (me == 0) std::printf("custom_kernel: %d ranks, PlainKernel under 4 policies, max_rel_err=%.3e\n", P, worst);
-  return worst <= 1e-4 ? 0 : 1;  // float outputs and float gradient accumulation
+  // Float outputs and float gradient accumulation: 1e-4.
+  return seqpar::examples::verdict("custom_kernel", worst <= 1e-4, me == 0);
 }

@@ -5,34 +5,22 @@
 // rank 0 also holds the prompt, so local lengths differ by far more than one token, and 3 heads
 // do not divide by the Ulysses degree: AnythingPolicy runs it exactly, without padding.
 
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <vector>
 
+#include "cli.hpp"     // argument checks and the verdict line
 #include "common.hpp"  // random inputs and the reference
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
 
 using namespace seqpar;
 
-/// `text` as a whole number in [0, 100000] into `out`; false when it is not one.
-static bool parse_count(const char* text, std::int64_t& out) {
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text, &end, 10);
-  if (end == text || *end != '\0' || errno == ERANGE || v < 0 || v > 100000) return false;
-  out = v;
-  return true;
-}
-
 int main(int argc, char** argv) {
   // The one argument: text tokens, a whole number from 0 to 100000 (default 77).
-  std::int64_t text = 77;
-  if (argc > 2 || (argc == 2 && !parse_count(argv[1], text))) {
-    std::fprintf(stderr, "usage: joint_attention [text_tokens]   (a whole number from 0 to 100000; default 77)\n");
-    return 2;  // every rank parses the same arguments, so every rank exits alike, before MPI starts
-  }
+  examples::Args args(argc, argv, "mpirun -np <ranks> joint_attention [text_tokens]   (0 to 100000; default 77)");
+  const std::vector<std::int64_t> given = args.positional(0, 100000, 1);
+  if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
+  const std::int64_t text = given.empty() ? 77 : given[0];
   MpiSession mpi(argc, argv);
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
@@ -82,5 +70,5 @@ int main(int argc, char** argv) {
               static_cast<long long>(text), static_cast<long long>(image), P, static_cast<long long>(plan.local_q()),
               P - 1, static_cast<long long>(plan.q_positions(P - 1).size()), U, P / U, err,
               err <= 1e-5 ? "within" : "ABOVE");
-  return err <= 1e-5 ? 0 : 1;
+  return examples::verdict("joint_attention", err <= 1e-5);
 }

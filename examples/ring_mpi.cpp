@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "cli.hpp"     // argument checks and the verdict line
 #include "common.hpp"  // random inputs and the reference check only
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -15,6 +16,8 @@
 using namespace seqpar;
 
 int main(int argc, char** argv) {
+  examples::Args args(argc, argv, "mpirun -np <ranks> ring_mpi   (no arguments)");
+  if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
@@ -54,5 +57,5 @@ int main(int argc, char** argv) {
     std::printf("ring_mpi: %d ranks, %lld tokens, causal zigzag: rank 0 sent %llu bytes (formula %zu), max_rel_err=%.3e\n",
                 P, static_cast<long long>(shape.seq_q), static_cast<unsigned long long>(world.stats().bytes_sent),
                 plan.forward_bytes(0), err.rel());
-  return err.rel() <= 1e-5 ? 0 : 1;
+  return examples::verdict("ring_mpi", err.rel() <= 1e-5, me == 0);
 }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "cli.hpp"     // argument checks and the verdict line
 #include "common.hpp"  // random inputs and the reference check only
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -14,6 +15,8 @@
 using namespace seqpar;
 
 int main(int argc, char** argv) {
+  examples::Args args(argc, argv, "mpirun -np <ranks> ulysses_mpi   (no arguments)");
+  if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);              // MPI_Init / MPI_Finalize
   MpiCommunicator world(MPI_COMM_WORLD);   // errors become seqpar::MpiError
   const int P = world.size(), me = world.rank();
@@ -46,5 +49,5 @@ int main(int argc, char** argv) {
     std::printf("ulysses_mpi: %d ranks, %lld tokens, %lld heads: rank 0 sent %llu bytes, max_rel_err=%.3e\n", P,
                 static_cast<long long>(shape.seq_q), static_cast<long long>(H),
                 static_cast<unsigned long long>(world.stats().bytes_sent), err.rel());
-  return err.rel() <= 1e-5 ? 0 : 1;
+  return examples::verdict("ulysses_mpi", err.rel() <= 1e-5, me == 0);
 }

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 
+#include "cli.hpp"     // argument checks and the verdict line
 #include "common.hpp"  // random inputs and the reference check
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -15,6 +16,8 @@
 using namespace seqpar;
 
 int main(int argc, char** argv) {
+  examples::Args args(argc, argv, "mpirun -np 4 unified_mpi   (no arguments)");
+  if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);
   MpiCommunicator world(MPI_COMM_WORLD);
   if (world.size() != 4) {
@@ -47,5 +50,5 @@ int main(int argc, char** argv) {
                 static_cast<long long>(rows[r][2]), static_cast<long long>(rows[r][3]),
                 static_cast<long long>(rows[r][4]), plan.forward_bytes(r), static_cast<long long>(plan.work(r)));
   if (world.rank() == 0) std::printf("unified_mpi: max_rel_err=%.3e\n", err.rel());
-  return err.rel() <= 1e-5 ? 0 : 1;
+  return examples::verdict("unified_mpi", err.rel() <= 1e-5, world.rank() == 0);
 }
