@@ -247,16 +247,18 @@ inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, con
         ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R])), ...);
       }
     }
-    if constexpr (Accumulate) {
+    if constexpr (Accumulate && NR == 2) {
+      const V al0 = simd_load(alpha), al1 = simd_load(alpha + W);
+      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R])),
+        simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))),
+       ...);
+    } else if constexpr (Accumulate) {
       const V al0 = simd_load(alpha);
       ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R]))), ...);
-      if constexpr (NR == 2) {
-        const V al1 = simd_load(alpha + W);
-        ((simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))), ...);
-      }
+    } else if constexpr (NR == 2) {
+      ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
     } else {
       ((simd_store(c + R * ldc, acc0[R])), ...);
-      if constexpr (NR == 2) ((simd_store(c + R * ldc + W, acc1[R])), ...);
     }
   }(std::make_integer_sequence<int, M>{});
 }
