@@ -111,7 +111,9 @@ template <class Comm, class Kernel>
 class DecodeEngine;
 
 /// The named workspace slots of a decode step.
-enum DecodeSlot : std::size_t { s_q_send, s_q_recv, s_q_full, s_part_o, s_part_l, s_part_t, s_send, s_recv, s_count };
+enum DecodeSlot : std::size_t {
+  s_q_send, s_q_recv, s_q_full, s_part_o, s_part_l, s_part_t, s_send, s_recv, s_tags, s_count
+};
 
 /// Byte sizes of every piece of a step's all-to-alls, indexed by rank; fixed by the plan.
 struct DecodePieces {
@@ -190,6 +192,7 @@ class DecodePlan {
   detail::DecodePieces pieces_;                          // message sizes of every step
   WorkspaceLayout<detail::s_count> slots_;               // where a step's buffers live
   std::vector<std::int64_t> row_key_end_;  // [B x T] per step, filled without allocating
+  std::vector<std::int64_t> tags_;         // the step tags received, read back to the host
 };
 
 }  // namespace seqpar

@@ -11,6 +11,17 @@
 /// and no metadata is exchanged: every message carries one 8-byte tag of the step (its lengths
 /// and count), so a rank whose plan advanced differently is named on every rank instead of
 /// merging garbage or hanging.
+///
+/// The same step runs on host memory and on a device (a CudaSpace communicator with
+/// CudaFlashKernel): every byte of the buffers moves through TensorOps (the tags too: a fill of
+/// the workspace's tag slot, then 8-byte copies into and out of the messages), the merge is
+/// ops().merge, and the per-row key ends stay in the plan's host memory, where a device kernel
+/// takes them from (CudaFlashKernel's DeviceMaskTables copies them to the device when they
+/// change, that is once per step). The received tags are gathered behind this rank's own in
+/// the tag slot and read back in one copy of at most 2P x 8 bytes; on a device that copy is a
+/// device-to-host transfer and a wait on ops().stream(), once per step, before the merge (the
+/// price of naming a disagreeing rank on the host; the merge and the output copy are then
+/// enqueued without a wait). Put the kernel, the ops and the communicator on one stream.
 
 #include <bit>
 #include <cmath>
@@ -39,8 +50,9 @@ namespace detail {
 /// The decode engine; SequenceParallelDecode is its public face.
 template <class Comm, class Kernel>
 class DecodeEngine {
-  static_assert(std::is_same_v<typename Comm::memory_space, HostSpace>,
-                "seqpar: SequenceParallelDecode runs on host memory for now (CudaSpace decode is not built yet)");
+  static_assert(std::is_same_v<typename Comm::memory_space, typename Kernel::memory_space>,
+                "SequenceParallelDecode: the communicator and the kernel work in different memory spaces "
+                "(e.g. a HostSpace communicator with a CudaSpace kernel)");
 
  public:
   using Space = typename Comm::memory_space;  ///< where tensors live
@@ -82,6 +94,7 @@ class DecodeEngine {
     p.out_heads_ = pr.exchange == DecodeExchange::heads ? p.heads_of_[static_cast<std::size_t>(me)]
                                                          : HeadRange{0, pr.heads};
     p.row_key_end_.assign(static_cast<std::size_t>(pr.batch * pr.new_tokens), 0);
+    p.tags_.assign(static_cast<std::size_t>(2 * P), 0);
     p.pieces_ = pieces(p);
     p.slots_ = layout(p);
     if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(pr.head_dim);
@@ -118,18 +131,23 @@ class DecodeEngine {
     const DecodePieces& sz = p.pieces_;
     const std::int64_t tag = step_tag(p);
     const int P = world_.size(), me = world_.rank();
+    // tags[0]: this step's tag; then those received with the partials (P) and the queries (P).
+    auto* tags = slots.template get<std::byte>(workspace, s_tags);
+    ops_.fill(TensorView<std::int64_t, Space>::bshd(reinterpret_cast<std::int64_t*>(tags), 1, 1, 1, 1), tag);
+    auto tag_at = [&](int i) { return tags + static_cast<std::size_t>(i) * sizeof tag; };
+    const bool gather_q = pr.exchange == DecodeExchange::heads && P > 1;
 
     // Queries: all heads, in a [B, T, H, D] tensor.
     TensorView<const T, Space> qa = q;
-    if (pr.exchange == DecodeExchange::heads && P > 1) {
+    if (gather_q) {
       std::byte* send = slots.template get<std::byte>(workspace, s_q_send);
       std::byte* recv = slots.template get<std::byte>(workspace, s_q_recv);
       ops_.copy(q, TensorView<T, Space>::bshd(reinterpret_cast<T*>(send), B, Tn, p.q_heads().count, D));
-      std::memcpy(send + sz.q[me] - sizeof tag, &tag, sizeof tag);
+      copy_tag(tag_at(0), send + sz.q[me] - sizeof tag);
       world_.all_to_all_v(send, sz.q_send_counts, sz.zero, recv, sz.q, sz.q_displs);
       T* full = slots.template get<T>(workspace, s_q_full);
       for (int v = 0; v < P; ++v) {
-        check_tag(p, recv + sz.q_displs[v] + sz.q[v] - sizeof tag, v, tag);
+        copy_tag(recv + sz.q_displs[v] + sz.q[v] - sizeof tag, tag_at(1 + P + v));
         const HeadRange h = p.heads_of_[static_cast<std::size_t>(v)];
         ops_.copy(TensorView<const T, Space>::bshd(reinterpret_cast<const T*>(recv + sz.q_displs[v]), B, Tn, h.count, D),
                   TensorView<T, Space>::bshd(full, B, Tn, H, D).slice_heads(h.begin, h.count));
@@ -171,7 +189,7 @@ class DecodeEngine {
                 TensorView<A, Space>::bshd(reinterpret_cast<A*>(at), B, Tn, h.count, D));
       ops_.copy(TensorView<const A, Space>(l_view.slice_heads(h.begin, h.count)),
                 TensorView<A, Space>::bshd(reinterpret_cast<A*>(at) + B * Tn * h.count * D, B, Tn, h.count, 1));
-      std::memcpy(at + sz.send_counts[v] - sizeof tag, &tag, sizeof tag);
+      copy_tag(tag_at(0), at + sz.send_counts[v] - sizeof tag);
     }
     world_.all_to_all_v(send, sz.send_counts, sz.send_displs, recv, sz.recv_counts, sz.recv_displs);
 
@@ -181,7 +199,13 @@ class DecodeEngine {
       A* o = reinterpret_cast<A*>(recv + sz.recv_displs[v]);
       return std::pair{TensorView<A, Space>::bshd(o, B, Tn, h, D), TensorView<A, Space>::bshd(o + B * Tn * h * D, B, Tn, h, 1)};
     };
-    for (int v = 0; v < P; ++v) check_tag(p, recv + sz.recv_displs[v] + sz.recv_counts[v] - sizeof tag, v, tag);
+    for (int v = 0; v < P; ++v) copy_tag(recv + sz.recv_displs[v] + sz.recv_counts[v] - sizeof tag, tag_at(1 + v));
+    // One read-back of every received tag (the queries' first: a step that disagrees is named
+    // for its first message), before anything is merged into the output.
+    const int received = gather_q ? 2 * P : P;
+    tags_to_host(tag_at(1), p.tags_.data(), static_cast<std::size_t>(received));
+    for (int v = 0; gather_q && v < P; ++v) check_tag(p, p.tags_[static_cast<std::size_t>(P + v)], v, tag);
+    for (int v = 0; v < P; ++v) check_tag(p, p.tags_[static_cast<std::size_t>(v)], v, tag);
     const auto [o0, l0] = piece(0);
     for (int v = 1; v < P; ++v) {
       const auto [ov, lv] = piece(v);
@@ -192,6 +216,7 @@ class DecodeEngine {
 
   Comm& world() { return world_; }
   Kernel& kernel() { return kernel_; }
+  TensorOps<Space>& ops() { return ops_; }
 
  private:
   /// The sizes of a step's messages (made once, by plan).
@@ -244,6 +269,7 @@ class DecodeEngine {
         {"part_t", rows * H * D * e, W, e != a},
         {"send", sz.send_total, W, true},
         {"recv", sz.recv_total, W, true},
+        {"tags", static_cast<std::size_t>(1 + 2 * world_.size()) * 8, W, true},
     }});
   }
 
@@ -275,11 +301,23 @@ class DecodeEngine {
     f.mix(p.step_);
     return f.value();
   }
-  static void check_tag(const DecodePlan& p, const std::byte* at, int from, std::int64_t mine) {
-    std::int64_t theirs = 0;
-    std::memcpy(&theirs, at, sizeof theirs);
+  static void check_tag(const DecodePlan& p, std::int64_t theirs, int from, std::int64_t mine) {
     SEQPAR_CHECK(theirs == mine, ConfigError, "decode step: rank ", from, " is at another step than rank ", p.rank_,
                  " (their cache lengths or step count differ: every rank must advance its plan alike)");
+  }
+
+  /// Copies an 8-byte step tag between two places in Space (any alignment: bytes).
+  void copy_tag(const std::byte* from, std::byte* to) const {
+    using Byte = unsigned char;
+    ops_.copy(TensorView<const Byte, Space>::bshd(reinterpret_cast<const Byte*>(from), 1, 1, 1, 8),
+              TensorView<Byte, Space>::bshd(reinterpret_cast<Byte*>(to), 1, 1, 1, 8));
+  }
+  /// Reads n tags from Space into host memory (on a device: a copy and a wait on the stream).
+  void tags_to_host(const std::byte* from, std::int64_t* to, std::size_t n) const {
+    if constexpr (std::is_same_v<Space, HostSpace>)
+      std::memcpy(to, from, n * sizeof *to);
+    else
+      ops_.to_host(from, to, n * sizeof *to);
   }
 
   Comm& world_;
@@ -294,6 +332,8 @@ class DecodeEngine {
 /// `Kernel` (which needs supports_masks). Usage: construct on every rank, `plan(problem)` once
 /// per cache layout (collective), allocate plan.workspace_bytes() once; per step append the
 /// new K/V at plan.slot(b, pos) on plan.owner(b, pos), call step, then plan.advance(T).
+/// On a device (CudaSpace), give the kernel, ops() and the communicator one stream; a step
+/// then waits once on it, to read the step tags back (see the file comment).
 /// Thread safety: one object serves one thread at a time.
 template <class Comm, class Kernel>
 class SequenceParallelDecode {
@@ -320,6 +360,9 @@ class SequenceParallelDecode {
   Comm& world() { return engine_.world(); }
   /// The local kernel.
   Kernel& kernel() { return engine_.kernel(); }
+  /// The tensor operations between the kernel calls (on CUDA: set their stream to the kernel's
+  /// and the communicator's).
+  TensorOps<memory_space>& ops() { return engine_.ops(); }
 
  private:
   detail::DecodeEngine<Comm, Kernel> engine_;

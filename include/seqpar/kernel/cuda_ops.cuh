@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -189,6 +190,14 @@ struct TensorOps<CudaSpace> {
     cuda_detail::launch(cuda_detail::merge_kernel<A, P>, cuda_detail::grid_for(rows * 32, threads), threads, 0, stream_,
                         cuda_detail::device_view(o1), cuda_detail::device_view(l1), cuda_detail::device_view(o2),
                         cuda_detail::device_view(l2), rows);
+  }
+  /// Copies `bytes` of device memory at `src` to host memory at `dst` after everything enqueued
+  /// on stream() so far, and waits for them: a host synchronisation with the stream, meant for
+  /// a few bytes of metadata (decode's step tags), not for tensors.
+  void to_host(const void* src, void* dst, std::size_t bytes) const {
+    if (bytes == 0) return;
+    SEQPAR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
  private:
