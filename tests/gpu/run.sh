@@ -112,7 +112,7 @@ fi
 if [ $HAVE_CMAKE -eq 1 ] && { SOFT=1 step configure 120 cmake "${CONFIG[@]}" ||
     { rm -f "$BUILD/CMakeCache.txt"; step configure-minimal 120 cmake "${CONFIG[@]}" -DSEQPAR_INSTALL=OFF \
       -DSEQPAR_ENABLE_NCCL=OFF; }; }; then
-  TARGETS="seqpar_gpu_bench test_tile_math test_gpu_kernel test_gpu_masks test_gpu_policies_f32 test_gpu_policies_f16 test_gpu_policies_bf16"
+  TARGETS="seqpar_gpu_bench test_tile_math test_gpu_kernel test_gpu_masks test_gpu_decode test_gpu_policies_f32 test_gpu_policies_f16 test_gpu_policies_bf16"
   grep -q "test_gpu_nccl" "$BUILD/tests/gpu/CTestTestfile.cmake" 2>/dev/null && TARGETS="$TARGETS test_gpu_nccl"
   # One build of everything, all cores, keep going past a failing target: whatever builds runs.
   # shellcheck disable=SC2086

@@ -72,6 +72,61 @@ inline std::vector<double> reference(const Truth& tr, int s, std::int64_t b, std
   return o;
 }
 
+/// The case's problem: capacity for every step's tokens, elements of type `dtype`.
+inline DecodeProblem decode_problem(const DecodeCase& c, DType dtype = DType::f32) {
+  std::int64_t capacity = 0;
+  for (std::int64_t l : c.kv_len) capacity = std::max(capacity, l);
+  return {.batch = static_cast<std::int64_t>(c.kv_len.size()), .heads = c.heads, .kv_heads = c.kv_heads, .head_dim = D,
+          .dtype = dtype, .new_tokens = c.new_tokens, .kv_len = c.kv_len,
+          .capacity = capacity + c.new_tokens * c.steps, .page = c.page, .exchange = c.exchange};
+}
+
+/// Writes the K/V of token `pos` of sequence b into this rank's shards kc, vc ([B,
+/// shard_capacity, K, D]) when the plan puts the token on this rank (prefill and appends alike).
+template <class X>
+void put_token(const Truth& tr, const DecodePlan& plan, std::int64_t b, std::int64_t pos, std::vector<X>& kc,
+               std::vector<X>& vc) {
+  if (plan.owner(b, pos) != plan.rank()) return;
+  const std::int64_t s = plan.slot(b, pos), C = plan.shard_capacity();
+  REQUIRE(s < C);
+  for (std::int64_t h = 0; h < tr.K; ++h)
+    for (std::int64_t e = 0; e < D; ++e) {
+      kc[static_cast<std::size_t>(((b * C + s) * tr.K + h) * D + e)] = static_cast<X>(tr.krow(b, pos, h)[e]);
+      vc[static_cast<std::size_t>(((b * C + s) * tr.K + h) * D + e)] = static_cast<X>(tr.vrow(b, pos, h)[e]);
+    }
+}
+
+/// Step s's queries of this rank's query heads into q ([B, T, plan.q_heads(), D]).
+template <class X>
+void step_queries(const Truth& tr, const DecodePlan& plan, int s, std::vector<X>& q) {
+  const HeadRange qh = plan.q_heads();
+  for (std::int64_t b = 0; b < tr.B; ++b)
+    for (std::int64_t t = 0; t < tr.T; ++t)
+      for (std::int64_t h = 0; h < qh.count; ++h)
+        for (std::int64_t e = 0; e < D; ++e)
+          q[static_cast<std::size_t>(((b * tr.T + t) * qh.count + h) * D + e)] =
+              static_cast<X>(tr.q[static_cast<std::size_t>(s)][static_cast<std::size_t>(((b * tr.T + t) * tr.H + qh.begin + h) * D + e)]);
+}
+
+/// Normwise error (max |got - want| / max |want|) of step s's output `out` ([B, T,
+/// plan.out_heads(), D]) against attention over the whole cache in double; NaN gives infinity.
+template <class X>
+double step_error(const Truth& tr, const DecodePlan& plan, int s, const std::vector<X>& out) {
+  const HeadRange oh = plan.out_heads();
+  double num = 0, den = 0;
+  for (std::int64_t b = 0; b < tr.B; ++b)
+    for (std::int64_t t = 0; t < tr.T; ++t)
+      for (std::int64_t h = 0; h < oh.count; ++h) {
+        const auto want = reference(tr, s, b, t, oh.begin + h, plan.kv_len(b));
+        for (std::int64_t e = 0; e < D; ++e) {
+          const double got = static_cast<double>(out[static_cast<std::size_t>(((b * tr.T + t) * oh.count + h) * D + e)]);
+          num = std::isnan(got) ? std::numeric_limits<double>::infinity() : std::max(num, std::abs(got - want[e]));
+          den = std::max(den, std::abs(want[e]));
+        }
+      }
+  return den > 0 ? num / den : num;
+}
+
 /// Calls the step it is given (the default hook of run_decode_case).
 struct JustStep {
   template <class Step>
@@ -82,44 +137,26 @@ struct JustStep {
 /// all steps. `hook(world, s, step)` runs step s (a test can wrap it, e.g. to count allocations).
 template <class Kernel = ReferenceKernel, class Hook = JustStep>
 double run_decode_case(const DecodeCase& c, Hook hook = {}) {
-  const std::int64_t B = static_cast<std::int64_t>(c.kv_len.size());
-  std::int64_t capacity = 0;
-  for (std::int64_t l : c.kv_len) capacity = std::max(capacity, l);
-  capacity += c.new_tokens * c.steps;
-  const Truth tr(c, capacity);
+  const DecodeProblem pr = decode_problem(c);
+  const std::int64_t B = pr.batch, T = pr.new_tokens;
+  const Truth tr(c, pr.capacity);
   std::vector<double> err(static_cast<std::size_t>(c.ranks), 0.0);
   run_ranks(c.ranks, [&](ThreadCommunicator& world) {
     const int me = world.rank();
     SequenceParallelDecode<ThreadCommunicator, Kernel> dec(world);
-    DecodeProblem pr{.batch = B, .heads = c.heads, .kv_heads = c.kv_heads, .head_dim = D, .new_tokens = c.new_tokens,
-                     .kv_len = c.kv_len, .capacity = capacity, .page = c.page, .exchange = c.exchange};
     DecodePlan plan = dec.plan(pr);
-    const std::int64_t C = plan.shard_capacity(), T = c.new_tokens;
+    const std::int64_t C = plan.shard_capacity();
     std::vector<float> kc(static_cast<std::size_t>(B * C * c.kv_heads * D)), vc(kc.size());
     // Prefill leaves the cache where the layout says; each step appends its T tokens.
-    auto put = [&](std::int64_t b, std::int64_t pos) {
-      if (plan.owner(b, pos) != me) return;
-      const std::int64_t s = plan.slot(b, pos);
-      REQUIRE(s < C);
-      for (std::int64_t h = 0; h < c.kv_heads; ++h)
-        for (std::int64_t e = 0; e < D; ++e) {
-          kc[((b * C + s) * c.kv_heads + h) * D + e] = tr.krow(b, pos, h)[e];
-          vc[((b * C + s) * c.kv_heads + h) * D + e] = tr.vrow(b, pos, h)[e];
-        }
-    };
     for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t pos = 0; pos < c.kv_len[static_cast<std::size_t>(b)]; ++pos) put(b, pos);
+      for (std::int64_t pos = 0; pos < c.kv_len[static_cast<std::size_t>(b)]; ++pos) put_token(tr, plan, b, pos, kc, vc);
     const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
     std::vector<float> q(static_cast<std::size_t>(B * T * qh.count * D)), out(static_cast<std::size_t>(B * T * oh.count * D));
     std::vector<std::byte> ws(plan.workspace_bytes());
     for (int s = 0; s < c.steps; ++s) {
       for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t t = 0; t < T; ++t) put(b, plan.kv_len(b) + t);
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t t = 0; t < T; ++t)
-          for (std::int64_t h = 0; h < qh.count; ++h)
-            for (std::int64_t e = 0; e < D; ++e)
-              q[((b * T + t) * qh.count + h) * D + e] = tr.q[static_cast<std::size_t>(s)][((b * T + t) * c.heads + qh.begin + h) * D + e];
+        for (std::int64_t t = 0; t < T; ++t) put_token(tr, plan, b, plan.kv_len(b) + t, kc, vc);
+      step_queries(tr, plan, s, q);
       const std::uint64_t before = world.stats().bytes_sent;
       hook(world, s, [&] {
         dec.template step<float>(plan, TensorView<const float>::bshd(q.data(), B, T, qh.count, D),
@@ -128,17 +165,7 @@ double run_decode_case(const DecodeCase& c, Hook hook = {}) {
                       TensorView<float>::bshd(out.data(), B, T, oh.count, D), ws);
       });
       CHECK(world.stats().bytes_sent - before == plan.step_bytes());
-      double num = 0, den = 0;
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t t = 0; t < T; ++t)
-          for (std::int64_t h = 0; h < oh.count; ++h) {
-            const auto want = reference(tr, s, b, t, oh.begin + h, plan.kv_len(b));
-            for (std::int64_t e = 0; e < D; ++e) {
-              num = std::max(num, std::abs(out[((b * T + t) * oh.count + h) * D + e] - want[e]));
-              den = std::max(den, std::abs(want[e]));
-            }
-          }
-      err[static_cast<std::size_t>(me)] = std::max(err[static_cast<std::size_t>(me)], den > 0 ? num / den : num);
+      err[static_cast<std::size_t>(me)] = std::max(err[static_cast<std::size_t>(me)], step_error(tr, plan, s, out));
       plan.advance(T);
     }
   });

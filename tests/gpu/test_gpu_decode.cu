@@ -1,0 +1,175 @@
+// SequenceParallelDecode on the device (issue 20 item 4): CudaFlashKernel over
+// CudaThreadCommunicator (ranks as threads on one GPU) and, where NCCL is built, over
+// NcclCommunicator (one GPU per rank), in half, bf16 and float, every step against attention
+// over the whole cache in double (tests/support/decode_check.hpp, on the inputs rounded to the
+// element type): 3 and 4 ranks, 1 and 4 new tokens, contiguous, page 1 and page 16 layouts,
+// both exchanges, GQA and MQA, ragged caches with shards that hold nothing of a sequence,
+// and NaN in every cache slot no token has been written to (it must reach no row).
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "support/decode_check.hpp"
+#include "support/gpu_check.hpp"
+#ifdef SEQPAR_TEST_NCCL
+#include "seqpar/comm/nccl_communicator.hpp"
+#endif
+
+using namespace seqpar;
+using namespace seqpar::gpu_test;
+using test::D;
+using test::DecodeCase;
+
+namespace {
+
+/// The scenarios: 3 and 4 ranks, ragged caches (a sequence shorter than a page, one with no
+/// cache at all: shards with nothing of it), every layout, both exchanges, T = 1 and 4.
+const std::vector<DecodeCase>& cases() {
+  using E = DecodeExchange;
+  static const std::vector<DecodeCase> all = {
+      {3, {40, 0, 7}, 1, 4, 6, 3, E::all_gather, 2},   // stripe (page 1), T = 4, an empty cache
+      {4, {20, 3}, 16, 1, 4, 2, E::heads, 3},          // page 16: ranks 2 and 3 hold nothing at first
+      {4, {20, 3}, 16, 4, 5, 1, E::all_gather, 2},     // MQA, 5 heads
+      {3, {33, 0}, 0, 1, 5, 5, E::heads, 3},           // contiguous, 5 heads over 3 ranks
+      {4, {2, 37}, 1, 4, 4, 4, E::heads, 2},           // stripe, heads exchange, T = 4
+  };
+  return all;
+}
+
+/// The case's truth with K, V and Q rounded to T (so the double reference sees the inputs the
+/// kernel gets).
+template <class T>
+test::Truth rounded_truth(const DecodeCase& c, std::int64_t capacity) {
+  test::Truth tr(c, capacity);
+  auto round = [](std::vector<float>& xs) {
+    for (float& x : xs) x = static_cast<float>(to_double(from_double<T>(x)));
+  };
+  round(tr.k);
+  round(tr.v);
+  for (auto& q : tr.q) round(q);
+  return tr;
+}
+
+/// One rank's decode steps on the device over `world` (kernel, ops and communicator on
+/// `stream`); returns the worst normwise error of its steps. Cache slots no token has reached
+/// hold NaN.
+template <class T, class Comm>
+double decode_on_rank(Comm& world, cudaStream_t stream, const DecodeCase& c, const test::Truth& tr) {
+  SequenceParallelDecode<Comm, CudaFlashKernel> dec(world);
+  dec.kernel().set_stream(stream);
+  dec.ops().set_stream(stream);
+  if constexpr (requires { world.set_stream(stream); }) world.set_stream(stream);
+  DecodePlan plan = dec.plan(test::decode_problem(c, dtype_v<T>));
+  const std::int64_t B = tr.B, C = plan.shard_capacity(), K = c.kv_heads, Tn = c.new_tokens;
+  const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
+  std::vector<double> kc(static_cast<std::size_t>(B * C * K * D), std::numeric_limits<double>::quiet_NaN()), vc = kc,
+      q(static_cast<std::size_t>(B * Tn * qh.count * D));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t pos = 0; pos < plan.kv_len(b); ++pos) test::put_token(tr, plan, b, pos, kc, vc);
+  DeviceBuffer<T> kd(kc.size()), vd(vc.size()), qd(q.size()), od(static_cast<std::size_t>(B * Tn * oh.count * D));
+  DeviceBuffer<std::byte> ws(plan.workspace_bytes());
+  using CV = TensorView<const T, CudaSpace>;
+  double err = 0;
+  for (int s = 0; s < c.steps; ++s) {
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < Tn; ++t) test::put_token(tr, plan, b, plan.kv_len(b) + t, kc, vc);
+    test::step_queries(tr, plan, s, q);
+    kd.upload(kc);
+    vd.upload(vc);
+    qd.upload(q);
+    od.poison();
+    const std::uint64_t before = world.stats().bytes_sent;
+    dec.template step<T>(plan, CV::bshd(qd.data(), B, Tn, qh.count, D), CV::bshd(kd.data(), B, C, K, D),
+                         CV::bshd(vd.data(), B, C, K, D), TensorView<T, CudaSpace>::bshd(od.data(), B, Tn, oh.count, D),
+                         std::span<std::byte>(ws.data(), ws.size()));
+    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
+    CHECK(world.stats().bytes_sent - before == plan.step_bytes());
+    err = std::max(err, test::step_error(tr, plan, s, od.download()));
+    plan.advance(Tn);
+  }
+  return err;
+}
+
+/// Runs `body(world, stream)` on c.ranks thread ranks over CudaThreadCommunicator and returns
+/// the worst error any rank reports.
+template <class Body>
+double on_thread_ranks(int ranks, Body&& body) {
+  int device = 0;
+  SEQPAR_CUDA_CHECK(cudaGetDevice(&device));
+  std::mutex mu;
+  double worst = 0;
+  run_ranks<CudaSpace>(
+      ranks,
+      [&](CudaThreadCommunicator& world) {
+        SEQPAR_CUDA_CHECK(cudaSetDevice(device));
+        Stream stream;
+        const double e = body(world, static_cast<cudaStream_t>(stream));
+        std::lock_guard lock(mu);
+        worst = std::max(worst, e);
+      },
+      ThreadRunOptions{std::chrono::milliseconds(120000)});
+  return worst;
+}
+
+template <class T>
+void check_thread_decode() {
+  for (const DecodeCase& c : cases()) {
+    CAPTURE(c.ranks);
+    CAPTURE(c.page);
+    CAPTURE(c.new_tokens);
+    CAPTURE(static_cast<int>(c.exchange));
+    const test::Truth tr = rounded_truth<T>(c, test::decode_problem(c).capacity);
+    const double err = on_thread_ranks(c.ranks, [&](CudaThreadCommunicator& world, cudaStream_t stream) {
+      return decode_on_rank<T>(world, stream, c, tr);
+    });
+    CHECK(err <= tolerance<T>);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("decode on the device: every step equals attention over the whole cache (float)") {
+  check_thread_decode<float>();
+}
+TEST_CASE("decode on the device: every step equals attention over the whole cache (half)") {
+  check_thread_decode<__half>();
+}
+TEST_CASE("decode on the device: every step equals attention over the whole cache (bf16)") {
+  check_thread_decode<__nv_bfloat16>();
+}
+
+#ifdef SEQPAR_TEST_NCCL
+TEST_CASE("decode on the device over NcclCommunicator (one GPU per rank)") {
+  // NCCL allows one rank per GPU: up to four ranks where there are GPUs (the emulation has four).
+  using Nccl = NcclCommunicator<ThreadCommunicator>;
+  const int gpus = std::min(detail::cuda_device_count(), 4);
+  for (const DecodeCase& base : cases()) {
+    DecodeCase c = base;
+    c.ranks = std::min(c.ranks, gpus);
+    CAPTURE(c.ranks);
+    CAPTURE(c.page);
+    CAPTURE(static_cast<int>(c.exchange));
+    using T = __nv_bfloat16;
+    const test::Truth tr = rounded_truth<T>(c, test::decode_problem(c).capacity);
+    std::mutex mu;
+    double worst = 0;
+    run_ranks(
+        c.ranks,
+        [&](ThreadCommunicator& host) {
+          SEQPAR_CUDA_CHECK(cudaSetDevice(host.rank()));
+          Stream stream;
+          Nccl world = Nccl::create(host, stream);
+          const double e = decode_on_rank<T>(world, stream, c, tr);
+          std::lock_guard lock(mu);
+          worst = std::max(worst, e);
+        },
+        ThreadRunOptions{std::chrono::milliseconds(120000)});
+    CHECK(worst <= tolerance<T>);
+  }
+}
+#endif
