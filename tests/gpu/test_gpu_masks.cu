@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "support/gpu_check.hpp"
+#include "support/mask_brute.hpp"
 
 using namespace seqpar;
 using namespace seqpar::gpu_test;
@@ -40,28 +41,20 @@ struct Spec {
   PositionMap qpos() const { return q_global.size() ? q_global : PositionMap::run(sq, 0); }
   PositionMap kpos() const { return k_global.size() ? k_global : PositionMap::run(skv, 0); }
   double scale() const { return 1.0 / std::sqrt(static_cast<double>(dim)); }
+  /// The global problem these definitions describe.
+  AttentionProblem problem(DType dtype = DType::f32, bool with_lse = false) const {
+    return {.batch = batch, .heads = heads, .kv_heads = kv_heads, .head_dim = dim, .causal = causal, .dtype = dtype,
+            .with_lse = with_lse, .causal_align = align, .window = window, .documents = documents,
+            .kv_valid = kv_valid};
+  }
 };
 
-/// The document of position x in a list of lengths.
-std::int64_t document_of(const std::vector<std::int64_t>& lengths, std::int64_t x) {
-  std::int64_t end = 0;
-  for (std::size_t d = 0; d < lengths.size(); ++d)
-    if (x < (end += lengths[d])) return static_cast<std::int64_t>(d);
-  return -1;
-}
-
-/// Key j visible to query i (global positions) of batch element b, from the definitions.
-bool visible(const Spec& s, std::int64_t b, std::int64_t i, std::int64_t j) {
-  const std::int64_t d = i + (s.align == CausalAlign::bottom_right ? s.skv - s.sq : 0);
-  if (s.causal && j > d) return false;
-  if (s.window.left >= 0 && j < d - s.window.left) return false;
-  if (s.window.right >= 0 && j > d + s.window.right) return false;
-  if (!s.kv_valid.empty() && j >= s.kv_valid[static_cast<std::size_t>(b)]) return false;
-  if (!s.documents.empty()) {
-    const auto& docs = s.documents[s.documents.size() == 1 ? 0 : static_cast<std::size_t>(b)];
-    if (document_of(docs, i) != document_of(docs, j)) return false;
-  }
-  return true;
+/// Key j visible to query i (global positions) of batch element b, from the definitions
+/// (tests/support/mask_brute.hpp): visibility(s)(b, i, j).
+auto visibility(const Spec& s) {
+  return [pr = s.problem(), sq = s.sq, skv = s.skv](std::int64_t b, std::int64_t i, std::int64_t j) {
+    return test::visible_by_definition(pr, sq, skv, b, i, j);
+  };
 }
 
 /// The call's inputs in double ([B, S, H, D] contiguous), rounded to T.
@@ -74,6 +67,7 @@ struct Inputs {
 void reference_forward(const Spec& s, const PositionMap& qp, const PositionMap& kp, const Inputs& x,
                        std::vector<double>& out, std::vector<double>& lse) {
   const std::int64_t B = s.batch, H = s.heads, K = s.kv_heads, D = s.dim, Sq = qp.size(), Sk = kp.size();
+  const auto visible = visibility(s);
   out.assign(static_cast<std::size_t>(B * Sq * H * D), 0.0);
   lse.assign(static_cast<std::size_t>(B * Sq * H), -std::numeric_limits<double>::infinity());
   std::vector<double> sc(static_cast<std::size_t>(Sk));
@@ -85,7 +79,7 @@ void reference_forward(const Spec& s, const PositionMap& qp, const PositionMap& 
         double m = -std::numeric_limits<double>::infinity();
         bool any = false;
         for (std::int64_t j = 0; j < Sk; ++j) {
-          if (!visible(s, b, qp(i), kp(j))) continue;
+          if (!visible(b, qp(i), kp(j))) continue;
           const double* kr = &x.k[static_cast<std::size_t>(((b * Sk + j) * K + kh) * D)];
           double dot = 0;
           for (std::int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
@@ -97,7 +91,7 @@ void reference_forward(const Spec& s, const PositionMap& qp, const PositionMap& 
         double sum = 0;
         double* o = &out[static_cast<std::size_t>(((b * Sq + i) * H + h) * D)];
         for (std::int64_t j = 0; j < Sk; ++j) {
-          if (!visible(s, b, qp(i), kp(j))) continue;
+          if (!visible(b, qp(i), kp(j))) continue;
           const double p = std::exp(sc[static_cast<std::size_t>(j)] - m);
           sum += p;
           const double* vr = &x.v[static_cast<std::size_t>(((b * Sk + j) * K + kh) * D)];
@@ -114,6 +108,7 @@ void reference_backward(const Spec& s, const PositionMap& qp, const PositionMap&
                         const std::vector<double>& out, const std::vector<double>& lse, std::vector<double>& dq,
                         std::vector<double>& dk, std::vector<double>& dv) {
   const std::int64_t B = s.batch, H = s.heads, K = s.kv_heads, D = s.dim, Sq = qp.size(), Sk = kp.size();
+  const auto visible = visibility(s);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t i = 0; i < Sq; ++i)
       for (std::int64_t h = 0; h < H; ++h) {
@@ -122,7 +117,7 @@ void reference_backward(const Spec& s, const PositionMap& qp, const PositionMap&
         double di = 0;
         for (std::int64_t d = 0; d < D; ++d) di += x.dout[row + d] * out[row + d];
         for (std::int64_t j = 0; j < Sk; ++j) {
-          if (!visible(s, b, qp(i), kp(j))) continue;
+          if (!visible(b, qp(i), kp(j))) continue;
           const std::size_t kr = static_cast<std::size_t>(((b * Sk + j) * K + kh) * D);
           double dot = 0, dp = 0;
           for (std::int64_t d = 0; d < D; ++d) {
@@ -287,11 +282,12 @@ void check_case(const Spec& s, bool tensor_cores) {
   check_close("dK", got_dk, want_dk, tol);
   check_close("dV", got_dv, want_dv, tol);
   // A key no row sees gets exactly 0 added: its dK and dV keep their starting values.
+  const auto visible = visibility(s);
   std::size_t hidden = 0, moved = 0;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t j = 0; j < Sk; ++j) {
       bool seen = false;
-      for (std::int64_t i = 0; i < Sq && !seen; ++i) seen = visible(s, b, s.qpos()(i), s.kpos()(j));
+      for (std::int64_t i = 0; i < Sq && !seen; ++i) seen = visible(b, s.qpos()(i), s.kpos()(j));
       if (seen) continue;
       ++hidden;
       for (std::int64_t e = 0; e < K * D; ++e) {
@@ -372,9 +368,7 @@ void check_policy(int ranks, Policy policy, const Spec& s) {
   std::vector<double> want_dq(x.q.size(), 0.0), want_dk(x.k.size(), 0.0), want_dv(x.v.size(), 0.0);
   // The engine's backward starts from the forward it ran (output in T), as this reference does.
   reference_backward(s, all, all, x, out_t, want_lse, want_dq, want_dk, want_dv);
-  const AttentionProblem problem{.batch = B, .heads = H, .kv_heads = K, .head_dim = D, .causal = s.causal,
-                                 .dtype = dtype_v<T>, .with_lse = true, .causal_align = s.align, .window = s.window,
-                                 .documents = s.documents, .kv_valid = s.kv_valid};
+  const AttentionProblem problem = s.problem(dtype_v<T>, true);
   int device = 0;
   SEQPAR_CUDA_CHECK(cudaGetDevice(&device));
   RunErrors e;
