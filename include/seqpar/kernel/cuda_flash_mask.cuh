@@ -162,10 +162,15 @@ __device__ __forceinline__ tile::TileMask classify_rows(const KeySpan* spans, in
 /// The rule: view() compares the call's tables element by element with a host copy of what
 /// the device buffer holds, and uploads (cudaMemcpyAsync on the call's stream) only when they
 /// differ, so repeated calls with the same plan allocate nothing, copy nothing and wait for
-/// nothing. A change first frees the old buffer (cudaFree waits for the device, so no kernel
-/// still reading the old tables sees them change, on any stream), then allocates one of the
-/// new size. Not thread-safe: one kernel object per thread (the engine owns one per rank).
-/// A copy starts empty and uploads on its first masked call.
+/// nothing. A change on the stream of the last upload, whose tables fit the buffer, reuses it:
+/// stream order puts the copy after every kernel that read the old tables; before the host copy
+/// is rewritten, it waits for the last upload to have been read (an event recorded after it;
+/// decode, whose row key ends change every step, has synchronised the stream by then, so the
+/// wait is free). Otherwise (a larger table, another stream, or the tables were read on
+/// another stream since the last upload) the old buffer is freed (cudaFree
+/// waits for the device, so no kernel on any stream still reads it) and a new one allocated.
+/// Not thread-safe: one kernel object per thread (the engine owns one per rank). A copy starts
+/// empty and uploads on its first masked call.
 class DeviceMaskTables {
  public:
   /// No tables on the device yet.
@@ -183,7 +188,8 @@ class DeviceMaskTables {
   }
   /// Frees the device buffer.
   ~DeviceMaskTables() {
-    if (dev_) cudaFree(dev_);
+    release();
+    if (uploaded_) cudaEventDestroy(uploaded_);
   }
 
   /// `p`'s mask for a kernel: p.causal merged in, and the tables for `batch` batch elements in
@@ -200,6 +206,7 @@ class DeviceMaskTables {
     if (n_doc + n_kv + n_row == 0) return m;
     const Part parts[3] = {{m.doc_starts, n_doc}, {m.kv_valid, n_kv}, {m.row_key_end, n_row}};
     if (!same(parts)) upload(parts, stream);
+    else if (stream != stream_) mixed_ = true;  // read on another stream too: no reuse next time
     const std::int64_t* at = dev_;
     if (n_doc) m.doc_starts = at;
     if (n_kv) m.kv_valid = at + n_doc;
@@ -215,6 +222,10 @@ class DeviceMaskTables {
 
   void swap(DeviceMaskTables& o) noexcept {
     std::swap(dev_, o.dev_);
+    std::swap(capacity_, o.capacity_);
+    std::swap(stream_, o.stream_);
+    std::swap(mixed_, o.mixed_);
+    std::swap(uploaded_, o.uploaded_);
     host_.swap(o.host_);
   }
 
@@ -231,21 +242,38 @@ class DeviceMaskTables {
   }
 
   void upload(const Part (&parts)[3], cudaStream_t stream) {
-    if (dev_) {
-      SEQPAR_CUDA_CHECK(cudaFree(dev_));  // waits for the kernels that may still read it
-      dev_ = nullptr;
+    std::size_t n = 0;
+    for (const Part& x : parts) n += x.size;
+    if (dev_ && stream == stream_ && !mixed_ && n <= capacity_) {
+      SEQPAR_CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the last copy has read host_
+    } else {
+      release();
+      void* p = nullptr;
+      SEQPAR_CUDA_CHECK(cudaMalloc(&p, n * sizeof(std::int64_t)));
+      dev_ = static_cast<std::int64_t*>(p);
+      capacity_ = n;
+      if (!uploaded_) SEQPAR_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming));
     }
     host_.clear();
     for (const Part& x : parts) host_.insert(host_.end(), x.data, x.data + x.size);
-    void* p = nullptr;
-    SEQPAR_CUDA_CHECK(cudaMalloc(&p, host_.size() * sizeof(std::int64_t)));
-    dev_ = static_cast<std::int64_t*>(p);
-    // host_ stays unchanged until the next upload, which cudaFree above orders after this copy.
-    SEQPAR_CUDA_CHECK(
-        cudaMemcpyAsync(dev_, host_.data(), host_.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+    SEQPAR_CUDA_CHECK(cudaMemcpyAsync(dev_, host_.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice, stream));
+    SEQPAR_CUDA_CHECK(cudaEventRecord(uploaded_, stream));
+    stream_ = stream;
+    mixed_ = false;
+  }
+
+  /// Frees the device buffer (cudaFree waits for the kernels that may still read it).
+  void release() noexcept {
+    if (dev_) cudaFree(dev_);
+    dev_ = nullptr;
+    capacity_ = 0;
   }
 
   std::int64_t* dev_ = nullptr;      // device copy of host_
+  std::size_t capacity_ = 0;         // entries dev_ has room for
+  cudaStream_t stream_ = nullptr;    // the stream of the copy into dev_
+  bool mixed_ = false;               // dev_ was read on another stream since that copy
+  cudaEvent_t uploaded_ = nullptr;   // recorded after that copy
   std::vector<std::int64_t> host_;   // what dev_ holds: document starts, key padding, row key ends
 };
 
