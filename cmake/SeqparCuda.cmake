@@ -54,6 +54,36 @@ if(NOT SEQPAR_ENABLE_CUDA STREQUAL "OFF")
   endif()
 endif()
 
+# seqpar_local_cuda_architectures(out override): the architectures for seqpar's own GPU
+# programs (tests, benchmark, examples), which can run only on this machine: `override` if set,
+# else CMAKE_CUDA_ARCHITECTURES when the caller chose it, else this machine's GPUs (nvidia-smi,
+# sm_80 and newer), else 90-real alone (a machine without a GPU only checks that they compile,
+# at half the cost of two architectures).
+function(seqpar_local_cuda_architectures out override)
+  set(archs "${override}")
+  if(NOT archs AND NOT CMAKE_CUDA_ARCHITECTURES STREQUAL "${SEQPAR_DEFAULT_CUDA_ARCHITECTURES}")
+    set(archs "${CMAKE_CUDA_ARCHITECTURES}")
+  endif()
+  if(NOT archs)
+    execute_process(COMMAND nvidia-smi --query-gpu=compute_cap --format=csv,noheader
+      OUTPUT_VARIABLE caps RESULT_VARIABLE smi_rc ERROR_QUIET TIMEOUT 20)
+    if(smi_rc EQUAL 0)
+      string(REGEX MATCHALL "[0-9]+\\.[0-9]+" caps "${caps}")
+      foreach(cap IN LISTS caps)
+        string(REPLACE "." "" arch "${cap}")
+        if(arch GREATER_EQUAL 80)  # seqpar's CUDA code targets sm_80 and newer
+          list(APPEND archs "${arch}-real")
+        endif()
+      endforeach()
+      list(REMOVE_DUPLICATES archs)
+    endif()
+  endif()
+  if(NOT archs)
+    set(archs "90-real")
+  endif()
+  set(${out} "${archs}" PARENT_SCOPE)
+endfunction()
+
 if(SEQPAR_HAS_CUDA)
   add_library(seqpar_cuda INTERFACE)
   add_library(seqpar::cuda ALIAS seqpar_cuda)
