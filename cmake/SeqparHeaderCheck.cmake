@@ -118,8 +118,13 @@ function(seqpar_add_header_check target include_dir)
   if(TARGET seqpar_dev_flags)
     target_link_libraries(${target} PRIVATE seqpar_dev_flags)
   endif()
-  # Only parsing and template definitions matter: skip the optimiser.
+  # Only parsing and template definitions matter: skip the optimiser, and compile device code
+  # for one architecture (seqpar's device code has no branch between sm_80 and sm_90).
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-O0>)
+  if(COMMAND seqpar_local_cuda_architectures)
+    seqpar_local_cuda_architectures(header_archs "")
+    set_target_properties(${target} PROPERTIES CUDA_ARCHITECTURES "${header_archs}")
+  endif()
   add_test(NAME ${target} COMMAND ${target})
   set_tests_properties(${target} PROPERTIES LABELS "cpu;headers")
   if(skipped)
