@@ -61,7 +61,12 @@ struct GlobalShape {
   /// The mask's tables (documents, key padding) for the reference kernel.
   MaskTables mask_tables() const { return MaskTables(documents, kv_valid); }
   /// The scale the softmax uses (scale with 0 resolved).
-  double softmax_scale() const { return problem<double>().softmax_scale(); }
+  double softmax_scale() const {
+    AttentionProblem p;  // only the two fields the scale depends on (no copy of the mask lists)
+    p.head_dim = head_dim;
+    p.scale = scale;
+    return p.softmax_scale();
+  }
 };
 
 /// A self-attention problem (seq_kv = seq_q) in one line.

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "cli.hpp"
 #include "common.hpp"
 #include "decode_handoff.hpp"
 #include "seqpar/seqpar.hpp"
@@ -139,14 +139,10 @@ inline std::string user_message(const std::exception& e, bool verbose) {
 
 #ifndef SEQPAR_DEMO_F64_PART
 /// An integer option's value; `max` keeps products of shape options far from overflow.
-std::int64_t parse_int(std::string_view name, const char* text, std::int64_t min, std::int64_t max = 1 << 30) {
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text, &end, 10);
-  if (end == text || *end != '\0' || v < min || errno == ERANGE || v > max)
-    throw UsageError(std::string(name) + ": expected an integer from " + std::to_string(min) + " to " +
-                     std::to_string(max) + ", got '" + text + "'");
-  return v;
+std::int64_t parse_int(std::string_view name, std::string_view text, std::int64_t min, std::int64_t max = 1 << 30) {
+  if (const auto v = ex::parse_whole(text, min, max)) return *v;
+  throw UsageError(std::string(name) + ": expected an integer from " + std::to_string(min) + " to " +
+                   std::to_string(max) + ", got '" + std::string(text) + "'");
 }
 
 /// A list option's values ("N1,N2,..."), each from `min` to `max`.
@@ -155,13 +151,11 @@ std::vector<std::int64_t> parse_list(std::string_view name, std::string_view tex
   std::vector<std::int64_t> values;
   for (std::size_t at = 0; at <= text.size();) {
     const std::size_t comma = std::min(text.find(',', at), text.size());
-    const std::string piece(text.substr(at, comma - at));
-    try {
-      values.push_back(parse_int(name, piece.c_str(), min, max));
-    } catch (const UsageError&) {
+    const auto v = ex::parse_whole(text.substr(at, comma - at), min, max);
+    if (!v)
       throw UsageError(std::string(name) + ": expected comma-separated integers from " + std::to_string(min) + " to " +
                        std::to_string(max) + ", got '" + std::string(text) + "'");
-    }
+    values.push_back(*v);
     at = comma + 1;
   }
   return values;
