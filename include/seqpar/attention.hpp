@@ -123,7 +123,7 @@ class SequenceParallelAttention {
 
  private:
   Policy policy_;
-  detail::MeshEngine<Policy, Comm, Kernel> engine_;
+  detail::MeshEngine<policy_phases_of<Policy>, Comm, Kernel> engine_;
 };
 
 }  // namespace seqpar

@@ -10,8 +10,11 @@
 ///  - the LSE merge of partial results: kernel/merge_state.hpp.
 /// The policy decides at compile time which phases exist (policy_traits): UlyssesPolicy
 /// instantiates no ring code and RingPolicy no all-to-all, so a kernel or a communicator only
-/// needs what its policy uses. Plain policies and AnythingPolicy share this code: Anything
-/// only lifts the divisibility checks, so on even shapes both send the same bytes.
+/// needs what its policy uses. The engine is keyed on those phases alone, not on the policy:
+/// the layouts only shape the plan's tables, and Anything only lifts the divisibility checks
+/// (on even shapes both send the same bytes), so RingPolicy<Zigzag>, RingPolicy<Stripe> and
+/// AnythingPolicy<RingPolicy<Contiguous>> share one compiled engine. A program that switches
+/// between policies at run time (seqpar_demo: 14 of them) compiles three engines, not 14.
 
 #include <atomic>
 #include <cstddef>
@@ -64,11 +67,11 @@ class BusyFlag {
   std::atomic<bool> busy_{false};
 };
 
-/// The engine of policy `Policy` over `Comm` with `Kernel`.
-template <class Policy, class Comm, class Kernel>
+/// The engine of the phases `Phases` (policy_phases_of<Policy>) over `Comm` with `Kernel`.
+template <class Phases, class Comm, class Kernel>
 class MeshEngine {
-  static constexpr bool has_ulysses = policy_traits<Policy>::ulysses;  // the all-to-all phase exists
-  static constexpr bool has_ring = policy_traits<Policy>::ring;        // the ring loop exists
+  static constexpr bool has_ulysses = Phases::ulysses;  // the all-to-all phase exists
+  static constexpr bool has_ring = Phases::ring;        // the ring loop exists
 
  public:
   using Space = typename Comm::memory_space;  ///< where tensors live

@@ -111,6 +111,11 @@ struct policy_traits<AnythingPolicy<Inner>> {
   static constexpr const char* name = "AnythingPolicy";           ///< C++ spelling (of the outer template)
 };
 
+/// The engine phases of policy P alone (policy_phases<ulysses, ring>): the engine is keyed on
+/// them, so policies that differ only in layout or in Anything share one compiled engine.
+template <class P>
+using policy_phases_of = policy_phases<policy_traits<P>::ulysses, policy_traits<P>::ring>;
+
 /// The mesh a policy asks for, before the world size is known: a degree of 0 means "derive
 /// it from the world size" (Ulysses asks for U = world, Ring for R = world). Nothing is
 /// checked here, so that every rank can first agree on the request and then fail alike.
