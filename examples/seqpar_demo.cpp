@@ -370,17 +370,6 @@ auto with_policy(const Options& o, int world, F run) {
   throw UsageError("--policy: unknown policy");
 }
 
-/// Builds the kernel with the requested thread count when the kernel can use one.
-template <class Kernel>
-Kernel make_kernel(const Options& o, bool print) {
-  if constexpr (std::is_constructible_v<Kernel, int>) {
-    if (o.threads > 0) return Kernel(o.threads);
-  } else {
-    if (o.threads > 1 && print) std::fprintf(stderr, "seqpar_demo: --threads: this kernel is single-threaded; ignored\n");
-  }
-  return Kernel{};
-}
-
 /// "N1,N2,...".
 inline std::string comma_list(const std::vector<std::int64_t>& v) {
   std::string text;
@@ -551,14 +540,81 @@ inline bool report_run(const Options& o, const ex::GlobalShape& s, const MeshCon
   return !o.check || (fwd_ok && grad_ok);
 }
 
-/// One rank's run of `Policy` with element type T: plan, a checked forward, timed forwards,
-/// and (rank 0) the report. `sweep_at`: the length's index in --sweep (-1: no sweep). Returns
-/// the exit status.
+/// Builds the kernel with the requested thread count when the kernel can use one.
+template <class Kernel>
+Kernel make_kernel(const Options& o, bool print) {
+  if constexpr (std::is_constructible_v<Kernel, int>) {
+    if (o.threads > 0) return Kernel(o.threads);
+  } else {
+    if (o.threads > 1 && print) std::fprintf(stderr, "seqpar_demo: --threads: this kernel is single-threaded; ignored\n");
+  }
+  return Kernel{};
+}
+
+/// The calls the demo makes on its attention object, behind one interface: run_rank and
+/// prefill_rank then compile once per element type and communicator instead of once per policy
+/// (14 of them), which halves the demo's build, the README's first command. The library's own
+/// engine is already shared between policies with the same phases (policy_phases_of).
+template <class T>
+class DemoAttention {
+ public:
+  using CV = TensorView<const T>;  ///< an input tensor
+  using V = TensorView<T>;         ///< an output tensor
+  virtual ~DemoAttention() = default;
+  /// The resolved mesh.
+  virtual const MeshConfig& mesh() const = 0;
+  /// SequenceParallelAttention::plan.
+  virtual Plan plan(const AttentionProblem& problem, LocalLengths lengths) = 0;
+  /// SequenceParallelAttention::forward (lse may be absent).
+  virtual void forward(const Plan& p, CV q, CV k, CV v, V out, TensorView<acc_t<T>> lse, std::span<std::byte> ws) = 0;
+  /// SequenceParallelAttention::backward.
+  virtual void backward(const Plan& p, CV dout, CV q, CV k, CV v, CV out, TensorView<const acc_t<T>> lse, V dq, V dk,
+                        V dv, std::span<std::byte> ws) = 0;
+  /// SequenceParallelAttention::set_profile.
+  virtual void set_profile(PhaseProfile* profile) = 0;
+};
+
+/// DemoAttention over SequenceParallelAttention<Policy, Comm, CpuFlashKernel>.
 template <class T, class Policy, class Comm>
-int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy policy, int sweep_at) {
+class PolicyAttention final : public DemoAttention<T> {
+  using typename DemoAttention<T>::CV;
+  using typename DemoAttention<T>::V;
+
+ public:
+  PolicyAttention(Comm& comm, Policy policy, CpuFlashKernel kernel) : attn_(comm, policy, std::move(kernel)) {}
+  const MeshConfig& mesh() const override { return attn_.mesh(); }
+  Plan plan(const AttentionProblem& problem, LocalLengths lengths) override { return attn_.plan(problem, lengths); }
+  void forward(const Plan& p, CV q, CV k, CV v, V out, TensorView<acc_t<T>> lse, std::span<std::byte> ws) override {
+    attn_.template forward<T>(p, q, k, v, out, lse, ws);
+  }
+  void backward(const Plan& p, CV dout, CV q, CV k, CV v, CV out, TensorView<const acc_t<T>> lse, V dq, V dk, V dv,
+                std::span<std::byte> ws) override {
+    attn_.template backward<T>(p, dout, q, k, v, out, lse, dq, dk, dv, ws);
+  }
+  void set_profile(PhaseProfile* profile) override { attn_.set_profile(profile); }
+
+ private:
+  SequenceParallelAttention<Policy, Comm, CpuFlashKernel> attn_;
+};
+
+/// Collective: the options' policy on `comm`, with element type T.
+template <class T, class Comm>
+std::unique_ptr<DemoAttention<T>> make_attention(Comm& comm, const Options& o) {
+  return with_policy(o, comm.size(), [&](auto policy) -> std::unique_ptr<DemoAttention<T>> {
+    return std::make_unique<PolicyAttention<T, decltype(policy), Comm>>(comm, policy,
+                                                                       make_kernel<CpuFlashKernel>(o, comm.rank() == 0));
+  });
+}
+
+/// One rank's run of the options' policy with element type T: plan, a checked forward, timed
+/// forwards, and (rank 0) the report. `sweep_at`: the length's index in --sweep (-1: no sweep).
+/// Returns the exit status.
+template <class T, class Comm>
+int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
   const int me = comm.rank();
   const bool print = me == 0;
-  SequenceParallelAttention<Policy, Comm, CpuFlashKernel> attn(comm, policy, make_kernel<CpuFlashKernel>(o, print));
+  const std::unique_ptr<DemoAttention<T>> attn_ptr = make_attention<T>(comm, o);
+  DemoAttention<T>& attn = *attn_ptr;
   const MeshConfig& mesh = attn.mesh();
   const ex::GlobalShape& s = g.shape;
   const auto idx = static_cast<std::size_t>(me);
@@ -580,9 +636,9 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, Policy pol
   std::vector<T> dq(o.backward ? l.q.size() : 0), dk(o.backward ? l.k.size() : 0), dv(dk.size());
   const auto lse_view = o.backward ? TensorView<acc_t<T>>::lse_bhs(lse.data(), B, l.lq, H) : TensorView<acc_t<T>>{};
   auto step = [&] {
-    attn.template forward<T>(plan, q, k, v, out, lse_view, workspace);
+    attn.forward(plan, q, k, v, out, lse_view, workspace);
     if (o.backward)
-      attn.template backward<T>(plan, CV::bshd(dout.data(), B, l.lq, H, D), q, k, v, out, lse_view,
+      attn.backward(plan, CV::bshd(dout.data(), B, l.lq, H, D), q, k, v, out, lse_view,
                                 V::bshd(dq.data(), B, l.lq, H, D), V::bshd(dk.data(), B, l.lkv, K, D),
                                 V::bshd(dv.data(), B, l.lkv, K, D), workspace);
   };
@@ -661,11 +717,12 @@ struct Prefilled {
   int ulysses = 1, ring = 1;                             ///< the prefill's mesh
 };
 
-/// The prefill of the decode run: one forward of `Policy` over the packed prompts.
-template <class T, class Policy, class Comm>
-Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& prompts, Policy policy) {
+/// The prefill of the decode run: one forward of the options' policy over the packed prompts.
+template <class T, class Comm>
+Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& prompts) {
   const int me = comm.rank();
-  SequenceParallelAttention<Policy, Comm, CpuFlashKernel> attn(comm, policy, make_kernel<CpuFlashKernel>(o, me == 0));
+  const std::unique_ptr<DemoAttention<T>> attn_ptr = make_attention<T>(comm, o);
+  DemoAttention<T>& attn = *attn_ptr;
   const ex::GlobalShape& s = prompts.shape;
   const Plan plan = attn.plan(s.problem<T>(), {split_sequence(s.seq_q, attn.mesh())[static_cast<std::size_t>(me)]});
   g_planned = true;
@@ -676,9 +733,9 @@ Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& 
   const auto K = s.kv_head_count(), D = s.head_dim;
   comm.stats().reset();
   const auto t0 = std::chrono::steady_clock::now();
-  attn.template forward<T>(plan, CV::bshd(l.q.data(), 1, l.lq, s.heads, D), CV::bshd(l.k.data(), 1, l.lkv, K, D),
+  attn.forward(plan, CV::bshd(l.q.data(), 1, l.lq, s.heads, D), CV::bshd(l.k.data(), 1, l.lkv, K, D),
                            CV::bshd(l.v.data(), 1, l.lkv, K, D), TensorView<T>::bshd(l.out.data(), 1, l.lq, s.heads, D),
-                           workspace);
+               {}, workspace);
   Prefilled<T> r;
   r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   r.bytes = comm.stats().bytes_sent;
@@ -705,7 +762,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
                                .capacity = *std::max_element(o.kv_len.begin(), o.kv_len.end()) + o.steps * Tn,
                                .page = o.page, .exchange = o.exchange});
   const ex::GlobalInputs prompts = prompt_inputs(full, o.kv_len);
-  Prefilled<T> pre = with_policy(o, world, [&](auto policy) { return prefill_rank<T>(comm, o, prompts, policy); });
+  Prefilled<T> pre = prefill_rank<T>(comm, o, prompts);
 
   // The hand-off: every prefilled K/V row to the rank and slot the decode cache gives it.
   const std::int64_t C = dp.shard_capacity();
@@ -825,7 +882,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
 template <class T, class Comm>
 int run_typed(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
   if (o.decode) return decode_rank<T>(comm, o, g);
-  return with_policy(o, comm.size(), [&](auto policy) { return run_rank<T>(comm, o, g, policy, sweep_at); });
+  return run_rank<T>(comm, o, g, sweep_at);
 }
 
 #ifdef SEQPAR_DEMO_SPLIT
