@@ -132,7 +132,7 @@ inline std::string user_message(const std::exception& e, bool verbose) {
     if (const auto at = m.rfind(" (at "); at != std::string::npos && m.back() == ')') m.erase(at);
   if (m.find("AnythingPolicy<") != std::string::npos)
     m += "\n  (on the command line: add --anything)";
-  else if (m.find("ulysses_degree x ring_degree") != std::string::npos)
+  else if (m.find("ulysses_degree x ring_degree") != std::string::npos || m.find("does not divide the world size") != std::string::npos)
     m += "\n  (on the command line: --ulysses-degree U --ring-degree R with U x R = the number of ranks)";
   return m;
 }
