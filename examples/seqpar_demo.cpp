@@ -72,7 +72,8 @@ constexpr const char* usage_text =
     "  or --page N tokens per page round-robin; default 0: contiguous), and --steps S (default 8) decode steps of\n"
     "  --new-tokens T (1..16, default 1) tokens per sequence run with SequenceParallelDecode. --check compares\n"
     "  the prefill and every step with the exact double reference; RESULT reports the steps' error, bytes\n"
-    "  sent per step (= plan.step_bytes()) and time per step, then prefill_max_rel_err=...\n";
+    "  sent per step (= plan.step_bytes()) and the median step time (the slowest rank's), then\n"
+    "  prefill_max_rel_err=...\n";
 
 /// A wrong option or a combination the demo does not run. Every rank sees the same options,
 /// so every rank throws it alike: the demo prints one line and exits with status 2.
@@ -748,6 +749,13 @@ Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& 
   return r;
 }
 
+/// The median of `x` (not empty): a decode step's time without the first step's warm-up.
+inline double median(std::vector<double> x) {
+  const auto mid = x.begin() + static_cast<std::ptrdiff_t>(x.size() / 2);
+  std::nth_element(x.begin(), mid, x.end());
+  return *mid;
+}
+
 /// One rank's decode run with element type T: the decode plan, the prefill (any policy), the
 /// hand-off of the prefilled K/V to the decode cache, then --steps checked and timed steps.
 template <class T, class Comm>
@@ -777,7 +785,9 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   std::vector<T> q(static_cast<std::size_t>(B * Tn * qh.count * D)), out(static_cast<std::size_t>(B * Tn * oh.count * D));
   std::vector<std::byte> workspace(dp.workspace_bytes());
   ex::ErrorStats err;
-  double step_ms = 0, pairs = 0;
+  double pairs = 0;
+  std::vector<double> step_ms;  // each step's time; the median is reported (the first step warms up)
+  step_ms.reserve(static_cast<std::size_t>(o.steps));
   comm.stats().reset();
   for (std::int64_t step = 0; step < o.steps; ++step) {
     for (std::int64_t b = 0; b < B; ++b)
@@ -800,7 +810,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
                             TensorView<const T>::bshd(k_cache.data(), B, C, K, D),
                             TensorView<const T>::bshd(v_cache.data(), B, C, K, D),
                             TensorView<T>::bshd(out.data(), B, Tn, oh.count, D), workspace);
-    step_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (o.check)  // the step's rows of each whole sequence, causal over the prompt and the tokens so far
       for (std::int64_t b = 0; b < B; ++b) {
         const std::vector<double> want =
@@ -818,7 +828,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   for (std::int64_t b = 0; b < B; ++b) cached += dp.layout().count(me, b, dp.kv_len(b));
   const auto rows = ex::gather_rows(
       comm, {cached, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(dp.step_bytes()),
-             std::bit_cast<std::int64_t>(step_ms / static_cast<double>(o.steps)), static_cast<std::int64_t>(pre.bytes),
+             std::bit_cast<std::int64_t>(median(step_ms)), static_cast<std::int64_t>(pre.bytes),
              std::bit_cast<std::int64_t>(pre.ms), static_cast<std::int64_t>(handoff_bytes)});
   if (me != 0) return 0;
 
@@ -838,7 +848,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   std::printf("prefill      the prompts packed as causal documents of one sequence of %lld tokens, one forward\n",
               static_cast<long long>(prompts.shape.seq_q));
   std::printf("%6s %12s %14s %12s %14s %14s %10s\n", "rank", "cache_tokens", "prefill_bytes", "prefill_ms",
-              "handoff_bytes", "bytes/step", "ms/step");
+              "handoff_bytes", "bytes/step", "ms/step(med)");
   for (int w = 0; w < world; ++w) {
     const auto& r = rows[static_cast<std::size_t>(w)];
     const auto per_step = static_cast<std::uint64_t>(r[1]) / static_cast<std::uint64_t>(o.steps);
