@@ -734,3 +734,32 @@ TEST_CASE_TEMPLATE("flash kernel decode shapes: 1 and 16 queries, 1..40000 keys,
     }
   }
 }
+
+TEST_CASE_TEMPLATE("flash kernel decode: dot-product scores and slabs of K/V heads, head dims off the vector width, "
+                   "blocks shorter than a key block",
+                   T, float, double) {
+  // Heads with at most 4 rows (tokens x group heads) take dot-product scores (head dims in the
+  // lanes, a scalar tail for dim % W); the others query panels. Every task takes a slab of
+  // K/V heads key block by key block. Head dims 8..256, groups 1, 2, 4, 8, 1..5 tokens,
+  // fewer keys than one block and several blocks, NaN and Inf at the keys no row sees.
+  // {tokens, keys, heads, K/V heads, head dim, threads}
+  const std::int64_t shapes[][6] = {{1, 5, 4, 1, 8, 1},     {1, 700, 8, 2, 72, 2},   {2, 300, 4, 2, 100, 1},
+                                    {4, 90, 3, 3, 96, 2},   {1, 1100, 4, 1, 128, 2}, {1, 40, 16, 2, 256, 1},
+                                    {2, 600, 6, 3, 40, 2},  {5, 75, 2, 2, 100, 1},   {1, 33, 12, 12, 24, 2}};
+  std::uint64_t seed = 700;
+  for (const auto& [sq, sk, heads, kv_heads, dim, threads] : shapes) {
+    MaskCase c = cross_case(PositionMap::run(sq, 0), PositionMap::run(sk, 0), ++seed);
+    INFO("tokens ", sq, ", keys ", sk, ", heads ", heads, "/", kv_heads, ", dim ", dim, ", threads ", threads);
+    c.heads = heads;
+    c.kv_heads = kv_heads;
+    c.threads = static_cast<int>(threads);
+    c.dim = dim;
+    c.backward = false;
+    for (std::int64_t t = 0; t < sq; ++t) c.row_end.push_back(std::clamp<std::int64_t>(sk - sq - 3 + t + 1, 0, sk));
+    for (std::int64_t j = c.row_end.back(); j < sk; ++j) {
+      c.nan_v.push_back({0, j});
+      c.bad_k.push_back({0, j});
+    }
+    check_masked<T>(c);
+  }
+}

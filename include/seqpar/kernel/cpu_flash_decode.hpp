@@ -6,15 +6,21 @@
 ///
 /// The prefill loop is the wrong shape for it: it packs K and V once per query head and fills
 /// a 32-lane query panel with one row, so one query against 32K keys ran at ~0.7 GFLOP/s. Here
-/// one task takes every query row that reads one K/V head, all query heads of the GQA group at
-/// once (rows = new tokens x group heads, token-major), against one chunk of that head's keys:
-///  - S^T = K Q^T reads K in place (broadcast from the caller's rows), the rows in the lanes
-///    of one or two vectors (whichever is the narrowest that holds them);
+/// one task takes every query row that reads a slab of K/V heads (all of them when the rows
+/// fit one forward scratch), all query heads of each GQA group at once (a head's rows = new
+/// tokens x group heads, token-major), against one chunk of those heads' keys:
+///  - the chunk goes by key blocks of about 256 KB of K and V, each block for every head of
+///    the slab before the next: a token's heads are one contiguous run in [B, S, Hkv, D], so
+///    the reads stream (per head, one 512-byte run per token 4 KB apart would touch a page
+///    per row), and the next block is prefetched into L2 while this one computes;
+///  - scores of a head with few rows (decode_dot_rows) are dot products, head dims in the
+///    lanes, summed across lanes for many keys at once; more rows fill the lanes of query
+///    panels instead (S^T = K Q^T, K broadcast from the caller's rows, as the forward);
 ///  - O += P V reads V in place (contiguous vectors of the caller's rows), head dims in the
 ///    lanes, so a single query row wastes no lane;
 ///  - K and V are read once per step for all heads of the group, which is what bounds decode
 ///    (memory bandwidth), and nothing is packed.
-/// With several threads and too few (batch x K/V head) groups to keep them busy, each group's
+/// With several threads and too few (batch x slab) groups to keep them busy, each group's
 /// keys are split into chunks (flash-decoding): every chunk gives each row a partial (O, LSE),
 /// and a second pass merges the chunks in order with merge_row, exactly. The partials live in
 /// one buffer of the kernel, sized on the first call of a shape and reused after.
@@ -41,7 +47,7 @@ inline constexpr std::int64_t decode_max_queries = 16;
 inline constexpr std::int64_t decode_min_chunk = 512;
 
 /// One decode-shaped forward call: the tensors, the parameters and the split into tasks
-/// (batch element x K/V head x key chunk).
+/// (batch element x slab of K/V heads x key chunk).
 template <class T, class O, class A>
 struct FlashDecode {
   TensorView<const T> q;  ///< [B, Sq, H, D], Sq <= decode_max_queries
@@ -52,6 +58,7 @@ struct FlashDecode {
   const KernelParams& p;  ///< scale, mask, head map
   std::int64_t chunks = 1;  ///< key chunks per group (1: each task writes its rows' output)
   A* part = nullptr;        ///< chunks > 1: per (group, chunk, row) the chunk's O (dim) then its LSE
+  std::int64_t slab = slab_heads(q.seq(), group_heads(q, p), k.heads());  ///< K/V heads per task
 
   /// Whether a forward call of this shape takes the decode path: few query rows, every group
   /// of rows fits one forward scratch, and K/V readable in place (T = A).
@@ -63,20 +70,36 @@ struct FlashDecode {
   static std::int64_t group_heads(TensorView<const T> q, const KernelParams& p) {
     return std::min(p.group_size, q.heads());
   }
+  /// Scratch rows of one K/V head's query rows (tokens x group heads), rounded up to whole
+  /// panels of the widest level, so that every head's rows start on a panel.
+  static std::int64_t head_rows(std::int64_t tokens, std::int64_t group) {
+    return (std::max<std::int64_t>(1, tokens * group) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
+  }
+  /// K/V heads one task takes: as many as one forward scratch holds the rows of.
+  static std::int64_t slab_heads(std::int64_t tokens, std::int64_t group, std::int64_t kheads) {
+    return std::clamp<std::int64_t>(fwd_block_q / head_rows(tokens, group), 1, std::max<std::int64_t>(1, kheads));
+  }
   /// Key chunks per group for `threads` threads: enough tasks for about four per thread, no
-  /// chunk under decode_min_chunk keys.
+  /// chunk under decode_min_chunk keys. (Without the mask's group size, the groups are
+  /// counted with H / Hkv query heads per K/V head: a balance estimate only.)
   static std::int64_t chunk_count(int threads, TensorView<const T> q, TensorView<const T> k) {
     if (threads <= 1) return 1;
-    const std::int64_t groups = q.batch() * k.heads(), want = (4 * threads + groups - 1) / groups;
+    const std::int64_t kheads = std::max<std::int64_t>(1, k.heads());
+    const std::int64_t slab = slab_heads(q.seq(), (q.heads() + kheads - 1) / kheads, kheads);
+    const std::int64_t groups = q.batch() * ((kheads + slab - 1) / slab), want = (4 * threads + groups - 1) / groups;
     return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, k.seq() / decode_min_chunk));
   }
 
-  /// (batch element, K/V head) groups.
-  std::int64_t groups() const { return q.batch() * k.heads(); }
+  /// Slabs of K/V heads per batch element.
+  std::int64_t slabs() const { return (k.heads() + slab - 1) / slab; }
+  /// (batch element, slab) groups.
+  std::int64_t groups() const { return q.batch() * slabs(); }
   /// Tasks of the first pass: groups x chunks.
   std::int64_t tasks() const { return groups() * chunks; }
-  /// Rows of the largest group.
-  std::int64_t max_rows() const { return q.seq() * group_heads(q, p); }
+  /// Scratch and partial rows of one K/V head in a task (see head_rows).
+  std::int64_t head_rows() const { return head_rows(q.seq(), group_heads(q, p)); }
+  /// Partial rows of a group: its heads' rows, head_rows() apart.
+  std::int64_t max_rows() const { return slab * head_rows(); }
   /// The local query heads [first, second) that read local K/V head `kh`.
   std::pair<std::int64_t, std::int64_t> heads(std::int64_t kh) const {
     const std::int64_t g = kh + p.kv_head_begin;
@@ -94,19 +117,21 @@ struct FlashDecode {
 
   /// Second pass, for group `g`: merges each row's chunks in order (merge_row) into out, lse.
   void merge(std::int64_t g) const {
-    const std::int64_t dim = q.dim(), b = g / k.heads(), kh = g % k.heads();
-    const auto [h0, h1] = heads(kh);
-    const std::int64_t gh = h1 - h0;
-    for (std::int64_t r = 0; r < q.seq() * gh; ++r) {
-      A* o = part_row(g, 0, r);
-      A l = o[dim];
-      for (std::int64_t c = 1; c < chunks; ++c) {
-        const A* oc = part_row(g, c, r);
-        merge_row<A>(o, l, oc, oc[dim], dim);
+    const std::int64_t dim = q.dim(), b = g / slabs(), kh0 = g % slabs() * slab;
+    for (std::int64_t kh = kh0; kh < std::min(k.heads(), kh0 + slab); ++kh) {
+      const auto [h0, h1] = heads(kh);
+      const std::int64_t gh = h1 - h0, r0 = (kh - kh0) * head_rows();
+      for (std::int64_t r = 0; r < q.seq() * gh; ++r) {
+        A* o = part_row(g, 0, r0 + r);
+        A l = o[dim];
+        for (std::int64_t c = 1; c < chunks; ++c) {
+          const A* oc = part_row(g, c, r0 + r);
+          merge_row<A>(o, l, oc, oc[dim], dim);
+        }
+        O* dst = out.row(b, r / gh, h0 + r % gh);
+        for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(o[d]);
+        if (!lse.absent()) lse(b, r / gh, h0 + r % gh) = l;
       }
-      O* dst = out.row(b, r / gh, h0 + r % gh);
-      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(o[d]);
-      if (!lse.absent()) lse(b, r / gh, h0 + r % gh) = l;
     }
   }
 };
