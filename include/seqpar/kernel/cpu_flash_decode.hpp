@@ -9,7 +9,7 @@
 /// one task takes every query row that reads a slab of K/V heads (all of them when the rows
 /// fit one forward scratch), all query heads of each GQA group at once (a head's rows = new
 /// tokens x group heads, token-major), against one chunk of those heads' keys:
-///  - the chunk goes by key blocks of about 256 KB of K and V, each block for every head of
+///  - the chunk goes by key blocks of 64-128 KB of K (as much V), each block for every head of
 ///    the slab before the next: a token's heads are one contiguous run in [B, S, Hkv, D], so
 ///    the reads stream (per head, one 512-byte run per token 4 KB apart would touch a page
 ///    per row), and the next block is prefetched into L2 while this one computes;
