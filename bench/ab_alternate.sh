@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Alternated A/B of two builds of seqpar_bench: runs the benchmarks matching FILTER with the old
+# and the new binary in turn, ROUNDS times, and prints for each benchmark the fastest of the
+# rounds' real times (each the benchmark's mean over its iterations) of each side, and new / old.
+# Alternating (old, new, old, new, ...) spreads the drift of a shared machine over both sides;
+# the fastest round is the one least disturbed by other tenants.
+# Usage: bench/ab_alternate.sh OLD_BINARY NEW_BINARY FILTER [ROUNDS=3]
+# Example (issue 16, before and after the engine work, both builds Release, CUDA off):
+#   bench/ab_alternate.sh /work/build-ab-old/bench/seqpar_bench /work/build-ab-new/bench/seqpar_bench \
+#     'BM_policy<' 3
+set -euo pipefail
+(( $# >= 3 )) || { sed -n '2,10p' "$0" >&2; exit 2; }
+old="$1" new="$2" filter="$3" rounds="${4:-3}"
+dir="$(mktemp -d)"
+trap 'rm -rf "$dir"' EXIT
+for round in $(seq "$rounds"); do
+  for side in old new; do
+    bin="$old"; [[ $side == new ]] && bin="$new"
+    # JSON, not CSV: the CSV reporter aborts when benchmarks carry different counters.
+    "$bin" --benchmark_filter="$filter" --benchmark_out="$dir/$side.$round.json" \
+      --benchmark_out_format=json > /dev/null 2>&1
+  done
+done
+python3 - "$dir" << 'PY'
+import json, re, sys
+from pathlib import Path
+best, order, unit = {}, [], "ms"  # (name, side) -> fastest real time; names as first seen
+for path in sorted(Path(sys.argv[1]).glob("*.json")):
+    side = path.name.split(".")[0]
+    for b in json.loads(path.read_text())["benchmarks"]:
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        # The two builds may give a benchmark different minimum times: pair them without it.
+        name = re.sub(r"/min_time:[0-9.]+", "", b["name"])
+        if name not in order:
+            order.append(name)
+        best[(name, side)] = min(best.get((name, side), b["real_time"]), b["real_time"])
+        unit = b["time_unit"]
+print(f"| benchmark | old ({unit}) | new ({unit}) | new / old |")
+print("|---|---|---|---|")
+for name in order:
+    o, n = best.get((name, "old")), best.get((name, "new"))
+    if o and n:
+        print(f"| {name} | {o:.3g} | {n:.3g} | {n / o:.3f} |")
+PY
