@@ -18,28 +18,28 @@ for round in $(seq "$rounds"); do
     bin="$old"; [[ $side == new ]] && bin="$new"
     # JSON, not CSV: the CSV reporter aborts when benchmarks carry different counters.
     "$bin" --benchmark_filter="$filter" --benchmark_out="$dir/$side.$round.json" \
-      --benchmark_out_format=json > /dev/null 2>&1
+      --benchmark_out_format=json > /dev/null 2>&1 || { echo "$bin failed (round $round)" >&2; exit 1; }
   done
 done
-python3 - "$dir" << 'PY'
-import json, re, sys
+python3 - "$dir" "$(dirname "$0")" << 'PY'
+import re, sys
 from pathlib import Path
-best, order, unit = {}, [], "ms"  # (name, side) -> fastest real time; names as first seen
+sys.path.insert(0, sys.argv[2])
+from report import load  # the JSON reader bench/run.sh's report uses
+best, order = {}, []  # (name, side) -> (fastest real time, unit); names as first seen
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     side = path.name.split(".")[0]
-    for b in json.loads(path.read_text())["benchmarks"]:
-        if b.get("run_type", "iteration") != "iteration":
-            continue
+    for full, b in load(path).items():
         # The two builds may give a benchmark different minimum times: pair them without it.
-        name = re.sub(r"/min_time:[0-9.]+", "", b["name"])
+        name = re.sub(r"/min_time:[0-9.]+", "", full)
         if name not in order:
             order.append(name)
-        best[(name, side)] = min(best.get((name, side), b["real_time"]), b["real_time"])
-        unit = b["time_unit"]
-print(f"| benchmark | old ({unit}) | new ({unit}) | new / old |")
+        time = (b["real_time"], b["time_unit"])
+        best[(name, side)] = min(best.get((name, side), time), time)
+print("| benchmark | old | new | new / old |")
 print("|---|---|---|---|")
 for name in order:
     o, n = best.get((name, "old")), best.get((name, "new"))
     if o and n:
-        print(f"| {name} | {o:.3g} | {n:.3g} | {n / o:.3f} |")
+        print(f"| {name} | {o[0]:.3g} {o[1]} | {n[0]:.3g} {n[1]} | {n[0] / o[0]:.3f} |")
 PY
