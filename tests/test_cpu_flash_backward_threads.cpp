@@ -241,4 +241,66 @@ TEST_CASE("threaded flash backward: a warmed-up call allocates nothing") {
   call();
   const long after = allocations.load();
   CHECK(after == before);
+  // Reserved for the shape first (as the engines do at plan), the very first call allocates
+  // nothing either: backward's turn counters, and the decode path's partials of a short block.
+  CpuFlashKernel fresh(3);
+  fresh.reserve({s.b, s.sq, s.h, s.sk, s.kh, s.h / s.kh, s.d, true});
+  const long reserved = allocations.load();
+  kernel = std::move(fresh);
+  const long moved = allocations.load();
+  call();
+  CHECK(allocations.load() == moved);
+  CHECK(moved == reserved);
+  const std::int64_t T = 4, keys = 4096;  // a decode step against a long shard: keys split over the threads
+  const auto dq_short = test::random_tensor(s.b * T * s.h * s.d, rng), kv = test::random_tensor(s.b * keys * s.kh * s.d, rng);
+  std::vector<double> o(dq_short.size()), l(static_cast<std::size_t>(s.b * T * s.h));
+  KernelParams dp;
+  dp.q_positions = PositionMap::run(T, keys - T);
+  dp.k_positions = PositionMap::run(keys, 0);
+  dp.group_size = s.h / s.kh;
+  CpuFlashKernel decode(2);
+  decode.reserve({s.b, T, s.h, keys, s.kh, s.h / s.kh, s.d, false});
+  const long ready = allocations.load();
+  decode.forward(V::bshd(dq_short.data(), s.b, T, s.h, s.d), V::bshd(kv.data(), s.b, keys, s.kh, s.d),
+                 V::bshd(kv.data(), s.b, keys, s.kh, s.d), G::bshd(o.data(), s.b, T, s.h, s.d),
+                 G::bshd(l.data(), s.b, T, s.h, 1), dp);
+  CHECK(allocations.load() == ready);
 }
+
+TEST_CASE("threaded flash backward: a row that sees no key adds nothing to any gradient, NaN in its Q or dO included") {
+  // Bottom-right, S_q 2 / S_kv 1: row 0 sees no key (its O = 0, LSE = -inf). NaN in that row's
+  // Q and dO must not reach dK or dV through 0 x NaN.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (CpuIsa isa : test::cpu_isas())
+    for (int threads : {1, 2}) {
+      CAPTURE(cpu_isa_name(isa));
+      CAPTURE(threads);
+      const std::int64_t D = 8;
+      std::vector<float> q(2 * D, 0.25f), k(D, 0.5f), v(D, -0.75f), out(2 * D), dout(2 * D, 1.0f);
+      for (std::int64_t d = 0; d < D; ++d) q[d] = static_cast<float>(nan), dout[d] = static_cast<float>(nan);
+      std::vector<float> lse(2);
+      KernelParams p;
+      p.scale = 0.5;
+      p.causal = true;
+      p.q_positions = PositionMap::run(2, -1);  // the diagonals: position + S_kv - S_q
+      p.k_positions = PositionMap::run(1, 0);
+      CpuFlashKernel kern(CpuFlashOptions{.threads = threads, .isa = isa});
+      using CV = TensorView<const float>;
+      kern.forward<float, float>(CV::bshd(q.data(), 1, 2, 1, D), CV::bshd(k.data(), 1, 1, 1, D), CV::bshd(v.data(), 1, 1, 1, D),
+                                 TensorView<float>::bshd(out.data(), 1, 2, 1, D), TensorView<float>::bshd(lse.data(), 1, 2, 1, 1), p);
+      CHECK(lse[0] == -std::numeric_limits<float>::infinity());
+      CHECK(out[0] == 0.0f);
+      std::vector<float> dq(2 * D, 0.f), dk(D, 0.f), dv(D, 0.f);
+      kern.backward<float>(CV::bshd(dout.data(), 1, 2, 1, D), CV::bshd(q.data(), 1, 2, 1, D), CV::bshd(k.data(), 1, 1, 1, D),
+                           CV::bshd(v.data(), 1, 1, 1, D), CV::bshd(out.data(), 1, 2, 1, D),
+                           TensorView<const float>::bshd(lse.data(), 1, 2, 1, 1), TensorView<float>::bshd(dq.data(), 1, 2, 1, D),
+                           TensorView<float>::bshd(dk.data(), 1, 1, 1, D), TensorView<float>::bshd(dv.data(), 1, 1, 1, D), p);
+      // Row 1 alone sees key 0 with probability 1: dV = dO_1, dK = 0 (dS = P (dP - delta) = 0).
+      for (std::int64_t d = 0; d < D; ++d) {
+        CHECK(dv[d] == doctest::Approx(1.0));
+        CHECK(dk[d] == doctest::Approx(0.0));
+        CHECK(dq[d] == 0.0f);  // row 0's own gradient: it saw nothing
+      }
+    }
+}
+

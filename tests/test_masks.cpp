@@ -279,7 +279,7 @@ TEST_CASE("masks: invalid descriptions fail alike on every rank; a causal-only k
        [](AttentionProblem& p) { p.documents = {{32}, {32}, {32}}; }},
       {"plan: kv_valid[1]: expected 0..32 (the key length), got 33", [](AttentionProblem& p) { p.kv_valid = {3, 33}; }},
       {"plan: kv_valid: expected one count per batch element (2), got 1", [](AttentionProblem& p) { p.kv_valid = {3}; }},
-      {"plan: window: expected sides >= 0, or -1 for unbounded, got {-2, 4}", [](AttentionProblem& p) { p.window = {-2, 4}; }},
+      {"plan: window: expected sides >= 0 (any size; one past the sequence hides nothing), or -1 for unbounded, got {-2, 4}", [](AttentionProblem& p) { p.window = {-2, 4}; }},
   };
   for (const Bad& b : bad) {
     CAPTURE(b.needle);

@@ -4,7 +4,9 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/plan.hpp"
@@ -63,8 +65,13 @@ class SequenceParallelAttention {
   }
   /// Would `problem` run with these local lengths (one per world rank)? Asks no rank: the
   /// same checks as plan, as a value (see seqpar::can_implement).
+  /// Unlike the free function it also knows the kernel, so it refuses what only the kernel
+  /// cannot take (a window, documents or key padding without supports_masks), as plan does.
   Implementable can_implement(const AttentionProblem& problem, std::span<const LocalLengths> all_local_lengths) const {
-    return seqpar::can_implement(policy_, problem, all_local_lengths);
+    Implementable shape = seqpar::can_implement(policy_, problem, all_local_lengths);
+    if (!shape) return shape;
+    std::string why = detail::kernel_reason<Kernel>(problem);
+    return {why.empty(), std::move(why)};
   }
 
   /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).

@@ -83,15 +83,20 @@ struct CommStats {
 /// communicator's waits; unset, empty or 0: wait forever (see each communicator's timeout).
 inline constexpr const char* comm_timeout_env = "SEQPAR_COMM_TIMEOUT_MS";
 
-/// The time-out SEQPAR_COMM_TIMEOUT_MS asks for: zero (none) when it is unset or empty.
-/// Throws ConfigError when it is not a non-negative integer of milliseconds.
+/// The time-out SEQPAR_COMM_TIMEOUT_MS asks for: zero (none) when it is unset or empty; one
+/// too long for the clock (up to and past INT64_MAX ms) means never. Throws ConfigError when
+/// it is not a non-negative integer of milliseconds.
 inline std::chrono::milliseconds comm_timeout_from_env() {
   const char* env = std::getenv(comm_timeout_env);
   if (env == nullptr || *env == '\0') return std::chrono::milliseconds{0};
   const std::string_view text(env);
   long long ms = -1;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), ms);
-  SEQPAR_CHECK(ec == std::errc{} && end == text.data() + text.size() && ms >= 0, ConfigError, comm_timeout_env,
+  const bool whole = end == text.data() + text.size() && text.front() != '-';
+  // A number of digits too large for 64 bits is still a time-out: "never", as any time-out too
+  // long for the clock is.
+  if (whole && ec == std::errc::result_out_of_range) return std::chrono::milliseconds::max();
+  SEQPAR_CHECK(ec == std::errc{} && whole && ms >= 0, ConfigError, comm_timeout_env,
                ": expected a whole number of milliseconds >= 0 (0: no time-out), got \"", text, "\"");
   return std::chrono::milliseconds{ms};
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "seqpar/comm/communicator.hpp"
+#include "seqpar/core/checked.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/types.hpp"
 
@@ -279,7 +280,7 @@ class BasicMpiCommunicator {
   bool poll(Done done) const {
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
-    const auto deadline = start + timeout();
+    const auto deadline = saturating_deadline<Clock>(start, timeout());  // huge: never
     for (;;) {
       if (done()) return true;
       const auto now = Clock::now();

@@ -50,6 +50,7 @@
 
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/comm/nccl_state.hpp"
+#include "seqpar/core/checked.hpp"
 #include "seqpar/core/cuda_error.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/types.hpp"
@@ -267,6 +268,7 @@ class NcclCommunicator {
     }
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
+    const auto deadline = saturating_deadline<Clock>(start, st.timeout);  // huge: never
     for (;;) {
       const cudaError_t rc = cudaStreamQuery(stream_);
       if (rc == cudaSuccess) return;
@@ -279,7 +281,7 @@ class NcclCommunicator {
 #endif
       if (failed) detail::throw_nccl_error(async, "ncclCommGetAsyncError", __FILE__, __LINE__);
       const auto now = Clock::now();
-      if (now - start >= st.timeout) break;
+      if (now >= deadline) break;
       if (now - start < std::chrono::milliseconds(1))
         std::this_thread::yield();
       else

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "seqpar/core/checked.hpp"
 #include "seqpar/core/error.hpp"
 
 namespace seqpar {
@@ -117,8 +118,12 @@ struct ThreadFamily {
   void wait_for(std::unique_lock<std::mutex>& lock, Pred ready, const char* what, Peers peers,
                 bool completed_wins = false) {
     auto stop = [&] { return aborted || ready(); };
-    if (timeout.count() > 0) {
-      if (!cv.wait_for(lock, timeout, stop))
+    // A time-out too large for the clock (milliseconds::max()) means "never": its deadline
+    // saturates, and a deadline at the end of time is a plain wait.
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point deadline = saturating_deadline<Clock>(Clock::now(), timeout);
+    if (timeout.count() > 0 && deadline != Clock::time_point::max()) {
+      if (!cv.wait_until(lock, deadline, stop))
         abort_locked(std::string("time-out after ") + std::to_string(timeout.count()) + " ms in " + what +
                      waiting_for(peers()));
     } else {

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "seqpar/core/checked.hpp"
 #include "seqpar/core/host_device.hpp"
 #include "seqpar/core/sequence_layout.hpp"
 
@@ -32,7 +33,9 @@ enum class CausalAlign : std::uint8_t {
 };
 
 /// A sliding window around the diagonal: query i sees keys d(i) - left .. d(i) + right.
-/// -1 on a side means unbounded; {-1, -1} is no window.
+/// -1 on a side means unbounded; {-1, -1} is no window. A side may be any value >= 0 up to
+/// INT64_MAX: one at least as long as the sequence hides nothing on its side (the mask
+/// computes with it clamped, core/checked.hpp's clamp_window_side, so it never wraps).
 struct Window {
   std::int64_t left = -1;   ///< keys before the diagonal (-1: all)
   std::int64_t right = -1;  ///< keys after the diagonal (-1: all; causal caps it at 0)
@@ -79,8 +82,13 @@ struct MaskView {
     KeyRange r{-big, big};
     const std::int64_t q = d;  // documents: S_q == S_kv, so the diagonal is the position
     if (causal) r.hi = d;
-    if (window_left >= 0) r.lo = d - window_left;
-    if (window_right >= 0) r.hi = r.hi < d + window_right ? r.hi : d + window_right;
+    // Sides are clamped (2^60 at most) before the arithmetic: |d| < 2^58, so d - side and
+    // d + side never wrap, whatever the caller put in the view.
+    if (window_left >= 0) r.lo = d - clamp_window_side(window_left);
+    if (window_right >= 0) {
+      const std::int64_t right = d + clamp_window_side(window_right);
+      r.hi = r.hi < right ? r.hi : right;
+    }
     if (doc_count > 0) {
       const std::int64_t* starts = doc_starts + b * doc_batch_stride;
       // The document holding q: the last start <= q (binary search; documents are not empty).

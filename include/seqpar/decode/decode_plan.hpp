@@ -143,11 +143,20 @@ class DecodePlan {
   /// This rank.
   int rank() const { return rank_; }
   /// Current global cache length of sequence b (before this step's tokens).
-  std::int64_t kv_len(std::int64_t b) const { return len_[static_cast<std::size_t>(b)]; }
-  /// Rank that stores token `pos` of sequence b.
-  int owner(std::int64_t b, std::int64_t pos) const { return layout_.owner(b, pos); }
-  /// Local slot of token `pos` of sequence b on its owner.
-  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return layout_.slot(b, pos); }
+  std::int64_t kv_len(std::int64_t b) const { return len_[checked_sequence(b, "kv_len")]; }
+  /// Rank that stores token `pos` of sequence b: b in [0, batch), pos in [0, capacity)
+  /// (anything else is a ConfigError, so that a caller writing at slot(b, pos) on
+  /// owner(b, pos) never writes outside a shard).
+  int owner(std::int64_t b, std::int64_t pos) const {
+    check_token(b, pos, "owner");
+    return layout_.owner(b, pos);
+  }
+  /// Local slot of token `pos` of sequence b on its owner (in [0, shard_capacity()); same
+  /// arguments as owner).
+  std::int64_t slot(std::int64_t b, std::int64_t pos) const {
+    check_token(b, pos, "slot");
+    return layout_.slot(b, pos);
+  }
   /// Slots of this rank's cache shard per sequence ([B, shard_capacity, K, D] tensors).
   std::int64_t shard_capacity() const { return shard_capacity_; }
   /// Tokens of sequence b this rank stores once the step's T tokens are appended.
@@ -163,14 +172,16 @@ class DecodePlan {
   /// Workspace bytes of a step.
   std::size_t workspace_bytes() const { return slots_.bytes(); }
   /// Moves every sequence on by `tokens` (after a step: its T tokens are now cache). Local:
-  /// every rank must advance alike, and a step detects when they did not.
+  /// every rank must advance alike, and a step detects when they did not. Transactional: it
+  /// checks every sequence first, so when it throws (a negative count, or a sequence that
+  /// would pass the capacity) the plan is exactly as before.
   void advance(std::int64_t tokens) {
     SEQPAR_CHECK(tokens >= 0, ConfigError, "DecodePlan::advance: tokens: expected >= 0, got ", tokens);
-    for (std::size_t b = 0; b < len_.size(); ++b) {
-      SEQPAR_CHECK(len_[b] + tokens <= problem_.capacity, ConfigError, "DecodePlan::advance: sequence ", b,
-                   " would hold ", len_[b] + tokens, " tokens, more than the capacity ", problem_.capacity);
-      len_[b] += tokens;
-    }
+    for (std::size_t b = 0; b < len_.size(); ++b)  // len_[b] <= capacity: the difference cannot wrap
+      SEQPAR_CHECK(tokens <= problem_.capacity - len_[b], ConfigError, "DecodePlan::advance: sequence ", b, " holds ",
+                   len_[b], " tokens: ", tokens, " more would pass the capacity ", problem_.capacity,
+                   " (the plan is unchanged)");
+    for (std::int64_t& len : len_) len += tokens;
     ++step_;
   }
   /// Steps advanced so far.
@@ -179,6 +190,19 @@ class DecodePlan {
  private:
   template <class Comm, class Kernel>
   friend class detail::DecodeEngine;
+
+  /// b as an index of the batch; ConfigError naming `call` otherwise.
+  std::size_t checked_sequence(std::int64_t b, const char* call) const {
+    SEQPAR_CHECK(b >= 0 && b < static_cast<std::int64_t>(len_.size()), ConfigError, "DecodePlan::", call,
+                 ": sequence: expected 0..", static_cast<std::int64_t>(len_.size()) - 1, ", got ", b);
+    return static_cast<std::size_t>(b);
+  }
+  /// Checks a (sequence, position) pair of owner() and slot().
+  void check_token(std::int64_t b, std::int64_t pos, const char* call) const {
+    checked_sequence(b, call);
+    SEQPAR_CHECK(pos >= 0 && pos < problem_.capacity, ConfigError, "DecodePlan::", call, ": pos: expected 0..",
+                 problem_.capacity - 1, " (below the capacity), got ", pos);
+  }
 
   DecodeProblem problem_;
   CacheLayout layout_;

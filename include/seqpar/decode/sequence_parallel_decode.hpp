@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -35,6 +36,8 @@
 #include <vector>
 
 #include "seqpar/comm/communicator.hpp"
+#include "seqpar/core/agreement.hpp"
+#include "seqpar/core/checked.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/plan.hpp"
 #include "seqpar/core/tensor_view.hpp"
@@ -67,14 +70,21 @@ class DecodeEngine {
                                  pr.new_tokens, pr.capacity, pr.page, static_cast<std::int64_t>(pr.exchange),
                                  hash_lists({pr.kv_len})};
     static constexpr const char* names[] = {"batch", "heads", "kv_heads", "head_dim", "dtype", "scale",
-                                            "new_tokens", "capacity", "page", "exchange", "kv_len (a hash)"};
-    constexpr int n = static_cast<int>(std::size(mine));
+                                            "new_tokens", "capacity", "page", "exchange", "kv_len"};
+    constexpr int n = static_cast<int>(std::size(mine)), f_kv_len = n - 1;
     std::vector<std::int64_t> all(static_cast<std::size_t>(n * P));
     world_.all_gather_host(std::span<const std::int64_t>(mine, n), all);
     for (int f = 0; f < n; ++f)
-      for (int w = 1; w < P; ++w)
-        SEQPAR_CHECK(all[w * n + f] == all[f], ConfigError, "decode plan: ranks disagree on ", names[f],
-                     ": rank 0 has ", all[f], ", rank ", w, " has ", all[w * n + f]);
+      for (int w = 1; w < P; ++w) {
+        if (all[w * n + f] == all[f]) continue;
+        // kv_len travels as a hash: every rank sees the mismatch, and all gather the lengths.
+        if (f == f_kv_len) SEQPAR_THROW(ConfigError, list_disagreement(world_, "decode plan: ", "kv_len", {pr.kv_len}, true));
+        if (f == 5)  // the scale travels as its bits
+          SEQPAR_THROW(ConfigError, "decode plan: ranks disagree on scale: rank 0 has ", std::bit_cast<double>(all[f]),
+                       ", rank ", w, " has ", std::bit_cast<double>(all[w * n + f]));
+        SEQPAR_THROW(ConfigError, "decode plan: ranks disagree on ", names[f], ": rank 0 has ", all[f], ", rank ", w,
+                     " has ", all[w * n + f]);
+      }
     check_problem(pr);
 
     DecodePlan p;
@@ -98,6 +108,9 @@ class DecodeEngine {
     p.pieces_ = pieces(p);
     p.slots_ = layout(p);
     if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(pr.head_dim);
+    if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })  // every step: T rows against the shard
+      kernel_.reserve({pr.batch, pr.new_tokens, pr.heads, p.shard_capacity_, p.problem_.kv_heads,
+                       pr.heads / p.problem_.kv_heads, pr.head_dim, false});
     return p;
   }
 
@@ -123,7 +136,7 @@ class DecodeEngine {
     check_view(v_cache, "decode step: v_cache", B, C, K, D, false);
     check_view(out, "decode step: out", B, Tn, p.out_heads().count, D, true);
     for (std::int64_t b = 0; b < B; ++b)
-      SEQPAR_CHECK(p.kv_len(b) + Tn <= pr.capacity, ConfigError, "decode step: sequence ", b, " holds ", p.kv_len(b),
+      SEQPAR_CHECK(p.kv_len(b) <= pr.capacity - Tn, ConfigError, "decode step: sequence ", b, " holds ", p.kv_len(b),
                    " tokens: the step's ", Tn, " would exceed the capacity ", pr.capacity);
     const auto& slots = p.slots_;
     SEQPAR_CHECK(workspace.size() >= slots.bytes(), ConfigError, "decode step: workspace: expected at least ",
@@ -279,12 +292,33 @@ class DecodeEngine {
     SEQPAR_CHECK_ARG(pr.kv_head_count() >= 1 && pr.heads % pr.kv_head_count() == 0, "decode plan: kv_heads",
                      "a divisor of heads " + std::to_string(pr.heads), pr.kv_head_count());
     SEQPAR_CHECK_ARG(pr.head_dim >= 1, "decode plan: head_dim", ">= 1", pr.head_dim);
+    SEQPAR_CHECK_ARG(std::isfinite(pr.scale), "decode plan: scale", "a finite number (or 0 for 1/sqrt(head_dim))",
+                     pr.scale);
+    SEQPAR_CHECK_ARG(static_cast<int>(pr.dtype) <= static_cast<int>(DType::f64), "decode plan: dtype",
+                     "f16, bf16, f32 or f64", static_cast<int>(pr.dtype));
+    SEQPAR_CHECK_ARG(pr.exchange == DecodeExchange::all_gather || pr.exchange == DecodeExchange::heads,
+                     "decode plan: exchange", "DecodeExchange::all_gather or DecodeExchange::heads",
+                     static_cast<int>(pr.exchange));
     SEQPAR_CHECK_ARG(pr.new_tokens >= 1 && pr.new_tokens <= 16, "decode plan: new_tokens", "1..16", pr.new_tokens);
     SEQPAR_CHECK_ARG(pr.page >= 0, "decode plan: page", ">= 0 (0: contiguous)", pr.page);
+    SEQPAR_CHECK_ARG(pr.capacity >= pr.new_tokens, "decode plan: capacity", ">= new_tokens " + std::to_string(pr.new_tokens),
+                     pr.capacity);
+    // The largest tensor a rank may be given is a whole cache, batch x capacity x K x D
+    // elements of at most 8 bytes; the plan's sizes stay in 64 bits while that is below 2^58.
+    const std::int64_t cache[] = {8, pr.batch, pr.capacity, pr.kv_head_count(), pr.head_dim};
+    const std::int64_t rows[] = {8, pr.batch, pr.new_tokens, pr.heads, pr.head_dim + 1};
+    const std::optional<std::int64_t> cache_bytes = checked_product(cache), row_bytes = checked_product(rows);
+    constexpr std::int64_t limit = std::int64_t{1} << 58;
+    SEQPAR_CHECK(cache_bytes && *cache_bytes <= limit && row_bytes && *row_bytes <= limit, ConfigError,
+                 "decode plan: size overflow: batch ", pr.batch, " x capacity ", pr.capacity, " x kv_heads ",
+                 pr.kv_head_count(), " (heads ", pr.heads, ") x head_dim ", pr.head_dim,
+                 " x 8 bytes exceeds the 2^58-byte limit on one tensor");
     SEQPAR_CHECK(static_cast<std::int64_t>(pr.kv_len.size()) == pr.batch, ConfigError,
                  "decode plan: kv_len: expected one length per sequence (", pr.batch, "), got ", pr.kv_len.size());
+    // capacity >= new_tokens: the bound below cannot wrap, and kv_len + new_tokens is then
+    // at most the capacity.
     for (std::size_t b = 0; b < pr.kv_len.size(); ++b)
-      SEQPAR_CHECK(pr.kv_len[b] >= 0 && pr.kv_len[b] + pr.new_tokens <= pr.capacity, ConfigError,
+      SEQPAR_CHECK(pr.kv_len[b] >= 0 && pr.kv_len[b] <= pr.capacity - pr.new_tokens, ConfigError,
                    "decode plan: kv_len[", b, "]: expected 0..capacity - new_tokens = ", pr.capacity - pr.new_tokens,
                    ", got ", pr.kv_len[b]);
   }

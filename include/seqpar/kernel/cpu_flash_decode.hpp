@@ -136,4 +136,19 @@ struct FlashDecode {
   }
 };
 
+/// An upper bound on FlashDecode<..., A>::part_bytes() over every decode-path call within `c`
+/// with `threads` threads (0 when no such call splits keys): chunks at most 4 x threads and
+/// Sk / decode_min_chunk, slabs x slab below 2 x K/V heads, rows per head at most those of the
+/// whole group. Calls with fewer heads (the ring's polled chunks) stay below it.
+template <class A>
+std::size_t decode_part_bytes_bound(int threads, const KernelCallBounds& c) {
+  if (threads <= 1 || c.q_rows < 1 || c.q_rows > decode_max_queries) return 0;
+  const std::int64_t chunks = std::min<std::int64_t>(4 * std::int64_t{threads}, c.kv_rows / decode_min_chunk);
+  if (chunks <= 1) return 0;
+  const std::int64_t group = std::max<std::int64_t>(1, std::min(c.group_size, c.heads));
+  const std::int64_t rows = (std::max<std::int64_t>(1, c.q_rows * group) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
+  return static_cast<std::size_t>(c.batch * 2 * std::max<std::int64_t>(1, c.kv_heads) * chunks * rows * (c.head_dim + 1)) *
+         sizeof(A);
+}
+
 }  // namespace seqpar::detail

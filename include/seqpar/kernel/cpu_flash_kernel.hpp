@@ -158,7 +158,7 @@ class CpuFlashKernel {
   /// Up to 16 query rows (a decode step) take the decode path of kernel/cpu_flash_decode.hpp:
   /// the query heads of a GQA group together, K and V read in place, a group's keys split
   /// over the threads when there are fewer groups than threads (its partials buffer is sized
-  /// on the first call of a shape).
+  /// by reserve(), which the engines call at plan; a call larger than that grows it once).
   template <class T, class O>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<acc_t<T>> lse, const KernelParams& p) {
@@ -180,9 +180,9 @@ class CpuFlashKernel {
   /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
   /// probabilities from the LSE, on the forward's threads (kernel/cpu_flash_backward.hpp has
   /// the split). dq, dk, dv come out bit-identical whatever the thread count. Its scratch is
-  /// separate from forward's: one slice per thread, sized by prepare_backward() (the engine
-  /// calls it at plan), plus, with more than one thread, one turn counter per (batch, head,
-  /// query block), made on the first call with a larger query shape.
+  /// separate from forward's: one slice per thread plus, with more than one thread, one turn
+  /// counter per (batch, head, query block), sized by reserve() (the engine calls it at plan;
+  /// a direct call with a larger query shape grows it once).
   template <class T>
   void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                 TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
@@ -195,6 +195,19 @@ class CpuFlashKernel {
     std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base) : nullptr;
     if (turns) std::fill(turns, turns + job.turn_count(), 0);
     detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base + turn_bytes, turns);
+  }
+  /// Sizes every scratch a call within `c` needs (the engines call it when they make a plan):
+  /// forward's and backward's per-thread slices, backward's turn counters with more than one
+  /// thread, and the decode path's partials. After it such calls allocate nothing.
+  void reserve(const KernelCallBounds& c) {
+    prepare(c.head_dim);
+    if (c.backward) {
+      const std::int64_t query_blocks = (c.q_rows + detail::bwd_block_q - 1) / detail::bwd_block_q;
+      prepare_backward(c.head_dim, pool_ ? round_up(static_cast<std::size_t>(c.batch * c.heads * query_blocks) * 4, 256) : 0);
+    }
+    const std::size_t decode = std::max(detail::decode_part_bytes_bound<float>(options_.threads, c),
+                                        detail::decode_part_bytes_bound<double>(options_.threads, c));
+    if (decode > 0 && decode_scratch_.size() < decode + 64) decode_scratch_.resize(decode + 64);
   }
   /// Sizes the backward scratch for head dims up to `max_head_dim` and every thread, after
   /// `turn_bytes` of turn counters (a no-op once large enough).

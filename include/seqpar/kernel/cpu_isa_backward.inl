@@ -31,7 +31,8 @@ inline bool backward_tile_keys(const FlashBackward<T, A>& job, std::int64_t b, s
 }
 
 /// Packs a tile's Q and dO rows (zero-padded to whole panels), their LSE and delta; a row that
-/// saw no key at all (LSE -inf) sees none of the block either.
+/// saw no key at all (LSE -inf) sees none of the block either, and a row that sees none of the
+/// block is packed as zeros.
 template <class T, class A>
 inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h, std::int64_t i0,
                                std::int64_t nq, const BackwardScratch<A>& s) {
@@ -61,6 +62,14 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
     s.delta[i] = dl;
     s.lrow[i] = job.lse(b, i0 + i, h);
     if (s.lrow[i] == -std::numeric_limits<A>::infinity()) s.row_hi[i] = s.row_lo[i] - 1;
+    // A row that sees none of the block adds nothing: its P and dS are 0, but dK += dS^T Q
+    // and dV += P^T dO still multiply them by its Q and dO rows, and 0 x NaN is NaN (a row
+    // that sees no key may hold anything, NaN included, and its O is 0 whatever it holds).
+    if (s.row_lo[i] > s.row_hi[i]) {
+      std::fill(qd, qd + dp, A(0));
+      std::fill(dod, dod + dp, A(0));
+      s.delta[i] = 0;
+    }
   }
 }
 

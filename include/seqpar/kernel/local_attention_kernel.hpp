@@ -55,6 +55,20 @@ struct KernelParams {
   constexpr bool fully_visible(std::int64_t q_lo, std::int64_t k_hi) const { return !causal || k_hi <= q_lo; }
 };
 
+/// The largest kernel call a plan will make: a kernel with `reserve(bounds)` sizes whatever
+/// scratch depends on the call's shape for it when the plan is made, so that no later call of
+/// that plan allocates (calls never exceed any field).
+struct KernelCallBounds {
+  std::int64_t batch = 0;       ///< B
+  std::int64_t q_rows = 0;      ///< most query rows of one call
+  std::int64_t heads = 0;       ///< most query heads of one call
+  std::int64_t kv_rows = 0;     ///< most key rows of one call
+  std::int64_t kv_heads = 0;    ///< most K/V heads of one call
+  std::int64_t group_size = 1;  ///< query heads per K/V head in the problem (H / K)
+  std::int64_t head_dim = 0;    ///< D
+  bool backward = false;        ///< backward calls too (the plan has with_lse)
+};
+
 /// Opt-in for LocalAttentionKernel: true when the type declares
 /// `static constexpr bool is_seqpar_kernel = true;`.
 template <class K>
@@ -91,7 +105,10 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   either alignment, needs nothing: q_positions already carry the alignment). Hidden keys
 ///   must never be read into a row: a NaN stored there stays out;
 /// - optional: `k.prepare(max_head_dim)` (and `k.prepare_backward(max_head_dim)`) is called when
-///   a plan is made, so that forward (backward) allocates nothing; a forward that also accepts
+///   a plan is made, so that forward (backward) allocates nothing, and so is
+///   `k.reserve(const KernelCallBounds&)`, with the largest call the plan will make, for
+///   scratch that depends on the shape (CpuFlashKernel's threaded backward and decode
+///   partials); a forward that also accepts
 ///   `out` of type `TensorView<A, Space>` lets ring policies keep partial outputs in A.
 /// The concept checks the forward's syntax; the semantics above are what the policies rely on.
 /// examples/custom_kernel.hpp is a kernel that meets every rule.

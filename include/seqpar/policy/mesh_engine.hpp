@@ -91,6 +91,11 @@ class MeshEngine {
     std::vector<std::int64_t> all(static_cast<std::size_t>(f_count * world));
     cx_.world.all_gather_host(std::span<const std::int64_t>(mine), all);
     std::string why = disagreement_reason(all, world);
+    // Lists travel as hashes; on a mismatch every rank sees it and gathers them to say where.
+    if (const int field = first_disagreeing_field(all, world); field == f_documents)
+      why = list_disagreement(cx_.world, "plan: ", "documents", problem.documents, false);
+    else if (field == f_kv_valid)
+      why = list_disagreement(cx_.world, "plan: ", "kv_valid", {problem.kv_valid}, true);
     if (why.empty()) {
       std::vector<std::int64_t> q(static_cast<std::size_t>(world)), kv(static_cast<std::size_t>(world));
       for (int w = 0; w < world; ++w) {
@@ -99,14 +104,13 @@ class MeshEngine {
       }
       why = shape_reason(cx_.mesh, problem, q, kv);
     }
-    if (why.empty() && problem.has_extra_mask() && !kernel_supports_masks<Kernel>)
-      why = "plan: this kernel handles causal masks only, not windows, documents or key padding (a kernel "
-            "declares supports_masks = true when it does; ReferenceKernel does)";
+    if (why.empty()) why = kernel_reason<Kernel>(problem);
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan(all, problem, cx_.mesh, cx_.world.rank(), id_);
     try {  // every rank has the same head_dim, so every rank fails alike
       if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(problem.head_dim);
       if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(problem.head_dim);
+      if constexpr (requires { kernel_.reserve(KernelCallBounds{}); }) kernel_.reserve(call_bounds(p));
     } catch (const std::bad_alloc&) {
       SEQPAR_THROW(ConfigError, "plan: the kernel could not allocate its scratch for head_dim ", problem.head_dim,
                    " (std::bad_alloc)");
@@ -301,6 +305,15 @@ class MeshEngine {
   }
 
   static std::int64_t to_i(std::size_t x) { return static_cast<std::int64_t>(x); }
+
+  /// The largest kernel call of plan p: this rank's heads over its ring block's queries
+  /// against the longest K/V block (the ring's chunked calls take fewer heads, never more).
+  static KernelCallBounds call_bounds(const Plan& p) {
+    const LocalShape n(p);
+    const std::int64_t kv = std::max(to_i(n.kr), PlanAccess::schedule(p).max_kv_block);
+    return {p.problem().batch, to_i(n.qr), to_i(n.hq), kv, to_i(n.hk), p.problem().heads / p.problem().kv_heads,
+            p.problem().head_dim, p.problem().with_lse};
+  }
 
   void check_call(const Plan& p, DType dtype, const char* call, std::span<std::byte> workspace,
                   std::size_t need) const {

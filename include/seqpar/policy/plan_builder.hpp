@@ -13,13 +13,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "seqpar/core/agreement.hpp"
+#include "seqpar/core/checked.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/plan.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/policy/policies.hpp"
 #include "seqpar/policy/workspace_layout.hpp"
 
@@ -46,34 +50,9 @@ enum PlanField : int {
 };
 inline constexpr const char* plan_field_names[f_count] = {
     "batch", "heads", "kv_heads", "head_dim", "causal", "dtype", "scale", "with_lse",
-    "causal_align", "window.left", "window.right", "documents (a hash of the lengths)",
-    "kv_valid (a hash of the counts)",
+    "causal_align", "window.left", "window.right", "documents", "kv_valid",
     "ulysses_degree", "ring_degree", "placement", "layout", "anything (AnythingPolicy)", "q_len", "kv_len"};
 
-/// 64-bit FNV-1a over integers, so that ranks can agree on variable-length data in one
-/// fixed-size gather (and a decode step can tag its messages) without building a buffer.
-struct Fnv {
-  std::uint64_t h = 1469598103934665603ull;  ///< the running hash
-  /// Mixes in the 8 bytes of `v`.
-  void mix(std::int64_t v) {
-    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((static_cast<std::uint64_t>(v) >> (8 * byte)) & 0xff)) * 1099511628211ull;
-  }
-  /// Mixes in a list's size, then its values.
-  void mix(std::span<const std::int64_t> list) {
-    mix(static_cast<std::int64_t>(list.size()));
-    for (std::int64_t v : list) mix(v);
-  }
-  /// The hash so far.
-  std::int64_t value() const { return static_cast<std::int64_t>(h); }
-};
-
-/// The hash of a list of integer lists (sizes included).
-inline std::int64_t hash_lists(const std::vector<std::vector<std::int64_t>>& lists) {
-  Fnv f;
-  f.mix(static_cast<std::int64_t>(lists.size()));
-  for (const auto& l : lists) f.mix(std::span<const std::int64_t>(l));
-  return f.value();
-}
 inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one must match
 
 /// This rank's contribution to the gather.
@@ -99,17 +78,27 @@ inline std::string field_value(int field, std::int64_t v) {
   return os.str();
 }
 
-/// "" when every rank agrees on the agreed fields, else which ranks differ from rank 0.
-inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int world) {
-  for (int f = 0; f < plan_agreed_fields; ++f) {
-    std::string who;
+/// The first agreed field on which some rank differs from rank 0, or -1 when all agree.
+inline int first_disagreeing_field(const std::vector<std::int64_t>& all, int world) {
+  for (int f = 0; f < plan_agreed_fields; ++f)
     for (int w = 1; w < world; ++w)
-      if (all[w * f_count + f] != all[f])
-        who += ", rank " + std::to_string(w) + " has " + field_value(f, all[w * f_count + f]);
-    if (!who.empty()) return std::string("plan: ranks disagree on ") + plan_field_names[f] + ": rank 0 has " +
-                             field_value(f, all[f]) + who;
-  }
-  return "";
+      if (all[w * f_count + f] != all[f]) return f;
+  return -1;
+}
+
+/// "" when every rank agrees on the agreed fields, else which ranks differ from rank 0. The
+/// list fields (documents, kv_valid) are gathered as hashes: for those the engine gathers the
+/// lists themselves to name the entry that differs (core/agreement.hpp), and this says only
+/// that they differ.
+inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int world) {
+  const int f = first_disagreeing_field(all, world);
+  if (f < 0) return "";
+  std::string who;
+  for (int w = 1; w < world; ++w)
+    if (all[w * f_count + f] != all[f])
+      who += ", rank " + std::to_string(w) + (f == f_documents || f == f_kv_valid ? " differs" : " has " + field_value(f, all[w * f_count + f]));
+  const std::string rank0 = f == f_documents || f == f_kv_valid ? "" : ": rank 0 has " + field_value(f, all[f]);
+  return std::string("plan: ranks disagree on ") + plan_field_names[f] + rank0 + who;
 }
 
 /// Every buffer of a call (tensors, all-to-all pieces, ring blocks, workspace slots) holds at
@@ -119,33 +108,33 @@ inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int
 inline std::string size_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
                                std::span<const std::int64_t> kv_len) {
   constexpr std::int64_t limit = std::int64_t{1} << 58;
-  std::int64_t sq = 0, skv = 0;
-  bool wrap = false;
-  for (std::size_t w = 0; w < q_len.size(); ++w)
-    wrap |= __builtin_add_overflow(sq, q_len[w], &sq) | __builtin_add_overflow(skv, kv_len[w], &skv);
+  const std::optional<std::int64_t> sq = checked_sum(q_len), skv = checked_sum(kv_len);
+  if (!sq || !skv)
+    return std::string("plan: size overflow: the ranks' local ") + (sq ? "kv" : "q") +
+           " lengths sum past 2^63 tokens";
   const std::int64_t heads = std::max(pr.heads, pr.kv_head_count());
-  std::int64_t bytes = 8;
-  for (std::int64_t f : {pr.batch, std::max(sq, skv), heads, pr.head_dim})
-    wrap |= __builtin_mul_overflow(bytes, f, &bytes) || bytes > limit;
-  if (!wrap) return "";
+  const std::int64_t factors[] = {8, pr.batch, std::max(*sq, *skv), heads, pr.head_dim};
+  const std::optional<std::int64_t> bytes = checked_product(factors);
+  if (bytes && *bytes <= limit) return "";
   std::ostringstream why;
-  why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(sq, skv) << " x heads " << heads
-      << " x head_dim " << pr.head_dim << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
+  why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(*sq, *skv) << " x heads "
+      << heads << " x head_dim " << pr.head_dim << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
   return why.str();
 }
 
 /// The mask rules: "" when the mask description is valid for these lengths, else the reason.
 inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
                                std::span<const std::int64_t> kv_len) {
-  std::int64_t sq = 0, skv = 0;
-  for (std::size_t w = 0; w < q_len.size(); ++w) sq += q_len[w], skv += kv_len[w];
+  // size_reason ran first: the sums fit.
+  const std::int64_t sq = checked_sum(q_len).value_or(0), skv = checked_sum(kv_len).value_or(0);
   std::ostringstream why;
   const auto B = static_cast<std::size_t>(pr.batch);
   if (pr.causal_align != CausalAlign::top_left && pr.causal_align != CausalAlign::bottom_right)
     why << "plan: causal_align: expected top_left or bottom_right, got " << static_cast<int>(pr.causal_align);
   else if (pr.window.left < -1 || pr.window.right < -1)
-    why << "plan: window: expected sides >= 0, or -1 for unbounded, got {" << pr.window.left << ", "
-        << pr.window.right << "}";
+    why << "plan: window: expected sides >= 0 (any size; one past the sequence hides nothing), or -1 for "
+           "unbounded, got {"
+        << pr.window.left << ", " << pr.window.right << "}";
   else if (!pr.documents.empty() && pr.documents.size() != 1 && pr.documents.size() != B)
     why << "plan: documents: expected one list shared by every batch element or one per batch element (" << B
         << "), got " << pr.documents.size() << " lists";
@@ -161,7 +150,13 @@ inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::
       if (n < 1)
         return "plan: documents[" + std::to_string(b) + "][" + std::to_string(d) + "]: expected a length >= 1, got " +
                std::to_string(n) + " (empty documents are not allowed)";
-      total += n;
+      // Stop at the first document past the sequence: the sum cannot come back down, and a
+      // later one could wrap it.
+      const std::optional<std::int64_t> next = checked_add(total, n);
+      if (!next || *next > sq)
+        return "plan: documents[" + std::to_string(b) + "]: lengths up to documents[" + std::to_string(b) + "][" +
+               std::to_string(d) + "] sum past the global sequence length " + std::to_string(sq);
+      total = *next;
     }
     if (total != sq)
       return "plan: documents[" + std::to_string(b) + "]: lengths sum to " + std::to_string(total) +
@@ -215,6 +210,17 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
   if (mesh.layout == LayoutKind::zigzag && world > 0 && (q_len[0] * mesh.ulysses) % 2 != 0)
     return std::string("plan: ") + mesh.policy + " with the zigzag layout needs an even ring block length, got " +
            std::to_string(q_len[0] * mesh.ulysses) + fix;
+  return "";
+}
+
+/// The kernel's share of the shape rules: "" when kernel K can take `problem`'s mask, else the
+/// reason. Windows, documents and key padding need `supports_masks`; causal (of either
+/// alignment) needs nothing.
+template <class Kernel>
+std::string kernel_reason(const AttentionProblem& problem) {
+  if (problem.has_extra_mask() && !kernel_supports_masks<Kernel>)
+    return "plan: this kernel handles causal masks only, not windows, documents or key padding (a kernel "
+           "declares supports_masks = true when it does; ReferenceKernel does)";
   return "";
 }
 

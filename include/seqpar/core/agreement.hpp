@@ -1,0 +1,126 @@
+#pragma once
+/// \file
+/// How ranks agree on variable-length lists (packed documents, key padding, decode cache
+/// lengths) in one fixed-size gather: each rank contributes a hash of its lists, and only when
+/// the hashes differ does every rank gather the lists themselves, to name the first entry where
+/// each rank differs from rank 0. Every rank sees the same hashes in the same gathered data, so
+/// every rank takes that second path together (it is collective, and only on the error path).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace seqpar::detail {
+
+/// 64-bit FNV-1a over integers, so that ranks can agree on variable-length data in one
+/// fixed-size gather (and a decode step can tag its messages) without building a buffer.
+struct Fnv {
+  std::uint64_t h = 1469598103934665603ull;  ///< the running hash
+  /// Mixes in the 8 bytes of `v`.
+  void mix(std::int64_t v) {
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((static_cast<std::uint64_t>(v) >> (8 * byte)) & 0xff)) * 1099511628211ull;
+  }
+  /// Mixes in a list's size, then its values.
+  void mix(std::span<const std::int64_t> list) {
+    mix(static_cast<std::int64_t>(list.size()));
+    for (std::int64_t v : list) mix(v);
+  }
+  /// The hash so far.
+  std::int64_t value() const { return static_cast<std::int64_t>(h); }
+};
+
+/// The hash of a list of integer lists (sizes included).
+inline std::int64_t hash_lists(const std::vector<std::vector<std::int64_t>>& lists) {
+  Fnv f;
+  f.mix(static_cast<std::int64_t>(lists.size()));
+  for (const auto& l : lists) f.mix(std::span<const std::int64_t>(l));
+  return f.value();
+}
+
+/// Lists as one run of integers: the list count, each list's size, then the values.
+inline std::vector<std::int64_t> flatten_lists(const std::vector<std::vector<std::int64_t>>& lists) {
+  std::vector<std::int64_t> flat{static_cast<std::int64_t>(lists.size())};
+  for (const auto& l : lists) flat.push_back(static_cast<std::int64_t>(l.size()));
+  for (const auto& l : lists) flat.insert(flat.end(), l.begin(), l.end());
+  return flat;
+}
+
+/// The lists of flatten_lists back (a prefix of `flat`; it may carry padding after them).
+inline std::vector<std::vector<std::int64_t>> unflatten_lists(std::span<const std::int64_t> flat) {
+  std::vector<std::vector<std::int64_t>> lists(static_cast<std::size_t>(flat[0]));
+  std::size_t at = 1 + lists.size();
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    const auto n = static_cast<std::size_t>(flat[1 + i]);
+    lists[i].assign(flat.begin() + static_cast<std::ptrdiff_t>(at), flat.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
+  }
+  return lists;
+}
+
+/// Where `theirs` first differs from `ours`, in the words of field `name` ("kv_valid[1] = 77",
+/// "3 lists", "documents[0] with 2 entries"); `single`: the field is one list, not a list of
+/// lists. Empty when they are equal.
+inline std::string first_difference(const std::vector<std::vector<std::int64_t>>& ours,
+                                    const std::vector<std::vector<std::int64_t>>& theirs, const char* name,
+                                    bool single, std::string& what_ours) {
+  auto entry = [&](std::size_t l, std::size_t i) {
+    return std::string(name) + (single ? "" : "[" + std::to_string(l) + "]") + "[" + std::to_string(i) + "] = ";
+  };
+  if (ours.size() != theirs.size()) {
+    what_ours = std::to_string(ours.size()) + " lists";
+    return std::to_string(theirs.size()) + " lists";
+  }
+  for (std::size_t l = 0; l < ours.size(); ++l) {
+    const auto& a = ours[l];
+    const auto& b = theirs[l];
+    for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+      if (a[i] != b[i]) {
+        what_ours = std::to_string(a[i]);
+        return entry(l, i) + std::to_string(b[i]);
+      }
+    if (a.size() != b.size()) {
+      const std::string list = std::string(name) + (single ? "" : "[" + std::to_string(l) + "]");
+      what_ours = std::to_string(a.size());
+      return list + " with " + std::to_string(b.size()) + " entries";
+    }
+  }
+  return "";
+}
+
+/// Collective, after every rank found that the hashes of field `name` differ: gathers every
+/// rank's `lists` (`single`: a field of one list, shown as name[i]) and says, for each rank that
+/// differs from rank 0, its first differing entry and rank 0's value there, e.g.
+/// "ranks disagree on kv_valid: rank 2 has kv_valid[1] = 77 (rank 0: 120)". Two host
+/// all-gathers: the sizes, then the lists padded to the longest.
+template <class Comm>
+std::string list_disagreement(Comm& comm, const char* prefix, const char* name,
+                              const std::vector<std::vector<std::int64_t>>& lists, bool single) {
+  const int world = comm.size();
+  std::vector<std::int64_t> flat = flatten_lists(lists);
+  const std::int64_t mine[1] = {static_cast<std::int64_t>(flat.size())};
+  std::vector<std::int64_t> sizes(static_cast<std::size_t>(world));
+  comm.all_gather_host(std::span<const std::int64_t>(mine), sizes);
+  const auto longest = static_cast<std::size_t>(*std::max_element(sizes.begin(), sizes.end()));
+  flat.resize(longest, 0);
+  std::vector<std::int64_t> all(longest * static_cast<std::size_t>(world));
+  comm.all_gather_host(std::span<const std::int64_t>(flat), all);
+  auto lists_of = [&](int w) {
+    return unflatten_lists(std::span<const std::int64_t>(all).subspan(static_cast<std::size_t>(w) * longest, longest));
+  };
+  const auto rank0 = lists_of(0);
+  std::string why = std::string(prefix) + "ranks disagree on " + name + ":";
+  bool any = false;
+  for (int w = 1; w < world; ++w) {
+    std::string at_rank0;
+    const std::string theirs = first_difference(rank0, lists_of(w), name, single, at_rank0);
+    if (theirs.empty()) continue;
+    why += std::string(any ? ";" : "") + " rank " + std::to_string(w) + " has " + theirs + " (rank 0: " + at_rank0 + ")";
+    any = true;
+  }
+  return any ? why : why + " the lists hash differently but are equal (a hash of another field?)";
+}
+
+}  // namespace seqpar::detail
