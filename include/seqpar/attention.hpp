@@ -54,7 +54,9 @@ class SequenceParallelAttention {
   explicit SequenceParallelAttention(Comm& world, Policy policy = {}, Kernel kernel = {})
       : policy_(policy), engine_(world, mesh_request(policy), std::move(kernel)) {}
 
-  /// Collective: makes the plan for `problem` with this rank's local lengths.
+  /// Collective: makes the plan for `problem` with this rank's local lengths. On a refusal
+  /// every rank throws the same ConfigError and this object is unchanged (the kernel's scratch
+  /// may have grown).
   Plan plan(const AttentionProblem& problem, LocalLengths lengths) { return engine_.plan(problem, lengths); }
   /// Collective: makes the plan for element type T (problem.dtype is set from T, so forward<T>
   /// cannot disagree with it).
@@ -76,6 +78,9 @@ class SequenceParallelAttention {
 
   /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).
   /// q [B, Lq, H, D], k and v [B, Lkv, K, D], out [B, Lq, H, D], lse [B, Lq, H, 1] or absent.
+  /// Every argument is checked before the first message: a ConfigError from those checks
+  /// leaves this object (and out, lse) untouched and usable. A failure after communication
+  /// began leaves out and lse unspecified (see the README's "Failures and time-outs").
   template <class T>
   void forward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> q,
                std::type_identity_t<TensorView<const T, memory_space>> k,
@@ -95,7 +100,8 @@ class SequenceParallelAttention {
 
   /// Gradients of this rank's slices: dq [B, Lq, H, D], dk and dv [B, Lkv, K, D], from dout
   /// and the forward's q, k, v, out and lse (the plan's problem needs with_lse). Overwrites
-  /// dq, dk, dv. Workspace: plan.backward_workspace_bytes(). Allocates nothing.
+  /// dq, dk, dv. Workspace: plan.backward_workspace_bytes(). Allocates nothing. Arguments are
+  /// checked before the first message, as in forward.
   template <class T>
   void backward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> dout,
                 std::type_identity_t<TensorView<const T, memory_space>> q,

@@ -252,6 +252,7 @@ class BasicMpiCommunicator {
     SEQPAR_MPI_CHECK(MPI_Comm_set_errhandler(state_->comm(), MPI_ERRORS_RETURN));
     SEQPAR_MPI_CHECK(MPI_Comm_rank(state_->comm(), &rank_));
     SEQPAR_MPI_CHECK(MPI_Comm_size(state_->comm(), &size_));
+    ints_.reserve(4 * static_cast<std::size_t>(size_));  // so that no all-to-all allocates, not even the first
   }
 
   /// Checks a completed exchange's status (the return code of MPI_Waitall or MPI_Testall) and
@@ -316,7 +317,7 @@ class BasicMpiCommunicator {
 
   std::shared_ptr<detail::MpiCommState> state_;
   std::shared_ptr<CommStats> stats_;
-  std::vector<int> ints_;  // MPI int counts, reused so a call allocates only the first time
+  std::vector<int> ints_;  // MPI int counts of an all-to-all, sized when the communicator is made
   int rank_ = 0;
   int size_ = 1;
 };

@@ -109,6 +109,8 @@ inline std::int64_t visible_pairs(const PositionMap& q, const PositionMap& k, bo
 /// Splits `total` into `parts` lengths as evenly as possible: the first total mod parts get
 /// one more.
 inline std::vector<std::int64_t> split_evenly(std::int64_t total, std::int64_t parts) {
+  SEQPAR_CHECK(total >= 0 && parts >= 0, ConfigError, "split_evenly: expected a total and a part count >= 0, got ", total,
+               " and ", parts);
   std::vector<std::int64_t> out(static_cast<std::size_t>(parts), parts > 0 ? total / parts : 0);
   for (std::int64_t i = 0; i < (parts > 0 ? total % parts : 0); ++i) ++out[static_cast<std::size_t>(i)];
   return out;

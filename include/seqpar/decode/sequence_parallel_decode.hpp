@@ -379,10 +379,13 @@ class SequenceParallelDecode {
 
   /// Not collective; `world` must outlive this object.
   explicit SequenceParallelDecode(Comm& world, Kernel kernel = {}) : engine_(world, std::move(kernel)) {}
-  /// Collective: the plan for a cache layout, reused every step.
+  /// Collective: the plan for a cache layout, reused every step. On a refusal every rank
+  /// throws the same ConfigError (naming the field, and for kv_len the differing entry).
   DecodePlan plan(const DecodeProblem& problem) { return engine_.plan(problem); }
   /// One step: q [B, T, plan.q_heads(), D], the cache shards [B, plan.shard_capacity(), K, D]
-  /// holding the step's new K/V, out [B, T, plan.out_heads(), D].
+  /// holding the step's new K/V, out [B, T, plan.out_heads(), D]. The plan's lengths and step
+  /// count are not changed (advance does that); arguments are checked before the first
+  /// message, so a ConfigError from them leaves everything usable.
   template <class T>
   void step(DecodePlan& plan, std::type_identity_t<TensorView<const T, memory_space>> q,
             std::type_identity_t<TensorView<const T, memory_space>> k_cache,
