@@ -5,7 +5,7 @@
 # Alternating (old, new, old, new, ...) spreads the drift of a shared machine over both sides;
 # the fastest round is the one least disturbed by other tenants.
 # Usage: bench/ab_alternate.sh OLD_BINARY NEW_BINARY FILTER [ROUNDS=3]
-# Example (issue 16, before and after the engine work, both builds Release, CUDA off):
+# Example (before and after a change to the engine, both builds Release, CUDA off):
 #   bench/ab_alternate.sh /work/build-ab-old/bench/seqpar_bench /work/build-ab-new/bench/seqpar_bench \
 #     'BM_policy<' 3
 set -euo pipefail

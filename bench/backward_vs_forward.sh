@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Backward time against forward time (issue 5), as markdown tables on stdout, in one go so the
+# Backward time against forward time, as markdown tables on stdout, in one go so the
 # ratios come from the same minutes of the same machine:
 #  1. CpuFlashKernel alone: forward and backward calls at seq 2048, D 64, 8 heads, float, causal
 #     and not, on 1 and 2 threads (or the thread counts given). A small timing program, written

@@ -29,14 +29,16 @@ std::vector<T> random_values(std::size_t n, std::uint64_t seed) {
   return x;
 }
 
-/// Attention FLOPs of a forward (REFERENCES.md): 4 B H Sq Sk D, halved for causal.
+/// Attention FLOPs of a forward (two matrix products, FlashAttention-2's count): 4 B H Sq Sk D,
+/// halved for causal.
 inline double attention_flops(std::int64_t batch, std::int64_t heads, std::int64_t sq, std::int64_t sk,
                               std::int64_t dim, bool causal) {
   const double f = 4.0 * double(batch) * double(heads) * double(sq) * double(sk) * double(dim);
   return causal ? f / 2 : f;
 }
 
-/// The analytic minimum of forward bytes sent per rank (REFERENCES.md, USP formula; Ulysses
+/// The analytic minimum of forward bytes sent per rank (the USP paper's formula, Fang and Zhao
+/// 2024; Ulysses
 /// is U = P, Ring is R = P): s B (L/P) D [(2H + 2Hkv)(U-1)/U + 2 Hkv ], without LSE.
 inline double min_forward_bytes(const AttentionProblem& pr, std::int64_t global_len, int ulysses, int ring) {
   const double s = pr.dtype == DType::f64 ? 8 : 4, P = double(ulysses) * ring;

@@ -1,4 +1,4 @@
-// Decode over a sharded KV cache (issue 20): per-step time and bytes for a 32K-token cache at
+// Decode over a sharded KV cache: per-step time and bytes for a 32K-token cache at
 // P = 1, 2, 4 ranks (threads), against gathering the cache to every rank each step and decoding
 // there (what an engine without sharded decode does). Counters: ms per step (rank 0, median of
 // the timed steps), bytes rank 0 sent per step and the plan's count, cache bytes held per rank.

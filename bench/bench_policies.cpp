@@ -2,7 +2,7 @@
 /// Every policy at P = 1, 2, 4 ranks on ThreadCommunicator (ranks are threads of this process,
 /// so P = 4 shares the machine's cores), and AnythingPolicy against the plain policy on shapes
 /// that divide evenly. Counters: time per forward, bytes sent per rank, their ratio to the
-/// analytic minimum (REFERENCES.md), and the causal load imbalance max/mean of plan.work(w).
+/// analytic minimum (the USP paper's formula), and the causal load imbalance max/mean of plan.work(w).
 
 #include <benchmark/benchmark.h>
 

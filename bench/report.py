@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turns the JSON of seqpar_bench and the RESULT lines of seqpar_bench_mpi into bench/RESULTS.md
+"""Turns the JSON of seqpar_bench and the RESULT lines of seqpar_bench_mpi into docs/perf/RESULTS.md
 and the data file of the kernel plot. Called by bench/run.sh; reads its output directory."""
 
 import json
@@ -87,6 +87,11 @@ def read_meta(out):
                 r[key] = float(r[key])
             meta["mpi"].append(r)
     return meta
+
+
+def perf_dir():
+    """docs/perf/: the generated RESULTS.md and the hand-written notes beside it."""
+    return Path(__file__).resolve().parent.parent / "docs" / "perf"
 
 
 def main(out_dir, results_md):
@@ -214,7 +219,7 @@ def main(out_dir, results_md):
         target_rows.append(("MPI strong scaling >= 85% of ideal", meta["mpi_note"], False, "(not measured)"))
 
     # The peer comparison's ratios (bench/peers/run.sh wrote them; not re-measured here).
-    peers_md = Path(__file__).parent / "peers" / "RESULTS-peers.md"
+    peers_md = perf_dir() / "peers.md"
     for column, label in (("seqpar/torch", "CpuFlashKernel >= 1.1x torch's CPU SDPA (same run, same inputs)"),
                           ("peer/seqpar", "seqpar over MPI >= 1.1x yunchang and diffusers (same run)")):
         found = markdown_column(peers_md, column) if peers_md.exists() else []
@@ -223,7 +228,7 @@ def main(out_dir, results_md):
             worst_row, worst_v = min(found, key=lambda rv: rv[1])
             met = sum(v >= 1.1 for _, v in found)
             target_rows.append((label, f"worst {worst_v:.2f}x ({worst_row}); {met} of {len(found)} rows at >= 1.1x "
-                                f"(bench/peers/RESULTS-peers.md, copied below)", worst_v >= 1.1, f"{1.1 - worst_v:.2f}x"))
+                                f"([peers.md](peers.md))", worst_v >= 1.1, f"{1.1 - worst_v:.2f}x"))
 
     w("## Targets")
     w("")
@@ -232,7 +237,10 @@ def main(out_dir, results_md):
     for t, m, ok, short in target_rows:
         w(f"| {t} | {m} | {verdict(ok, short)} |")
     w("")
-    w("NOTES_PLACEHOLDER")
+    w("What the misses mean, and the figures measured by hand: [analysis.md](analysis.md) (the "
+      "machine's noise, kernel speed), [hand-runs.md](hand-runs.md) (A/B runs of one change at a time), "
+      "[profile.md](profile.md) (where the distributed time goes), [peers.md](peers.md) (torch, "
+      "yunchang, diffusers on the same CPU).")
     w("")
 
     w("## Local kernels (float, batch 1, 2 heads)")
@@ -277,7 +285,7 @@ def main(out_dir, results_md):
     w("## Policies on ThreadCommunicator (float, batch 1, 8 heads, 8 KV heads, D=64, global seq 4096, no LSE)")
     w("")
     w("Ranks are threads of one process: P = 4 shares the 2 cores. Bytes are the most any rank sent in one "
-      "forward; the minimum is REFERENCES.md's formula s B (L/P) D [(2H + 2Hkv)(U-1)/U + 2 Hkv (R-1)]. "
+      "forward; the minimum is the USP paper's formula (Fang and Zhao 2024) s B (L/P) D [(2H + 2Hkv)(U-1)/U + 2 Hkv (R-1)]. "
       "Imbalance is max/mean of plan.work(w) (visible score elements per rank). Time is the median per forward.")
     w("")
     w("| policy | P | U x R | causal | ms / forward | GFLOP/s | bytes / rank | analytic min | ratio | imbalance |")
@@ -335,29 +343,7 @@ def main(out_dir, results_md):
     w("```")
     w("")
 
-    # The runs made by hand or by other scripts, kept next to this one: the peer comparison
-    # (bench/peers/run.sh), the per-phase profile (bench/PROFILE-NOTES.md) and hand-run A/B
-    # comparisons (bench/HAND-RUNS.md). Their own
-    # headers say when and how each was measured.
-    here = Path(__file__).parent
-    for title, extra in (("Against the peers (bench/peers/run.sh)", here / "peers" / "RESULTS-peers.md"),
-                         ("Where the distributed time goes", here / "PROFILE-NOTES.md"),
-                         ("Hand-run comparisons (bench/HAND-RUNS.md)", here / "HAND-RUNS.md")):
-        if extra.exists():
-            body = extra.read_text().strip().splitlines()
-            if body and body[0].startswith("#"):
-                body = body[1:]  # its own title; the section header below replaces it
-            w(f"## {title}")
-            w("")
-            w(f"Copied from `bench/{extra.relative_to(here)}` when this file was written.")
-            w("")
-            lines.extend("#" + line if line.startswith("## ") else line for line in body)  # one level down
-            w("")
-
     text = "\n".join(lines)
-    notes_file = Path(__file__).with_name("NOTES.md")
-    notes = notes_file.read_text().strip() if notes_file.exists() else ""
-    text = text.replace("NOTES_PLACEHOLDER", notes)
     Path(results_md).write_text(text + "\n")
 
     # Plot data: one block per (D, causal) series, flash and reference.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and runs seqpar's benchmarks and writes bench/RESULTS.md and bench/kernel_gflops.png.
+# Builds and runs seqpar's benchmarks and writes docs/perf/RESULTS.md and docs/perf/kernel_gflops.png.
 # Usage: bench/run.sh [build-dir]   (default: build-bench, configured Release)
 # Environment: SEQPAR_BENCH_JOBS (build parallelism, default 2), SEQPAR_BENCH_QUICK=1 (short
 # smoke run: fewer sizes, results written to bench/out only, RESULTS.md left alone).
@@ -126,7 +126,7 @@ flags="$(grep -h CXX_FLAGS "$build/bench/CMakeFiles/seqpar_bench.dir/flags.make"
 {
   echo "date=$(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "commit=$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- include bench \
-    ':!bench/RESULTS.md' ':!bench/kernel_gflops.png' || echo '+local changes')"
+    ':!docs/perf' || echo '+local changes')"
   echo "elapsed=$(( $(date +%s) - start )) s"
   echo "load_start=$load_start"
   echo "load_end=$(load)"
@@ -135,8 +135,8 @@ flags="$(grep -h CXX_FLAGS "$build/bench/CMakeFiles/seqpar_bench.dir/flags.make"
   echo "mpi_note=$mpi_note"
 } > "$out/info.txt"
 
-results="$here/RESULTS.md"
-png="$here/kernel_gflops.png"
+results="$root/docs/perf/RESULTS.md"
+png="$root/docs/perf/kernel_gflops.png"
 if [[ "$quick" == 1 ]]; then
   results="$out/RESULTS.md"
   png="$out/kernel_gflops.png"

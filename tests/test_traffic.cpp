@@ -90,7 +90,7 @@ TEST_CASE("traffic: Unified sends Ulysses traffic in its group plus R-1 gathered
         for (auto bytes : bytes_of<float>(P, UnifiedPolicy<Stripe>{U, R, placement}, c, no_lse))
           CHECK(bytes * U == slice * (U - 1) + ring * U);
       }
-      // The closed form of REFERENCES.md: s*B*(L)*D*[(2H + 2K)(U-1)/U + 2*K*(R-1)].
+      // USP's closed form (Fang and Zhao 2024): s*B*(L)*D*[(2H + 2K)(U-1)/U + 2*K*(R-1)].
       for (auto bytes : bytes_of<float>(P, UnifiedPolicy<Contiguous>{U, R}, c, no_lse))
         CHECK(bytes * U == sizeof(float) * B * L * D * ((2 * H + 2 * K) * (U - 1) + 2 * K * (R - 1) * U));
     }

@@ -7,7 +7,7 @@
 # BUILD_DIR (default build/, as scripts/setup.sh makes it) must be a CMake build of seqpar with
 # MPI; seqpar_demo is (re)built there. PEERS_VENV (default /work/peers-venv) is the Python
 # venv for the peers, made outside the repository on first use. The report goes to stdout and
-# to bench/peers/RESULTS-peers.md (PEERS_OUT overrides). peers.py --help lists the options.
+# to docs/perf/peers.md (PEERS_OUT overrides). peers.py --help lists the options.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -17,7 +17,7 @@ build="build"
 if [[ $# -gt 0 && $1 != -* ]]; then build="$1"; shift; fi
 [[ $build = /* ]] || build="$repo/$build"
 venv="${PEERS_VENV:-/work/peers-venv}"
-out="${PEERS_OUT:-$here/RESULTS-peers.md}"
+out="${PEERS_OUT:-$repo/docs/perf/peers.md}"
 
 case "$venv/" in "$repo"/*) echo "run.sh: PEERS_VENV must be outside the repository ($repo)" >&2; exit 2 ;; esac
 
