@@ -3,7 +3,8 @@
 // padding (a batch element with every key hidden) and a combination, on both paths (tensor
 // cores and SIMT) and every element type, forward (O, LSE) and backward (dQ, dK, dV) against a
 // double reference written from the definitions (not from MaskView); NaN in K and V at hidden
-// keys; the device mask tables uploaded once per plan; and Ring Zigzag and Ulysses with a mask.
+// keys, and in Q and dO of rows that see no key (or none of a key tile); the device mask
+// tables uploaded once per plan; and Ring Zigzag and Ulysses with a mask.
 
 #include <doctest/doctest.h>
 
@@ -36,6 +37,8 @@ struct Spec {
   PositionMap q_global{}, k_global{};  // the call's rows (empty: the whole sequence)
   bool poison = false;       // NaN in K and V at every key past kv_valid (hidden from every row)
   bool poison_seen = false;  // NaN in V at local key 100 and K at key 30 of batch element 0 (some rows see them)
+  bool nan_blind = false;    // NaN in Q and dO of every row that sees no key
+  std::int64_t nan_row = -1; // NaN in Q and dO of this local row of batch element 0 (every head)
 
   std::int64_t batch = 2, heads = 2, kv_heads = 1, dim = 64;
   PositionMap qpos() const { return q_global.size() ? q_global : PositionMap::run(sq, 0); }
@@ -55,6 +58,18 @@ auto visibility(const Spec& s) {
   return [pr = s.problem(), sq = s.sq, skv = s.skv](std::int64_t b, std::int64_t i, std::int64_t j) {
     return test::visible_by_definition(pr, sq, skv, b, i, j);
   };
+}
+
+/// Per (batch element, local query row), b * S_q + i: whether the row sees no key of the call.
+std::vector<char> blind_rows(const Spec& s) {
+  const auto visible = visibility(s);
+  const PositionMap qp = s.qpos(), kp = s.kpos();
+  std::vector<char> blind(static_cast<std::size_t>(s.batch * qp.size()), 1);
+  for (std::int64_t b = 0; b < s.batch; ++b)
+    for (std::int64_t i = 0; i < qp.size(); ++i)
+      for (std::int64_t j = 0; j < kp.size() && blind[static_cast<std::size_t>(b * qp.size() + i)]; ++j)
+        if (visible(b, qp(i), kp(j))) blind[static_cast<std::size_t>(b * qp.size() + i)] = 0;
+  return blind;
 }
 
 /// The call's inputs in double ([B, S, H, D] contiguous), rounded to T.
@@ -167,6 +182,19 @@ Inputs make_inputs(const Spec& s, std::uint64_t seed) {
     set(x.v, 0, 100);
     set(x.k, 0, 30);
   }
+  auto set_row = [&](std::int64_t b, std::int64_t i) {
+    for (std::int64_t d = 0; d < H * D; ++d) {
+      x.q[static_cast<std::size_t>((b * Sq + i) * H * D + d)] = nan;
+      x.dout[static_cast<std::size_t>((b * Sq + i) * H * D + d)] = nan;
+    }
+  };
+  if (s.nan_blind) {
+    const std::vector<char> blind = blind_rows(s);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < Sq; ++i)
+        if (blind[static_cast<std::size_t>(b * Sq + i)]) set_row(b, i);
+  }
+  if (s.nan_row >= 0) set_row(0, s.nan_row);
   return x;
 }
 
@@ -190,7 +218,7 @@ void check_close(const char* what, const std::vector<double>& got, const std::ve
       ++lost;
     }
   }
-  INFO(what << ": " << finite << " finite of " << got.size() << ", max error " << err << " of " << ref);
+  INFO(std::string(what) << ": " << finite << " finite of " << got.size() << ", max error " << err << " of " << ref);
   CHECK(leaked == 0);
   CHECK(lost == 0);
   CHECK((ref > 0 ? err / ref : err) <= tol);
@@ -217,9 +245,12 @@ KernelParams kernel_params(const Spec& s, const MaskTables& tables) {
 template <class T>
 void check_case(const Spec& s, bool tensor_cores) {
   const char* want_path = tensor_cores && !std::is_same_v<T, float> ? "mma" : "simt";
-  CAPTURE(s.name);
-  CAPTURE(type_name<T>());
-  CAPTURE(want_path);
+  // As strings: doctest prints a const char* as its address.
+  const std::string name = s.name, type = type_name<T>(), path = want_path;
+  CAPTURE(name);
+  CAPTURE(type);
+  CAPTURE(path);
+  CAPTURE(s.dim);
   const std::int64_t B = s.batch, H = s.heads, K = s.kv_heads, D = s.dim, Sq = s.qpos().size(), Sk = s.kpos().size();
   const Inputs x = make_inputs<T>(s, static_cast<std::uint64_t>(Sq * 31 + Sk));
   const MaskTables tables(s.documents, s.kv_valid);
@@ -244,7 +275,21 @@ void check_case(const Spec& s, bool tensor_cores) {
   stream.sync();
   std::vector<double> want, want_lse;
   reference_forward(s, s.qpos(), s.kpos(), x, want, want_lse);
-  check_close("O", out.download(), want, tolerance<T>);
+  const std::vector<double> got_out = out.download();
+  check_close("O", got_out, want, tolerance<T>);
+  // A row that sees no key gets O = 0 exactly, whatever its Q holds (the LSE's -inf is exact in
+  // check_close); `moved_rows` counts the elements of such rows of `t` ([B, S_q, H, D]) that
+  // differ from `base`'s.
+  const std::vector<char> blind = blind_rows(s);
+  auto moved_rows = [&](const std::vector<double>& t, const std::vector<double>& base) {
+    std::size_t n = 0;
+    for (std::size_t r = 0; r < blind.size(); ++r)
+      for (std::int64_t e = 0; e < H * D && blind[r]; ++e)
+        n += t[r * static_cast<std::size_t>(H * D) + static_cast<std::size_t>(e)] !=
+             base[r * static_cast<std::size_t>(H * D) + static_cast<std::size_t>(e)];
+    return n;
+  };
+  CHECK(moved_rows(got_out, std::vector<double>(got_out.size(), 0.0)) == 0);
   // The kernel's LSE is [B, H, S]; the reference's [B, S, H].
   std::vector<double> got_lse = lse.download(), lse_bhs(want_lse.size());
   for (std::int64_t b = 0; b < B; ++b)
@@ -278,7 +323,10 @@ void check_case(const Spec& s, bool tensor_cores) {
   reference_backward(s, s.qpos(), s.kpos(), x, out_t, want_lse, want_dq, want_dk, want_dv);
   const double unit_roundoff = std::is_same_v<T, __half> ? 0x1p-11 : 0x1p-8;
   const double tol = std::string(want_path) == "mma" ? 2 * unit_roundoff : 1e-4;
-  check_close("dQ", dq_d.download(), want_dq, tol);
+  const std::vector<double> got_dq = dq_d.download();
+  check_close("dQ", got_dq, want_dq, tol);
+  // ... and adds exactly 0 to its dQ (dq holds float values: the download is exact).
+  CHECK(moved_rows(got_dq, dq) == 0);
   check_close("dK", got_dk, want_dk, tol);
   check_close("dV", got_dv, want_dv, tol);
   // A key no row sees gets exactly 0 added: its dK and dV keep their starting values.
@@ -327,6 +375,28 @@ std::vector<Spec> mask_specs() {
   return v;
 }
 
+/// Rows holding NaN in Q and dO that see no key (leading rows, trailing rows, a document whose
+/// keys are all padding, a whole padded batch element) or none of a key tile, at head_dim
+/// `dim`: they must add nothing to the dK, dV of those keys (0 x NaN = NaN), nor anything to
+/// their own dQ, and get O = 0, LSE = -inf. The backward's query tiles start at the first row
+/// that reaches their key tile, so the rows that need the care are those after it.
+std::vector<Spec> nan_row_specs(std::int64_t dim) {
+  std::vector<Spec> v;
+  v.push_back({.name = "bottom-right causal, S_q > S_kv, NaN in the leading rows (they see no key)", .sq = 90,
+               .skv = 40, .causal = true, .align = CausalAlign::bottom_right, .nan_blind = true});
+  v.push_back({.name = "causal window 10 + key padding {25, 0}, S_q > S_kv, NaN in the trailing rows (they see no key)",
+               .sq = 70, .skv = 40, .causal = true, .window = {10, -1}, .kv_valid = {25, 0}, .nan_blind = true});
+  v.push_back({.name = "documents {20, 50, 58} + key padding {60, 128}, NaN in the last document (its keys are padding)",
+               .sq = 128, .skv = 128, .documents = {{20, 50, 58}}, .kv_valid = {60, 128}, .nan_blind = true});
+  // Row 127 sees keys 64..127 exactly (whole key tiles of both paths, so the reference's NaN
+  // fills them all); the rows before it in its query tile see keys up to 63 too, so that tile
+  // meets the keys 0..63, of which row 127 sees none.
+  v.push_back({.name = "causal window 63, NaN in a row that sees none of the key tile its query tile meets", .sq = 128,
+               .skv = 128, .causal = true, .window = {63, -1}, .nan_row = 127});
+  for (Spec& s : v) s.dim = dim;
+  return v;
+}
+
 /// Every case through `tensor_cores`'s path for T.
 template <class T>
 void mask_suite(bool tensor_cores) {
@@ -355,8 +425,9 @@ struct RunErrors {
 /// `s`, forward and backward, every rank's rows against the global reference.
 template <class T, class Policy>
 void check_policy(int ranks, Policy policy, const Spec& s) {
-  CAPTURE(s.name);
-  CAPTURE(type_name<T>());
+  const std::string name = s.name, type = type_name<T>();
+  CAPTURE(name);
+  CAPTURE(type);
   CAPTURE(ranks);
   const std::int64_t B = s.batch, H = s.heads, K = s.kv_heads, D = s.dim, S = s.sq;
   const Inputs x = make_inputs<T>(s, 99);
@@ -429,6 +500,18 @@ TEST_CASE("CudaFlashKernel masks: every family, SIMT, float") { mask_suite<float
 TEST_CASE("CudaFlashKernel masks: every family, SIMT, half and bf16") {
   mask_suite<__half>(false);
   mask_suite<__nv_bfloat16>(false);
+}
+
+TEST_CASE("CudaFlashKernel masks: NaN in Q and dO of rows that see no key adds nothing, tensor cores") {
+  for (std::int64_t dim : {64, 128})
+    for (const Spec& s : nan_row_specs(dim)) {
+      check_case<__half>(s, true);
+      check_case<__nv_bfloat16>(s, true);
+    }
+}
+TEST_CASE("CudaFlashKernel masks: NaN in Q and dO of rows that see no key adds nothing, SIMT") {
+  for (std::int64_t dim : {64, 33})
+    for (const Spec& s : nan_row_specs(dim)) check_case<float>(s, false);
 }
 
 TEST_CASE("CudaFlashKernel masks: new tables in the same kernel object are uploaded, the same ones reused") {

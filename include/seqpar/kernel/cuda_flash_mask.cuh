@@ -14,7 +14,9 @@
 ///   before the tile and the first row's span ends at or after it: both ends are
 ///   non-decreasing down the rows);
 /// - test `span.first <= j <= span.last` per element on the other tiles, with the NaN-safety
-///   of the causal cut tiles (a hidden key adds exactly 0, whatever K and V hold there).
+///   of the causal cut tiles (a hidden key adds exactly 0, whatever K and V hold there; in
+///   the backward, a row that sees none of a cut tile's keys adds exactly 0 to their dK and
+///   dV, whatever its Q and dO hold).
 ///
 /// MaskView points into the plan, in host memory; DeviceMaskTables keeps the kernel object's
 /// device copy of the tables it points to (documents, key padding, row key ends).
@@ -138,11 +140,12 @@ __device__ __forceinline__ void fill_spans(KeySpan* spans, const Args& a, std::i
     spans[r] = r < n ? row_span(a, b, i0 + r) : KeySpan{0, -1};
 }
 
-/// Whether a row of spans[0 .. n) reaches local keys j0 .. j1; every lane gets it (a warp
-/// collective: call from the whole warp).
+/// Whether some row of spans[0 .. n) reaches local keys j0 .. j1 (REACH) or some row misses
+/// them all (!REACH); every lane gets it (a warp collective: call from the whole warp).
+template <bool REACH = true>
 __device__ __forceinline__ bool rows_reach(const KeySpan* spans, int n, std::int64_t j0, std::int64_t j1) {
   bool any = false;
-  for (int r = threadIdx.x & 31; r < n; r += 32) any = any || spans[r].reaches(j0, j1);
+  for (int r = threadIdx.x & 31; r < n; r += 32) any = any || spans[r].reaches(j0, j1) == REACH;
   return warp_any(any);
 }
 

@@ -290,6 +290,9 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
 
     // dV += P^T dO, dK += dS^T Q: warp keys, lane columns.
     for (int i = 0; i < nq; ++i) {
+      // A row that sees none of these keys adds nothing: its P and dS are 0, but 0 x NaN = NaN
+      // (a NaN in its Q or dO must stay in that row). The same in the whole warp.
+      if (mask == tile::TileMask::partial && !spans[i].reaches(j0, j_last)) continue;
       float gq[DC], qq[DC];
 #pragma unroll
       for (int c = 0; c < DC; ++c) {

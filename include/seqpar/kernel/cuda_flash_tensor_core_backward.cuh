@@ -143,7 +143,31 @@ __device__ __forceinline__ void bwd_add_dq(const BwdArgs<T>& a, const T* sS, con
   }
 }
 
-/// The tensor-core backward. Per query tile, warp w (keys 16w .. 16w + 15):
+/// Block-wide, on a query tile of nq rows the mask cuts, once its Q and dO (sQ, sG) and the
+/// rows' spans have landed and a barrier has published them: zeroes the Q and dO rows of the
+/// rows that see none of the block's keys j0 .. j1. Their P and dS are exactly 0 already, but
+/// dV += P^T dO and dK += dS^T Q would multiply that 0 by the row's dO and Q, and 0 x NaN = NaN:
+/// a NaN in such a row (one past a window's or a document's end, one that sees no key at all)
+/// must stay in that row. One more barrier, only when some row is zeroed (the same answer in
+/// every thread: call from a block-uniform branch). A row that sees some of the keys keeps its
+/// values, so a NaN there reaches the dK, dV of every key of the tile.
+template <class T, int D>
+__device__ __forceinline__ void clear_rows_missing_keys(T* sQ, T* sG, const KeySpan* spans, int nq, std::int64_t j0,
+                                                        std::int64_t j1) {
+  if (!rows_reach<false>(spans, nq, j0, j1)) return;
+  constexpr int stride = D + 8, chunks = D / 8;  // 16-byte chunks per row
+  for (int c = threadIdx.x; c < nq * chunks; c += mma_threads) {
+    const int r = c / chunks;
+    if (spans[r].reaches(j0, j1)) continue;
+    const int col = (c - r * chunks) * 8;
+    *reinterpret_cast<uint4*>(sQ + r * stride + col) = uint4{0u, 0u, 0u, 0u};
+    *reinterpret_cast<uint4*>(sG + r * stride + col) = uint4{0u, 0u, 0u, 0u};
+  }
+  __syncthreads();
+}
+
+/// The tensor-core backward. Per query tile (on a cut one, after clear_rows_missing_keys),
+/// warp w (keys 16w .. 16w + 15):
 ///   S^T = K Q^T and dP^T = V dO^T (mma, B operands by ldmatrix exactly as K^T in the forward);
 ///   P^T = exp2(S^T scale log2e - LSE), dS^T = P^T (dP^T - D) on the accumulators;
 ///   dV += P^T dO and dK += dS^T Q, with P^T and dS^T fed back as A operands from registers;
@@ -215,6 +239,7 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   while (i0 < a.sq) {
     const int nq = rows_of(i0);
     const tile::TileMask mask = tile_mask(i0);
+    if (mask == tile::TileMask::partial) clear_rows_missing_keys<T, D>(sQ, sG, spans, nq, j0, j_last);
 
     float s[nt_q][4], dp[nt_q][4];
 #pragma unroll
