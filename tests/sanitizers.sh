@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-read -r -a tests <<<"${SEQPAR_SANITIZER_TESTS:-test_thread_communicator test_faults test_errors test_policies test_thread_comm_alloc test_cpu_flash_backward_threads emu_test_device}"
+read -r -a tests <<<"${SEQPAR_SANITIZER_TESTS:-test_thread_communicator test_faults test_call_isolation test_errors test_policies test_thread_comm_alloc test_cpu_flash_backward_threads emu_test_device}"
 jobs="${SEQPAR_SANITIZER_JOBS:-$(nproc)}"
 presets=("$@")
 [[ ${#presets[@]} -eq 0 ]] && presets=(asan tsan)

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "support/backward_check.hpp"
@@ -106,7 +107,8 @@ bool traffic_round(ThreadCommunicator& c, int round, std::vector<std::vector<std
     const bool back = h == forward_hops;  // the last one runs the other way round the ring
     const int to = back ? prev : next, from = back ? next : prev, r = round * 8 + h;
     const std::size_t n = fill(send[h], r, me, to);
-    reqs[h] = c.start_exchange(send[h].data(), n, to, recv[h].data(), message_bytes(r, from, me), from);
+    reqs[h] = c.start_exchange(send[h].data(), n, to, recv[h].data(), message_bytes(r, from, me), from,
+                               call_tag(CallKind::other, static_cast<std::uint64_t>(round)));  // tags cost nothing
   }
   if (round == 0) c.barrier();
   bool ok = true;
@@ -187,11 +189,17 @@ struct CountingComm {
     CountHere counting;
     inner.all_to_all_v(s, sc, sd, r, rc, rd);
   }
-  /// The inner start_exchange, counted.
-  request_type start_exchange(const std::byte* s, std::size_t sb, int dest, std::byte* r, std::size_t rb, int src) {
+  /// The inner start_exchange with the engine's call tag, counted (the tag and the failure
+  /// latch are on the path the engine takes, so their checks are counted too).
+  request_type start_exchange(const std::byte* s, std::size_t sb, int dest, std::byte* r, std::size_t rb, int src,
+                              std::uint64_t tag = untagged_exchange) {
     CountHere counting;
-    return inner.start_exchange(s, sb, dest, r, rb, src);
+    return inner.start_exchange(s, sb, dest, r, rb, src, tag);
   }
+  /// The inner failure latch.
+  void fail(std::string_view reason) noexcept { inner.fail(reason); }
+  /// The inner failure latch.
+  bool failed() const noexcept { return inner.failed(); }
   /// The inner wait, counted.
   void wait(request_type& req) {
     CountHere counting;
@@ -215,6 +223,7 @@ struct CountingComm {
   CommStats& stats() { return inner.stats(); }
 };
 static_assert(Communicator<CountingComm>);
+static_assert(detail::has_tagged_exchange<CountingComm> && detail::has_failure_latch<CountingComm>);
 
 /// Allocations of warmed-up calls, summed over the ranks.
 struct StepAllocations {

@@ -115,9 +115,11 @@ TEST_CASE("MpiCommunicator: ring exchanges arrive in order and count like Thread
 }
 
 TEST_CASE("MpiCommunicator: a peer that sends more or fewer bytes than expected is an error, not a hang") {
-  MpiCommunicator c(MPI_COMM_WORLD);
-  const int P = c.size(), me = c.rank();
+  // Each failure latches its communicator (a duplicate each): the checks travel on the world.
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size(), me = world.rank();
   std::vector<std::byte> send(64, std::byte{1}), recv(64);
+  MpiCommunicator c = MpiCommunicator::duplicate(MPI_COMM_WORLD);
   auto fewer = c.start_exchange(send.data(), 16, (me + 1) % P, recv.data(), 32, (me - 1 + P) % P);
   std::string what;
   try {
@@ -125,16 +127,19 @@ TEST_CASE("MpiCommunicator: a peer that sends more or fewer bytes than expected 
   } catch (const CommError& e) {
     what = e.what();
   }
-  CHECK(all_ranks(c, what.find("sent 16 bytes") != std::string::npos && what.find("expects 32") != std::string::npos));
-  auto more = c.start_exchange(send.data(), 32, (me + 1) % P, recv.data(), 16, (me - 1 + P) % P);
+  CHECK(all_ranks(world, what.find("sent 16 bytes") != std::string::npos && what.find("expects 32") != std::string::npos));
+  CHECK(c.failed());
+  MpiCommunicator d = MpiCommunicator::duplicate(MPI_COMM_WORLD);
+  auto more = d.start_exchange(send.data(), 32, (me + 1) % P, recv.data(), 16, (me - 1 + P) % P);
   what.clear();
   try {
-    c.wait(more);
+    d.wait(more);
   } catch (const MpiError& e) {
     what = e.what();
   }
   INFO(what);
-  CHECK(all_ranks(c, what.find("MPI_Waitall") != std::string::npos && what.find("TRUNCATE") != std::string::npos));
+  CHECK(all_ranks(world, what.find("MPI_Waitall") != std::string::npos && what.find("TRUNCATE") != std::string::npos));
+  CHECK(d.failed());
 }
 
 TEST_CASE("MpiCommunicator: MPI error codes become MpiError naming the call and MPI's message") {
@@ -214,7 +219,11 @@ TEST_CASE("MpiCommunicator: with a time-out every operation takes the polled pat
                             reinterpret_cast<std::byte*>(ra.data()), 800000, prev);
   c.wait(r);
   CHECK(all_ranks(c, ra.front() == prev && ra.back() == prev));
-  // A short message is still checked on the polled path.
+  c.barrier();
+  MpiCommunicator sub = c.split(me % 2, me);
+  CHECK(sub.timeout() == 60000ms);  // inherited
+  sub.barrier();
+  // A short message is still checked on the polled path (it latches c: the check goes on the world).
   auto fewer = c.start_exchange(reinterpret_cast<const std::byte*>(a.data()), 16, next,
                                 reinterpret_cast<std::byte*>(ra.data()), 32, prev);
   std::string what;
@@ -223,11 +232,8 @@ TEST_CASE("MpiCommunicator: with a time-out every operation takes the polled pat
   } catch (const CommError& e) {
     what = e.what();
   }
-  CHECK(all_ranks(c, what.find("sent 16 bytes") != std::string::npos));
-  c.barrier();
-  MpiCommunicator sub = c.split(me % 2, me);
-  CHECK(sub.timeout() == 60000ms);  // inherited
-  sub.barrier();
+  MpiCommunicator world(MPI_COMM_WORLD);
+  CHECK(all_ranks(world, what.find("sent 16 bytes") != std::string::npos));
 }
 
 TEST_CASE("MpiCommunicator: a peer that does not join within the time-out is a CommError naming the operation") {
@@ -251,8 +257,86 @@ TEST_CASE("MpiCommunicator: a peer that does not join within the time-out is a C
     CHECK(what.find("MpiCommunicator: barrier: no progress for 300 ms") != std::string::npos);
     CHECK(took >= 300ms);
     CHECK(took < 1900ms);
+    // The failure latch: from now on every operation of c, its copies and its splits refuses
+    // at once, naming the first error (rank 0 is still asleep: nothing here may wait for it).
+    CHECK(c.failed());
+    const MpiCommunicator copy = c;
+    CHECK(copy.failed());
+    const auto refused_at = std::chrono::steady_clock::now();
+    std::vector<std::string> refusals;
+    auto refusal = [&](auto&& op) {
+      try {
+        op();
+        refusals.push_back("none");
+      } catch (const CommError& e) {
+        refusals.push_back(e.what());
+      }
+    };
+    std::byte b[8] = {};
+    refusal([&] { c.barrier(); });
+    std::vector<std::int64_t> one{1}, all(static_cast<std::size_t>(c.size()));
+    refusal([&] { MpiCommunicator(copy).all_gather_host(one, all); });
+    refusal([&] { (void)c.start_exchange(b, 8, 0, b, 8, 0); });
+    refusal([&] { (void)c.split(0, 0); });
+    CHECK(std::chrono::steady_clock::now() - refused_at < 100ms);
+    const char* ops[] = {"barrier", "all_gather_host", "exchange", "split"};
+    for (std::size_t i = 0; i < refusals.size(); ++i) {
+      CAPTURE(refusals[i]);
+      CHECK(refusals[i].find(std::string("MpiCommunicator: ") + ops[i] +
+                             ": a previous call failed part-way on this rank (MpiCommunicator: barrier: no progress "
+                             "for 300 ms") != std::string::npos);
+      CHECK(refusals[i].find("end the job (MPI_Abort) or make new communicators on every rank") != std::string::npos);
+    }
   } else {
     CHECK(what.empty());  // everyone else had arrived (and given up waiting)
+    CHECK(!c.failed());
   }
   CHECK(all_ranks(world, c.rank() == 0 ? what.empty() : !what.empty()));
+}
+
+TEST_CASE("MpiCommunicator: a message of another call is refused at once, never delivered") {
+  using namespace std::chrono_literals;
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size(), me = world.rank(), next = (me + 1) % P, prev = (me - 1 + P) % P;
+  // Exchanges of one call tag arrive as usual.
+  {
+    MpiCommunicator c = MpiCommunicator::duplicate(MPI_COMM_WORLD);
+    c.set_timeout(5000ms);
+    std::int64_t mine = 100 + me, got = -1;
+    auto r = c.start_exchange(reinterpret_cast<const std::byte*>(&mine), 8, next, reinterpret_cast<std::byte*>(&got),
+                              8, prev, call_tag(CallKind::backward, 7));
+    c.wait(r);
+    CHECK(all_ranks(world, got == 100 + prev));
+  }
+  // Rank 0 is one call ahead: rank 1 finds rank 0's message (call 1) where it waits for call 0,
+  // and rank 0 finds rank P-1's (call 0) where it waits for call 1. Same sizes, so only the tag
+  // tells them apart; both must refuse well within the 5 s time-out and leave their buffers.
+  MpiCommunicator c = MpiCommunicator::duplicate(MPI_COMM_WORLD);
+  c.set_timeout(5000ms);
+  const std::uint64_t tag = call_tag(CallKind::forward, me == 0 ? 1 : 0);
+  std::int64_t mine = 100 + me, got = -1;
+  std::string what;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    auto r = c.start_exchange(reinterpret_cast<const std::byte*>(&mine), 8, next, reinterpret_cast<std::byte*>(&got), 8,
+                              prev, tag);
+    c.wait(r);
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  INFO(what);
+  if (me == 0 || me == 1) {
+    const std::string theirs = me == 1 ? "forward call 1" : "forward call 0", ours = me == 1 ? "forward call 0" : "forward call 1";
+    CHECK(what.find("MpiCommunicator: exchange: rank " + std::to_string(prev) + " sent a message of another call (" +
+                    theirs) != std::string::npos);
+    CHECK(what.find("to rank " + std::to_string(me) + ", which waits for one of " + ours) != std::string::npos);
+    CHECK(got == -1);  // nothing delivered
+    CHECK(took < 2000ms);
+    CHECK(c.failed());
+  } else {
+    CHECK(what.empty());
+    CHECK(got == 100 + prev);
+  }
+  CHECK(all_ranks(world, true));
 }

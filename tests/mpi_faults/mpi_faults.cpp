@@ -16,9 +16,18 @@
 //   mpi_faults barrier    as `finalize`, but rank 0 calls MPI_Barrier(MPI_COMM_WORLD) after
 //                         its local error (a wrong recovery: forward's errors are local);
 //                         the others end the job with MPI_Abort after the time-out
+//   mpi_faults rejoin P   policy P (ring: Ring over Stripe, ulysses, unified: 2 x 2) on 4
+//                         ranks, float: forward, backward, in which rank 1's kernel throws;
+//                         rank 1 catches it and goes on with forward and backward. Run with
+//                         SEQPAR_COMM_TIMEOUT_MS=2000: rank 1's next call is refused at once
+//                         (the failure latch), the others get a CommError (time-out, or a
+//                         message of another call) within 10 s; no call returns after the
+//                         fault (each would print "returned after the fault" and its error
+//                         against the exact reference). Then rank 0 ends the job (MPI_Abort).
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,8 +36,10 @@
 #include <thread>
 #include <vector>
 
+#include "common.hpp"
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
+#include "support/fault_kernel.hpp"
 
 using namespace seqpar;
 
@@ -109,6 +120,75 @@ void stays_alive(MpiCommunicator& world, bool finalize) {
   }
 }
 
+/// `rejoin`: see the file comment. Every rank prints how each call after the fault ended;
+/// then all meet on a communicator of their own and rank 0 ends the job.
+template <class Policy>
+void rejoin(MpiCommunicator& world, Policy policy) {
+  namespace ex = seqpar::examples;
+  MPI_Comm sync = MPI_COMM_NULL;  // untouched by the failed calls
+  MPI_Comm_dup(MPI_COMM_WORLD, &sync);
+  const int me = world.rank();
+  const ex::GlobalShape shape = ex::make_case(32, 4, 2, 16, true, 11);
+  const ex::GlobalInputs g = ex::make_inputs<float>(shape);
+  SequenceParallelAttention<Policy, MpiCommunicator, test::BackwardFaultKernel<ReferenceKernel>> attn(world, policy);
+  const Plan plan = attn.plan(shape.problem<float>(true), {8, -1});
+  const PositionMap qp = plan.q_positions(me), kp = plan.kv_positions(me);
+  const std::int64_t B = shape.batch, H = shape.heads, K = shape.kv_head_count(), D = shape.head_dim;
+  ex::LocalSlices<float> x = ex::local_slices<float>(g, qp, kp);
+  const auto dout = ex::take_rows<float>(g.dout, B, shape.seq_q, H, D, qp);
+  std::vector<float> lse(static_cast<std::size_t>(B * x.lq * H)), dq(x.q.size()), dk(x.k.size()), dv(x.v.size());
+  std::vector<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+  using CV = TensorView<const float>;
+  using MV = TensorView<float>;
+  const auto q = CV::bshd(x.q.data(), B, x.lq, H, D), k = CV::bshd(x.k.data(), B, x.lkv, K, D),
+             v = CV::bshd(x.v.data(), B, x.lkv, K, D);
+  const auto lse_view = MV::lse_bhs(lse.data(), B, x.lq, H);
+  auto forward = [&] { attn.template forward<float>(plan, q, k, v, MV::bshd(x.out.data(), B, x.lq, H, D), lse_view, ws); };
+  auto backward = [&] {
+    attn.template backward<float>(plan, CV::bshd(dout.data(), B, x.lq, H, D), q, k, v,
+                                  CV::bshd(x.out.data(), B, x.lq, H, D), lse_view, MV::bshd(dq.data(), B, x.lq, H, D),
+                                  MV::bshd(dk.data(), B, x.lkv, K, D), MV::bshd(dv.data(), B, x.lkv, K, D), ws);
+  };
+  const std::vector<double> want_out = ex::reference_rows(g, qp);
+  const ex::ReferenceGrads want = ex::reference_grads(g, qp, kp);
+  forward();  // every rank, before the fault
+  attn.kernel().fail_backward = me == 1;
+  // After the fault every call on every rank must fail: none may return (with anything).
+  const char* names[] = {"backward", "forward", "backward", "forward", "backward"};
+  for (int call = 0; call < 5; ++call) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      if (call % 2 == 0) {
+        backward();
+        const double err = std::max({ex::compare(dq, want.dq).rel(), ex::compare(dk, want.dk).rel(),
+                                     ex::compare(dv, want.dv).rel()});
+        std::fprintf(stderr, "rank %d: %s returned after the fault (grad_max_rel_err=%.3g%s)\n", me, names[call], err,
+                     err > 1e-4 ? ": WRONG" : "");
+      } else {
+        forward();
+        const double err = ex::compare(x.out, want_out).rel();
+        std::fprintf(stderr, "rank %d: %s returned after the fault (max_rel_err=%.3g%s)\n", me, names[call], err,
+                     err > 1e-5 ? ": WRONG" : "");
+      }
+    } catch (const CommError& e) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+      std::fprintf(stderr, "rank %d: CommError in %s after %lld ms%s: %s\n", me, names[call],
+                   static_cast<long long>(ms.count()),
+                   ms < std::chrono::milliseconds(500) ? " (at once)"
+                   : ms < std::chrono::seconds(10)     ? " (within 10 s)"
+                                                       : " (too late)",
+                   e.what());
+      break;
+    } catch (const std::runtime_error& e) {  // rank 1: its own kernel's fault; it goes on
+      std::fprintf(stderr, "rank %d: caught in %s: %s\n", me, names[call], e.what());
+    }
+  }
+  std::fflush(stderr);
+  MPI_Barrier(sync);  // everyone has printed
+  if (me == 0) MPI_Abort(MPI_COMM_WORLD, 3);  // the communicators are latched: end the job
+  std::this_thread::sleep_for(std::chrono::seconds(60));  // ended by rank 0's MPI_Abort
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,8 +202,15 @@ int main(int argc, char** argv) {
     } else if (argc == 2 && (std::strcmp(argv[1], "finalize") == 0 || std::strcmp(argv[1], "barrier") == 0)) {
       stays_alive(world, std::strcmp(argv[1], "finalize") == 0);
       if (detail::mpi_finalized()) return 1;  // rank 0 of `finalize`, once the job ends
+    } else if (argc == 3 && std::strcmp(argv[1], "rejoin") == 0 && std::strcmp(argv[2], "ring") == 0) {
+      rejoin(world, RingPolicy<Stripe>{});
+    } else if (argc == 3 && std::strcmp(argv[1], "rejoin") == 0 && std::strcmp(argv[2], "ulysses") == 0) {
+      rejoin(world, UlyssesPolicy{});
+    } else if (argc == 3 && std::strcmp(argv[1], "rejoin") == 0 && std::strcmp(argv[2], "unified") == 0) {
+      rejoin(world, UnifiedPolicy<Stripe>{2, 2});
     } else {
-      if (world.rank() == 0) std::fprintf(stderr, "usage: mpi_faults uncaught|abort|finalize|barrier\n");
+      if (world.rank() == 0)
+        std::fprintf(stderr, "usage: mpi_faults uncaught|abort|finalize|barrier|rejoin ring|ulysses|unified\n");
       MPI_Finalize();
       return 2;
     }

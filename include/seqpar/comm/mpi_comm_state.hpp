@@ -71,13 +71,62 @@ inline bool mpi_finalized() {
   return done != 0;
 }
 
+/// The receive and the send request of one exchange, owned. Moving one leaves the source
+/// empty. Destroying one still active (its rank unwinds from a failed call) withdraws the
+/// receive (MPI_Cancel), so that a peer's message of the abandoned call does not land in a
+/// buffer being freed, and lets go of the send (MPI_Request_free: MPI completes it on its own,
+/// and may read its buffer until then).
+class MpiExchangeRequests {
+ public:
+  /// No requests.
+  MpiExchangeRequests() = default;
+  /// Takes over `o`'s requests.
+  MpiExchangeRequests(MpiExchangeRequests&& o) noexcept : r_(std::exchange(o.r_, none())) {}
+  /// Trades requests with `o`: ours are let go of when `o` is destroyed.
+  MpiExchangeRequests& operator=(MpiExchangeRequests&& o) noexcept {
+    std::swap(r_, o.r_);
+    return *this;
+  }
+  /// Withdraws an active receive and lets go of an active send (see the class comment).
+  ~MpiExchangeRequests() { release(); }
+
+  /// Request i: 0 the receive, 1 the send.
+  MPI_Request& operator[](std::size_t i) { return r_[i]; }
+  /// Both, for MPI_Waitall and MPI_Testall.
+  MPI_Request* data() { return r_.data(); }
+
+ private:
+  static std::array<MPI_Request, 2> none() { return {MPI_REQUEST_NULL, MPI_REQUEST_NULL}; }
+  void release() noexcept {
+    if (r_ == none() || mpi_finalized()) return;  // nothing active, or MPI released it all
+    if (r_[0] != MPI_REQUEST_NULL) {
+      MPI_Cancel(&r_[0]);
+      MPI_Request_free(&r_[0]);
+    }
+    if (r_[1] != MPI_REQUEST_NULL) MPI_Request_free(&r_[1]);
+  }
+  std::array<MPI_Request, 2> r_ = none();
+};
+
 /// The communicator handle, the datatypes made for it and the time-out, shared by every copy
 /// of one MpiCommunicator (not by its splits, which own their own handle).
 class MpiCommState {
  public:
   /// Holds `comm`; frees it at the end when `owned`.
   MpiCommState(MPI_Comm comm, bool owned, std::chrono::milliseconds timeout)
-      : comm_(comm), owned_(owned), timeout_(timeout) {}
+      : comm_(comm), owned_(owned), timeout_(timeout) {
+    if (comm_ == MPI_COMM_NULL) return;  // refused by the communicator's constructor
+    // MPI_TAG_UB is at least 32767; MPI attaches it to MPI_COMM_WORLD (most also to every
+    // communicator).
+    for (MPI_Comm c : {comm_, MPI_COMM_WORLD}) {
+      int* value = nullptr;
+      int found = 0;
+      if (MPI_Comm_get_attr(c, MPI_TAG_UB, &value, &found) == MPI_SUCCESS && found && value && *value >= 32767) {
+        tag_ub_ = *value;
+        break;
+      }
+    }
+  }
   MpiCommState(const MpiCommState&) = delete;
   MpiCommState& operator=(const MpiCommState&) = delete;
   /// Frees the datatypes and, if owned, the communicator.
@@ -94,6 +143,8 @@ class MpiCommState {
   std::chrono::milliseconds timeout() const { return timeout_; }
   /// Sets the time-out of every wait (zero: none).
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  /// The largest tag MPI accepts on this communicator (MPI_TAG_UB, at least 32767).
+  int tag_ub() const { return tag_ub_; }
 
   /// A committed contiguous datatype of `unit` bytes (a power of two <= 256), made on first use.
   MPI_Datatype unit_type(std::size_t unit) {
@@ -116,6 +167,7 @@ class MpiCommState {
   MPI_Comm comm_;
   bool owned_;
   std::chrono::milliseconds timeout_;
+  int tag_ub_ = 32767;
   std::array<MPI_Datatype, 9> types_{MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
                                      MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
                                      MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};

@@ -31,6 +31,23 @@
 /// part there). Under the CPU emulation of the device (SEQPAR_CUDA_EMULATION) barrier()
 /// synchronises as without a time-out: the emulated receive has its own time-out
 /// (SEQPAR_EMU_NCCL_TIMEOUT_S).
+///
+/// What NCCL guarantees, and what that asks of a caller: NCCL has no tags. Operations on one
+/// communicator match by issue order: the n-th collective on each rank, and the n-th ncclSend
+/// from a rank to a peer with the peer's n-th ncclRecv from it. So a rank that skips an
+/// operation its peers issue (an exception between two enqueues, a call abandoned half-way)
+/// desynchronises every later one: each then meets the peers' previous operation, which, at
+/// equal sizes, silently hands over the bytes of another call, and otherwise hangs or fails.
+/// Nothing on the wire can tell; there is no tagged start_exchange here (a tag could not
+/// travel). The protection is the failure latch (FailureLatch, shared by copies and splits;
+/// fail() also sets the host communicator's): once a call failed part-way on this rank (the
+/// engine's guard) or one of this communicator's operations failed (NcclError, CudaError, the
+/// barrier's time-out), every later operation on this rank throws CommError at once and
+/// enqueues nothing. What the caller must then do: NCCL cannot resynchronise a communicator,
+/// only abort it. Call ncclCommAbort on native() (it also releases this rank's kernels still
+/// waiting for peers), and end the job, or make new communicators on every rank (the peers
+/// need ncclCommAbort too: their kernels may wait for this rank, and only their own time-out,
+/// or a watchdog such as PyTorch's, notices).
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -43,6 +60,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -86,14 +104,14 @@ class NcclCommunicator {
   static NcclCommunicator create(HostComm host, cudaStream_t stream = nullptr) {
     ncclComm_t comm = init_over(host);
     return NcclCommunicator(std::make_shared<detail::NcclState>(comm, true, comm_timeout_from_env()), std::move(host),
-                            stream, std::make_shared<CommStats>());
+                            stream, std::make_shared<CommStats>(), std::make_shared<FailureLatch>());
   }
 
   /// Wraps an existing NCCL communicator whose ranks match `host`'s. It is not destroyed here
   /// unless `take_ownership`.
   NcclCommunicator(ncclComm_t comm, HostComm host, cudaStream_t stream = nullptr, bool take_ownership = false)
       : NcclCommunicator(std::make_shared<detail::NcclState>(comm, take_ownership, comm_timeout_from_env()),
-                         std::move(host), stream, std::make_shared<CommStats>()) {}
+                         std::move(host), stream, std::make_shared<CommStats>(), std::make_shared<FailureLatch>()) {}
 
   /// This rank.
   int rank() const { return rank_; }
@@ -122,33 +140,44 @@ class NcclCommunicator {
     state_->timeout = t;
     if constexpr (requires { host_.set_timeout(t); }) host_.set_timeout(t);
   }
+  /// Sets this rank's failure latch (shared with copies and splits; the first reason stays)
+  /// and the host communicator's: every later operation throws CommError (see the file comment).
+  void fail(std::string_view reason) noexcept {
+    latch_->set(reason);
+    detail::fail_communicator(host_, reason);
+  }
+  /// True once the failure latch is set.
+  bool failed() const noexcept { return latch_->failed(); }
 
   /// Variable-count all-to-all (see the Communicator concept) as one group of ncclSend/ncclRecv
   /// on the compute stream; the piece to itself is a device copy. Returns once enqueued.
   void all_to_all_v(const std::byte* send, std::span<const std::size_t> send_counts,
                     std::span<const std::size_t> send_displs, std::byte* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    refuse_if_failed("all_to_all_v");
     const auto n = static_cast<std::size_t>(size_);
     detail::check_all_to_all_spans("NcclCommunicator", n, send_counts.size(), send_displs.size(), recv_counts.size(),
                                    recv_displs.size());
     const auto me = static_cast<std::size_t>(rank_);
     SEQPAR_CHECK(send_counts[me] == recv_counts[me], ConfigError, "NcclCommunicator: all_to_all_v: rank ", rank_,
                  " sends itself ", send_counts[me], " bytes but expects ", recv_counts[me]);
-    {
-      detail::NcclGroup group;
-      for (int j = 0; j < size_; ++j) {
-        const auto k = static_cast<std::size_t>(j);
-        if (j == rank_) continue;
-        if (send_counts[k] > 0)
-          group.add(ncclSend(send + send_displs[k], send_counts[k], ncclUint8, j, state_->comm, stream_), "ncclSend");
-        if (recv_counts[k] > 0)
-          group.add(ncclRecv(recv + recv_displs[k], recv_counts[k], ncclUint8, j, state_->comm, stream_), "ncclRecv");
+    latch_->latch_on_failure([&] {
+      {
+        detail::NcclGroup group;
+        for (int j = 0; j < size_; ++j) {
+          const auto k = static_cast<std::size_t>(j);
+          if (j == rank_) continue;
+          if (send_counts[k] > 0)
+            group.add(ncclSend(send + send_displs[k], send_counts[k], ncclUint8, j, state_->comm, stream_), "ncclSend");
+          if (recv_counts[k] > 0)
+            group.add(ncclRecv(recv + recv_displs[k], recv_counts[k], ncclUint8, j, state_->comm, stream_), "ncclRecv");
+        }
+        group.end();
       }
-      group.end();
-    }
-    if (send_counts[me] > 0)
-      SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv + recv_displs[me], send + send_displs[me], send_counts[me],
-                                        cudaMemcpyDeviceToDevice, stream_));
+      if (send_counts[me] > 0)
+        SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv + recv_displs[me], send + send_displs[me], send_counts[me],
+                                          cudaMemcpyDeviceToDevice, stream_));
+    });
     stats_->count_all_to_all(send_counts, rank_);
   }
 
@@ -157,25 +186,29 @@ class NcclCommunicator {
   /// buffer must stay untouched, and the receive buffer unread, until wait().
   request_type start_exchange(const std::byte* send, std::size_t send_bytes, int dest, std::byte* recv,
                               std::size_t recv_bytes, int source) {
+    refuse_if_failed("exchange");
     check_rank(dest, "dest");
     check_rank(source, "source");
+    SEQPAR_CHECK(dest != rank_ || source != rank_ || send_bytes == recv_bytes, ConfigError,
+                 "NcclCommunicator: exchange with itself: sends ", send_bytes, " bytes, expects ", recv_bytes);
     detail::NcclState& st = *state_;
-    SEQPAR_CUDA_CHECK(cudaEventRecord(st.ready, stream_));
-    SEQPAR_CUDA_CHECK(cudaStreamWaitEvent(st.comm_stream, st.ready, 0));
-    if (dest == rank_ && source == rank_) {
-      SEQPAR_CHECK(send_bytes == recv_bytes, ConfigError, "NcclCommunicator: exchange with itself: sends ", send_bytes,
-                   " bytes, expects ", recv_bytes);
-      if (send_bytes > 0)
-        SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv, send, send_bytes, cudaMemcpyDeviceToDevice, st.comm_stream));
-    } else {
-      detail::NcclGroup group;
-      if (send_bytes > 0) group.add(ncclSend(send, send_bytes, ncclUint8, dest, st.comm, st.comm_stream), "ncclSend");
-      if (recv_bytes > 0) group.add(ncclRecv(recv, recv_bytes, ncclUint8, source, st.comm, st.comm_stream), "ncclRecv");
-      group.end();
-    }
-    request_type req{st.done[st.next_done]};
-    st.next_done = (st.next_done + 1) % detail::NcclState::max_in_flight;
-    SEQPAR_CUDA_CHECK(cudaEventRecord(req.done, st.comm_stream));
+    request_type req = latch_->latch_on_failure([&] {
+      SEQPAR_CUDA_CHECK(cudaEventRecord(st.ready, stream_));
+      SEQPAR_CUDA_CHECK(cudaStreamWaitEvent(st.comm_stream, st.ready, 0));
+      if (dest == rank_ && source == rank_) {
+        if (send_bytes > 0)
+          SEQPAR_CUDA_CHECK(cudaMemcpyAsync(recv, send, send_bytes, cudaMemcpyDeviceToDevice, st.comm_stream));
+      } else {
+        detail::NcclGroup group;
+        if (send_bytes > 0) group.add(ncclSend(send, send_bytes, ncclUint8, dest, st.comm, st.comm_stream), "ncclSend");
+        if (recv_bytes > 0) group.add(ncclRecv(recv, recv_bytes, ncclUint8, source, st.comm, st.comm_stream), "ncclRecv");
+        group.end();
+      }
+      request_type r{st.done[st.next_done]};
+      st.next_done = (st.next_done + 1) % detail::NcclState::max_in_flight;
+      SEQPAR_CUDA_CHECK(cudaEventRecord(r.done, st.comm_stream));
+      return r;
+    });
     stats_->count_exchange(send_bytes, dest != rank_);
     return req;
   }
@@ -183,43 +216,53 @@ class NcclCommunicator {
   /// Completes an exchange for the compute stream: work enqueued on it from now on runs after
   /// the transfer. The host does not wait.
   void wait(request_type& req) {
+    refuse_if_failed("exchange");
     SEQPAR_CHECK(req.done != nullptr, ConfigError, "NcclCommunicator: wait: the request was not started");
-    SEQPAR_CUDA_CHECK(cudaStreamWaitEvent(stream_, req.done, 0));
+    latch_->latch_on_failure([&] { SEQPAR_CUDA_CHECK(cudaStreamWaitEvent(stream_, req.done, 0)); });
     req.done = nullptr;
   }
 
   /// Metadata all-gather of host integers over the host communicator.
   void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
-    host_.all_gather_host(mine, all);
+    refuse_if_failed("all_gather_host");
+    latch_->latch_on_failure([&] { host_.all_gather_host(mine, all); });
     stats_->count_host_gather();
   }
 
   /// Waits for this rank's compute stream (bounded by the time-out, see the file comment),
   /// then for every rank (host barrier).
   void barrier() {
-    sync_stream("barrier");
-    host_.barrier();
+    refuse_if_failed("barrier");
+    latch_->latch_on_failure([&] {
+      sync_stream("barrier");
+      host_.barrier();
+    });
   }
 
   /// Splits into one communicator per color, ranked by key (collective): the host communicator
-  /// splits, and so does the NCCL one. The result shares this one's stats and compute stream.
+  /// splits, and so does the NCCL one. The result shares this one's stats, compute stream and
+  /// failure latch.
   NcclCommunicator split(int color, int key) {
+    refuse_if_failed("split");
     SEQPAR_CHECK(color >= 0, ConfigError, "NcclCommunicator: split: color: expected >= 0, got ", color);
-    HostComm child_host = host_.split(color, key);
-    ncclComm_t child = nullptr;
+    return latch_->latch_on_failure([&] {
+      HostComm child_host = host_.split(color, key);
+      ncclComm_t child = nullptr;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
-    SEQPAR_NCCL_CHECK(ncclCommSplit(state_->comm, color, key, &child, nullptr));
+      SEQPAR_NCCL_CHECK(ncclCommSplit(state_->comm, color, key, &child, nullptr));
 #else
-    child = init_over(child_host);
+      child = init_over(child_host);
 #endif
-    return NcclCommunicator(std::make_shared<detail::NcclState>(child, true, timeout()), std::move(child_host), stream_,
-                            stats_);
+      return NcclCommunicator(std::make_shared<detail::NcclState>(child, true, timeout()), std::move(child_host),
+                              stream_, stats_, latch_);
+    });
   }
 
  private:
   NcclCommunicator(std::shared_ptr<detail::NcclState> state, HostComm host, cudaStream_t stream,
-                   std::shared_ptr<CommStats> stats)
-      : state_(std::move(state)), host_(std::move(host)), stream_(stream), stats_(std::move(stats)) {
+                   std::shared_ptr<CommStats> stats, std::shared_ptr<FailureLatch> latch)
+      : state_(std::move(state)), host_(std::move(host)), stream_(stream), stats_(std::move(stats)),
+        latch_(std::move(latch)) {
     SEQPAR_CHECK(state_->comm != nullptr, ConfigError, "NcclCommunicator: comm: expected an NCCL communicator, got null");
     SEQPAR_NCCL_CHECK(ncclCommUserRank(state_->comm, &rank_));
     SEQPAR_NCCL_CHECK(ncclCommCount(state_->comm, &size_));
@@ -303,10 +346,20 @@ class NcclCommunicator {
                  "), got ", r);
   }
 
+  /// Throws the latch's CommError for operation `what` once the latch is set.
+  void refuse_if_failed(const char* what) const {
+    if (latch_->failed())
+      latch_->refuse("NcclCommunicator", what,
+                     "its peers may still wait in it, and NCCL matches operations by order: abort the NCCL "
+                     "communicator (ncclCommAbort on native()) and end the job, or make new communicators on every "
+                     "rank");
+  }
+
   std::shared_ptr<detail::NcclState> state_;
   HostComm host_;
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<CommStats> stats_;
+  std::shared_ptr<FailureLatch> latch_;
   int rank_ = 0;
   int size_ = 1;
 };

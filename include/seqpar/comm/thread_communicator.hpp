@@ -15,6 +15,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -61,6 +62,14 @@ struct ThreadRunOptions {
 /// Time-out: ThreadRunOptions::timeout, or SEQPAR_COMM_TIMEOUT_MS, bounds every wait
 /// (all-to-all, exchange wait, host all-gather, barrier, split); see ThreadRunOptions.
 ///
+/// Calls never mix their messages: an exchange carries its call's tag (the seven-argument
+/// start_exchange; the plain one sends untagged_exchange), and a receive that finds a message
+/// of another tag fails the group with a CommError naming "a message of another call" instead
+/// of copying it. A rank whose call failed part-way is latched (FailureLatch, shared by its
+/// copies and splits): its next operation throws CommError at once and wakes its peers with
+/// CommAborted, and a rank function that returns while latched wakes them too, so peers left
+/// in the failed call never wait for the time-out.
+///
 /// Thread safety: one rank of one group is used by one thread at a time. Two threads must
 /// not call operations concurrently on copies of the same communicator (they are one rank of
 /// one group: the collectives would interleave), and no call is safe concurrently with
@@ -103,6 +112,7 @@ class BasicThreadCommunicator {
     struct State {
       std::shared_ptr<detail::ThreadGroup> group;  // null: not started, or complete
       std::uint64_t seq = 0;                       // our message's number on (rank, dest)
+      std::uint64_t tag = untagged_exchange;       // the call tag the message from source must carry
       int rank = 0, dest = 0, source = 0;
       std::byte* recv = nullptr;
       std::size_t recv_bytes = 0;
@@ -129,8 +139,9 @@ class BasicThreadCommunicator {
 
   /// Rank `rank` of `group`; made by run_ranks() and split(), not by users.
   BasicThreadCommunicator(std::shared_ptr<detail::ThreadGroup> group, int rank,
-                          std::shared_ptr<CommStats> stats = std::make_shared<CommStats>())
-      : group_(std::move(group)), rank_(rank), stats_(std::move(stats)) {}
+                          std::shared_ptr<CommStats> stats = std::make_shared<CommStats>(),
+                          std::shared_ptr<FailureLatch> latch = std::make_shared<FailureLatch>())
+      : group_(std::move(group)), rank_(rank), stats_(std::move(stats)), latch_(std::move(latch)) {}
 
   /// This rank.
   int rank() const { return rank_; }
@@ -140,6 +151,13 @@ class BasicThreadCommunicator {
   const CommStats& stats() const { return *stats_; }
   /// Counters, mutable (to reset them).
   CommStats& stats() { return *stats_; }
+  /// Sets this rank's failure latch (shared with copies and splits; the first reason stays):
+  /// every later operation on this rank throws CommError (see the class comment).
+  void fail(std::string_view reason) noexcept { latch_->set(reason); }
+  /// True once this rank's failure latch is set.
+  bool failed() const noexcept { return latch_->failed(); }
+  /// The reason the latch was set with first ("" while it is not set).
+  std::string failure_reason() const { return latch_->reason(); }
 
   /// Variable-count all-to-all (see the Communicator concept). Each rank pulls its pieces out
   /// of the senders' buffers between two barriers.
@@ -148,103 +166,126 @@ class BasicThreadCommunicator {
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     detail::check_all_to_all_spans("ThreadCommunicator", static_cast<std::size_t>(size()), send_counts.size(),
                                    send_displs.size(), recv_counts.size(), recv_displs.size());
-    auto& fam = *group_->family;
-    std::unique_lock lock(fam.mu);
-    group_->slots[rank_] = {send, send_counts.data(), send_displs.data(), nullptr, 0};
-    group_->barrier_locked(lock, "all_to_all_v", rank_);
-    for (int j = 0; j < size(); ++j) {
-      const auto& s = group_->slots[j];
-      if (s.counts[rank_] != recv_counts[j])
-        fam.fail(lock, "all_to_all_v: rank " + std::to_string(j) + " sends " + std::to_string(s.counts[rank_]) +
-                           " bytes to rank " + std::to_string(rank_) + ", which expects " +
-                           std::to_string(recv_counts[j]));
-    }
-    fam.copy_unlocked(
-        lock,
-        [&] {
-          for (int j = 0; j < size(); ++j) {
-            const auto& s = group_->slots[j];
-            SpaceCopy<Space>::copy(recv + recv_displs[j], s.data + s.displs[rank_], recv_counts[j]);
-          }
-        },
-        [] {});
-    stats_->count_all_to_all(send_counts, rank_);
-    group_->barrier_locked(lock, "all_to_all_v", rank_, true);
+    communicate("all_to_all_v", [&] {
+      auto& fam = *group_->family;
+      std::unique_lock lock(fam.mu);
+      group_->slots[rank_] = {send, send_counts.data(), send_displs.data(), nullptr, 0};
+      group_->barrier_locked(lock, "all_to_all_v", rank_);
+      for (int j = 0; j < size(); ++j) {
+        const auto& s = group_->slots[j];
+        if (s.counts[rank_] != recv_counts[j])
+          fam.fail(lock, "all_to_all_v: rank " + std::to_string(j) + " sends " + std::to_string(s.counts[rank_]) +
+                             " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                             std::to_string(recv_counts[j]));
+      }
+      fam.copy_unlocked(
+          lock,
+          [&] {
+            for (int j = 0; j < size(); ++j) {
+              const auto& s = group_->slots[j];
+              SpaceCopy<Space>::copy(recv + recv_displs[j], s.data + s.displs[rank_], recv_counts[j]);
+            }
+          },
+          [] {});
+      stats_->count_all_to_all(send_counts, rank_);
+      group_->barrier_locked(lock, "all_to_all_v", rank_, true);
+    });
   }
 
-  /// Starts sending `send_bytes` to `dest` and receiving `recv_bytes` from `source`. The send
-  /// buffer must stay untouched until wait() returns.
+  /// Starts sending `send_bytes` to `dest` and receiving `recv_bytes` from `source`; both
+  /// messages carry `tag` (call_tag; untagged_exchange by default), and wait() refuses a
+  /// message from `source` with another tag. The send buffer must stay untouched until
+  /// wait() returns.
   request_type start_exchange(const std::byte* send, std::size_t send_bytes, int dest, std::byte* recv,
-                              std::size_t recv_bytes, int source) {
+                              std::size_t recv_bytes, int source, std::uint64_t tag = untagged_exchange) {
     check_rank(dest, "dest");
     check_rank(source, "source");
-    std::uint64_t seq = 0;
-    {
-      std::lock_guard lock(group_->family->mu);
-      seq = group_->channel(rank_, dest).post(send, send_bytes);
-      group_->family->cv.notify_all();
-    }
-    request_type req({group_, seq, rank_, dest, source, recv, recv_bytes, std::uncaught_exceptions()});
-    stats_->count_exchange(send_bytes, dest != rank_);
-    return req;
+    return communicate("exchange", [&] {
+      std::uint64_t seq = 0;
+      {
+        std::lock_guard lock(group_->family->mu);
+        seq = group_->channel(rank_, dest).post(send, send_bytes, tag);
+        group_->family->cv.notify_all();
+      }
+      request_type req({group_, seq, tag, rank_, dest, source, recv, recv_bytes, std::uncaught_exceptions()});
+      stats_->count_exchange(send_bytes, dest != rank_);
+      return req;
+    });
   }
 
   /// Completes an exchange: copies the next message from `source`, then waits until `dest`
-  /// has copied ours. A request not started returns at once.
+  /// has copied ours. A request not started returns at once. A message from `source` whose
+  /// tag is not the request's, or whose size is not the one expected, is refused: the group
+  /// fails with a CommError here, and nothing is copied.
   void wait(request_type& req) {
     auto& st = req.state_;
+    refuse_if_failed("exchange");
     if (!st.group) return;
     SEQPAR_CHECK(st.group == group_ && st.rank == rank_, ConfigError,
                  "ThreadCommunicator: wait: the request was started on another communicator");
-    auto& fam = *group_->family;
-    std::unique_lock lock(fam.mu);
-    auto& in = group_->channel(st.source, rank_);
-    fam.wait_for(lock, [&] { return in.ready(); }, "exchange (receive)",
-                 [&] { return std::vector<std::pair<int, int>>{group_->peer(st.source)}; });
-    const detail::Channel::Slot msg = in.at(in.taken++);
-    if (msg.bytes != st.recv_bytes) {
-      ++in.delivered;  // refused: nothing will read it
-      fam.fail(lock, "exchange: rank " + std::to_string(st.source) + " sent " + std::to_string(msg.bytes) +
-                         " bytes to rank " + std::to_string(rank_) + ", which expects " +
-                         std::to_string(st.recv_bytes));
-    }
-    fam.copy_unlocked(
-        lock, [&] { SpaceCopy<Space>::copy(st.recv, msg.data, msg.bytes); }, [&] { ++in.delivered; });
-    auto& out = group_->channel(rank_, st.dest);
-    fam.wait_for(lock, [&] { return out.delivered > st.seq; }, "exchange (send)",
-                 [&] { return std::vector<std::pair<int, int>>{group_->peer(st.dest)}; });
-    lock.unlock();
+    communicate("exchange", [&] {
+      auto& fam = *group_->family;
+      std::unique_lock lock(fam.mu);
+      auto& in = group_->channel(st.source, rank_);
+      fam.wait_for(lock, [&] { return in.ready(); }, "exchange (receive)",
+                   [&] { return std::vector<std::pair<int, int>>{group_->peer(st.source)}; });
+      const detail::Channel::Slot msg = in.at(in.taken++);
+      if (msg.tag != st.tag) {
+        ++in.delivered;  // refused: nothing will read it
+        fam.fail(lock, "exchange: rank " + std::to_string(st.source) + " sent a message of another call (" +
+                           describe_call_tag(msg.tag) + ") to rank " + std::to_string(rank_) +
+                           ", which waits for one of " + describe_call_tag(st.tag) +
+                           " (a rank went on after a call failed on it, or the ranks' calls differ)");
+      }
+      if (msg.bytes != st.recv_bytes) {
+        ++in.delivered;  // refused: nothing will read it
+        fam.fail(lock, "exchange: rank " + std::to_string(st.source) + " sent " + std::to_string(msg.bytes) +
+                           " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                           std::to_string(st.recv_bytes));
+      }
+      fam.copy_unlocked(
+          lock, [&] { SpaceCopy<Space>::copy(st.recv, msg.data, msg.bytes); }, [&] { ++in.delivered; });
+      auto& out = group_->channel(rank_, st.dest);
+      fam.wait_for(lock, [&] { return out.delivered > st.seq; }, "exchange (send)",
+                   [&] { return std::vector<std::pair<int, int>>{group_->peer(st.dest)}; });
+    });
     st.group.reset();  // complete: nothing left to give up
   }
   /// Metadata all-gather of host integers (every rank gives the same count).
   void all_gather_host(std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
     SEQPAR_CHECK(all.size() == mine.size() * static_cast<std::size_t>(size()), ConfigError,
                  "all_gather_host: output size: expected ", mine.size() * size(), ", got ", all.size());
-    auto& fam = *group_->family;
-    std::unique_lock lock(fam.mu);
-    group_->slots[rank_] = {nullptr, nullptr, nullptr, mine.data(), mine.size()};
-    group_->barrier_locked(lock, "all_gather_host", rank_);
-    for (int j = 0; j < size(); ++j) {
-      const auto& s = group_->slots[j];
-      if (s.n != mine.size()) {
-        const std::string why = "all_gather_host: rank " + std::to_string(j) + " gives " + std::to_string(s.n) +
-                                " integers, rank " + std::to_string(rank_) + " gives " + std::to_string(mine.size());
-        fam.fail(lock, why);
+    communicate("all_gather_host", [&] {
+      auto& fam = *group_->family;
+      std::unique_lock lock(fam.mu);
+      group_->slots[rank_] = {nullptr, nullptr, nullptr, mine.data(), mine.size()};
+      group_->barrier_locked(lock, "all_gather_host", rank_);
+      for (int j = 0; j < size(); ++j) {
+        const auto& s = group_->slots[j];
+        if (s.n != mine.size()) {
+          const std::string why = "all_gather_host: rank " + std::to_string(j) + " gives " + std::to_string(s.n) +
+                                  " integers, rank " + std::to_string(rank_) + " gives " + std::to_string(mine.size());
+          fam.fail(lock, why);
+        }
+        std::copy(s.ints, s.ints + s.n, all.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
       }
-      std::copy(s.ints, s.ints + s.n, all.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
-    }
-    stats_->count_host_gather();
-    group_->barrier_locked(lock, "all_gather_host", rank_, true);
+      stats_->count_host_gather();
+      group_->barrier_locked(lock, "all_gather_host", rank_, true);
+    });
   }
 
   /// Blocks until every rank of the group arrives.
   void barrier() {
-    std::unique_lock lock(group_->family->mu);
-    group_->barrier_locked(lock, "barrier", rank_, true);
+    communicate("barrier", [&] {
+      std::unique_lock lock(group_->family->mu);
+      group_->barrier_locked(lock, "barrier", rank_, true);
+    });
   }
 
-  /// Splits into one communicator per color, ranked by (key, rank). Collective.
+  /// Splits into one communicator per color, ranked by (key, rank). Collective. The result
+  /// shares this one's stats and failure latch.
   BasicThreadCommunicator split(int color, int key) {
+    refuse_if_failed("split");
     const std::int64_t mine[2] = {color, key};
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
     all_gather_host(mine, all);
@@ -267,10 +308,28 @@ class BasicThreadCommunicator {
       child = slot;
     }
     ++splits_;
-    return BasicThreadCommunicator(std::move(child), new_rank, stats_);
+    return BasicThreadCommunicator(std::move(child), new_rank, stats_, latch_);
   }
 
  private:
+  /// Runs `body` (an operation's communication, after its local argument checks): refused at
+  /// once when this rank is latched; any exception leaving it latches the rank.
+  template <class Body>
+  decltype(auto) communicate(const char* what, Body&& body) {
+    refuse_if_failed(what);
+    return latch_->latch_on_failure(std::forward<Body>(body));
+  }
+
+  /// When this rank is latched: fails the family, so that peers still waiting in the failed
+  /// call are woken with CommAborted, then throws the latch's CommError for `what`.
+  void refuse_if_failed(const char* what) {
+    if (!latch_->failed()) return;
+    group_->family->abort("rank " + std::to_string(group_->world_rank[static_cast<std::size_t>(rank_)]) +
+                          " refused " + what + ": a previous call failed part-way on it (" + latch_->reason() + ")");
+    latch_->refuse("ThreadCommunicator", what,
+                   "its peers are woken with CommAborted; start the ranks again (a new run_ranks)");
+  }
+
   void check_rank(int r, const char* name) const {
     SEQPAR_CHECK(r >= 0 && r < size(), ConfigError, "ThreadCommunicator: ", name, ": expected a rank in [0, ",
                  size(), "), got ", r);
@@ -278,6 +337,7 @@ class BasicThreadCommunicator {
   std::shared_ptr<detail::ThreadGroup> group_;
   int rank_;
   std::shared_ptr<CommStats> stats_;
+  std::shared_ptr<FailureLatch> latch_;
   std::uint64_t splits_ = 0;
 };
 
@@ -286,7 +346,9 @@ using ThreadCommunicator = BasicThreadCommunicator<HostSpace>;
 
 /// Runs `fn(comm)` on `ranks` threads, each with its own rank of a fresh world, and returns
 /// when all have finished. If a rank throws, the others are woken with CommAborted, and the
-/// first original exception (not a CommAborted it caused) is rethrown here.
+/// first original exception (not a CommAborted it caused) is rethrown here. A rank function
+/// that returns normally while its rank is latched (a call failed part-way and it caught the
+/// error) wakes the others too: they may be waiting in that call.
 template <class Space = HostSpace, class Fn>
 void run_ranks(int ranks, Fn&& fn, ThreadRunOptions options = {}) {
   SEQPAR_CHECK(ranks >= 1, ConfigError, "run_ranks: ranks: expected >= 1, got ", ranks);
@@ -302,6 +364,9 @@ void run_ranks(int ranks, Fn&& fn, ThreadRunOptions options = {}) {
       try {
         BasicThreadCommunicator<Space> comm(world, r);
         fn(comm);
+        if (comm.failed())
+          family->abort("rank " + std::to_string(r) + " returned from its rank function after a call failed part-way on it (" +
+                        comm.failure_reason() + ")");
         std::lock_guard lock(family->mu);
         family->returned[static_cast<std::size_t>(r)] = 1;  // named by a peer's time-out
       } catch (...) {

@@ -168,6 +168,7 @@ struct Channel {
   struct Slot {
     const std::byte* data = nullptr;
     std::size_t bytes = 0;
+    std::uint64_t tag = 0;   // the sender's call tag (call_tag, or untagged_exchange)
     bool withdrawn = false;  // its sender unwound: never to be read
   };
   std::vector<Slot> ring = std::vector<Slot>(2);  // two: a ring backward's hops in flight
@@ -180,14 +181,14 @@ struct Channel {
   /// True when the receiver can take the next message.
   bool ready() { return taken < posted && !at(taken).withdrawn; }
 
-  /// Posts a message; returns its number.
-  std::uint64_t post(const std::byte* data, std::size_t bytes) {
+  /// Posts a message with its call tag; returns its number.
+  std::uint64_t post(const std::byte* data, std::size_t bytes, std::uint64_t tag) {
     if (posted - delivered == ring.size()) {
       std::vector<Slot> bigger(2 * ring.size());
       for (std::uint64_t n = delivered; n < posted; ++n) bigger[n % bigger.size()] = at(n);
       ring.swap(bigger);
     }
-    at(posted) = {data, bytes, false};
+    at(posted) = {data, bytes, tag, false};
     return posted++;
   }
 
@@ -196,7 +197,7 @@ struct Channel {
   /// buffer after this returns.
   void give_up(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, std::uint64_t n) {
     if (taken <= n) {
-      at(n) = {nullptr, 0, true};
+      at(n) = {nullptr, 0, 0, true};
       return;
     }
     cv.wait(lock, [&] { return delivered > n; });

@@ -141,6 +141,7 @@ class DecodeEngine {
     const auto& slots = p.slots_;
     SEQPAR_CHECK(workspace.size() >= slots.bytes(), ConfigError, "decode step: workspace: expected at least ",
                  slots.bytes(), " bytes (plan.workspace_bytes()), got ", workspace.size());
+    CallGuard<Comm> call("an exception left a decode step after its communication began", world_);
     const DecodePieces& sz = p.pieces_;
     const std::int64_t tag = step_tag(p);
     const int P = world_.size(), me = world_.rank();
@@ -205,6 +206,7 @@ class DecodeEngine {
       copy_tag(tag_at(0), at + sz.send_counts[v] - sizeof tag);
     }
     world_.all_to_all_v(send, sz.send_counts, sz.send_displs, recv, sz.recv_counts, sz.recv_displs);
+    call.complete();  // every message is in: the checks below fail alike everywhere, no peer waits
 
     // Merge the pieces of my heads in rank order (the same order, so the same bits, everywhere).
     const std::int64_t h = p.out_heads().count;

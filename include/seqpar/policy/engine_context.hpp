@@ -1,11 +1,13 @@
 #pragma once
 /// \file
 /// What every phase of the engine shares: the world and the mesh's two sub-communicators, the
-/// tensor operations between kernel calls (on CUDA they carry the stream) and the phase clock
-/// of an optional PhaseProfile.
+/// tensor operations between kernel calls (on CUDA they carry the stream), the phase clock
+/// of an optional PhaseProfile, and the call counter whose tag every ring exchange carries.
 
+#include <cstdint>
 #include <utility>
 
+#include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/profile.hpp"
 #include "seqpar/kernel/host_ops.hpp"
@@ -30,11 +32,22 @@ struct EngineContext {
   PhaseClock clock;       ///< times phases when a profile is set
   Pass pass = Pass::forward;                      ///< the call being timed
   PhaseClock::time_point call_start{}, mark{};    ///< start of the call, end of the last lap
+  std::uint64_t calls = 0;                        ///< calls committed so far (alike on every rank)
+  std::uint64_t tag = untagged_exchange;          ///< the tag of this call's exchanges (call_tag)
 
-  /// Starts timing a call of `p` (a no-op without a profile).
-  void start_call(Pass p) {
+  /// The guard start_call returns: it latches the world, the Ulysses group and the ring.
+  using Guard = CallGuard<Comm, Comm, Comm>;
+
+  /// Commits a call of `p`, once its local checks passed: numbers it (the tag of its
+  /// exchanges), starts its timing (a no-op without a profile) and returns the guard that
+  /// latches the communicators if an exception leaves the call from here on (CallGuard).
+  [[nodiscard]] Guard start_call(Pass p) {
     pass = p;
+    tag = call_tag(p == Pass::forward ? CallKind::forward : CallKind::backward, calls++);
     mark = call_start = clock.now();
+    return Guard(p == Pass::forward ? "an exception left forward after its communication began"
+                                    : "an exception left backward after its communication began",
+                 world, ulysses, ring);
   }
   /// Charges the time since the last lap to `phase` at ring step `step`.
   void lap(Phase phase, int step = 0) { mark = clock.lap(mark, pass, phase, step); }

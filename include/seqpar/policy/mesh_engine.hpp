@@ -132,7 +132,7 @@ class MeshEngine {
     check_inputs(p, q, k, v, "forward");
     check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().head_dim, true);
     check_lse_view(p, lse, "forward");
-    cx_.start_call(Pass::forward);
+    const auto call = cx_.start_call(Pass::forward);
     const LocalShape n(p);
     const auto B = p.problem().batch, D = p.problem().head_dim, qr = to_i(n.qr), hq = to_i(n.hq);
     const Slots<WorkspaceLayout<forward_slot_count>> ws{PlanAccess::schedule(p).forward, workspace};
@@ -209,7 +209,7 @@ class MeshEngine {
     check_view(dq, "backward: dq", pr.batch, p.local_q(), pr.heads, pr.head_dim, true);
     check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
     check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, true);
-    cx_.start_call(Pass::backward);
+    const auto call = cx_.start_call(Pass::backward);
     const LocalShape n(p);
     const auto B = pr.batch, D = pr.head_dim, qr = to_i(n.qr), kr = to_i(n.kr), hq = to_i(n.hq), hk = to_i(n.hk);
     const Slots<WorkspaceLayout<backward_slot_count>> ws{PlanAccess::schedule(p).backward, workspace};

@@ -86,14 +86,17 @@ struct RingLoop {
 
   /// Starts the hop of the block from ring rank `src` (elements of type E: K/V or their
   /// gradients): mine to the next rank, the previous rank's into `into`. Both sides know every
-  /// block's size from the plan, with the sizes Plan::forward_bytes counts.
+  /// block's size from the plan, with the sizes Plan::forward_bytes counts. The hop carries
+  /// the call's tag (where the communicator takes one), so a message of another call is
+  /// refused rather than taken for this one's, even when its size fits.
   template <class E>
   typename Comm::request_type start_hop(const Plan& p, const E* from, int src, E* into) {
     const int R = p.mesh().ring, r = p.ring_rank();
-    return cx.ring.start_exchange(reinterpret_cast<const std::byte*>(from),
+    return detail::start_exchange(cx.ring, reinterpret_cast<const std::byte*>(from),
                                   sizeof(E) * PlanAccess::ring_block_elems(p, src), (r + 1) % R,
                                   reinterpret_cast<std::byte*>(into),
-                                  sizeof(E) * PlanAccess::ring_block_elems(p, (src - 1 + R) % R), (r - 1 + R) % R);
+                                  sizeof(E) * PlanAccess::ring_block_elems(p, (src - 1 + R) % R), (r - 1 + R) % R,
+                                  cx.tag);
   }
 
   /// kernel.forward over query heads with progress polls.
