@@ -64,12 +64,12 @@ struct GlobalOutput {
 /// Global inputs and the exact answer on them over the whole sequence.
 struct GlobalData : GlobalInputs, GlobalOutput {};
 
-/// A global problem's tensors in double: Q and dO [B, S_q, H, D], K and V [B, S_kv, K, D]
-/// (dO may be empty for a forward), with the problem that gives their shape and mask.
+/// A global problem's inputs in double, Q [B, S_q, H, D] and K, V [B, S_kv, K, D], with the
+/// problem that gives their shape and mask (all held by reference).
 struct BruteProblem {
-  const AttentionProblem& pr;
-  std::int64_t sq, skv;
-  const std::vector<double>&q, &k, &v;
+  const AttentionProblem& pr;       ///< shape, scale and mask
+  std::int64_t sq, skv;             ///< S_q and S_kv
+  const std::vector<double>&q, &k, &v;  ///< the inputs
   /// Row (b, s, h) of a [B, S, heads, D] tensor.
   static const double* row(const std::vector<double>& x, std::int64_t seq, std::int64_t heads, std::int64_t dim,
                            std::int64_t b, std::int64_t s, std::int64_t h) {
@@ -82,7 +82,7 @@ struct BruteProblem {
 /// double. A row that sees no key gets O = 0 and LSE = -inf; a NaN score makes its row NaN.
 inline GlobalOutput brute_force_forward(const BruteProblem& x) {
   const AttentionProblem& pr = x.pr;
-  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_heads == 0 ? H : pr.kv_heads, D = pr.head_dim;
+  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_head_count(), D = pr.head_dim;
   const double scale = pr.softmax_scale(), inf = std::numeric_limits<double>::infinity();
   const DefinitionMask mask(pr, x.sq, x.skv);
   GlobalOutput r{std::vector<double>(static_cast<std::size_t>(B * x.sq * H * D), 0.0),

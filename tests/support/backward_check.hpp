@@ -19,7 +19,7 @@ using examples::ReferenceGrads;
 /// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
 inline ReferenceGrads brute_force_grads(const BruteProblem& x, const std::vector<double>& dout) {
   const AttentionProblem& pr = x.pr;
-  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_heads == 0 ? H : pr.kv_heads, D = pr.head_dim;
+  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_head_count(), D = pr.head_dim;
   const double scale = pr.softmax_scale();
   const GlobalOutput fwd = brute_force_forward(x);
   const DefinitionMask mask(pr, x.sq, x.skv);
