@@ -12,12 +12,13 @@
 # each), SURVIVED, or ERROR (pattern not found, does not compile, test not configured).
 # Exit status: 0 all killed, 1 some survived, 2 an error.
 #
-# Usage: tests/mutants/run.sh [--only NAME[,NAME...]] [--list] [-j N] [--scratch DIR]
+# Usage: tests/mutants/run.sh [--only NAME[,NAME...]] [--list] [-j N] [--scratch DIR] [--file FILE]
 #   --only     run only these mutants (the baseline then builds and runs only their tests)
 #   --list     print the mutants and exit
 #   -j N       build jobs (default 2)
 #   --scratch  scratch directory (default $SEQPAR_MUTANTS_DIR, else ${TMPDIR:-/tmp}/seqpar-mutants):
 #              src/ (the copy), build/ (reused between runs), logs/ (build and test logs)
+#   --file     another list of mutants in the format of mutants.txt (default: mutants.txt)
 #
 # The copy is the working tree as git sees it (tracked and untracked files, not ignored ones),
 # so uncommitted tests count; files are copied only when their content changed, so a rerun
@@ -40,7 +41,7 @@ jobs=2
 only=""
 list_only=0
 
-usage() { sed -n '/^# Usage:/,/^#   --scratch/p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '/^# Usage:/,/^#   --file/p' "$0" | sed 's/^# \{0,1\}//'; }
 die() {
   echo "run.sh: $*" >&2
   exit 2
@@ -52,11 +53,13 @@ while [ $# -gt 0 ]; do
     --list) list_only=1; shift ;;
     -j) jobs="${2:?-j needs a number}"; shift 2 ;;
     --scratch) scratch="${2:?--scratch needs a directory}"; shift 2 ;;
+    --file) mutants_file="${2:?--file needs a file}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
   esac
 done
 case "$jobs" in '' | *[!0-9]*) die "-j: expected a number, got '$jobs'" ;; esac
+[ -f "$mutants_file" ] || die "--file: no file '$mutants_file'"
 
 # --- the mutants -----------------------------------------------------------------------------
 # One entry per block; from/to lists are joined with the unit separator.
@@ -209,11 +212,6 @@ done
 rm -rf "$check_dir"
 
 # --- baseline --------------------------------------------------------------------------------
-declare -A targets=() tests=()
-for i in "${selected[@]}"; do
-  for t in ${M_BUILD[$i]}; do targets[$t]=1; done
-  for t in ${M_TESTS[$i]}; do tests[$t]=1; done
-done
 known_targets=$(ninja -C "$build" -t targets all 2>/dev/null | sed 's/:.*//')
 known_tests=$(ctest --test-dir "$build" -N 2>/dev/null | sed -n 's/^ *Test *#[0-9]*: //p')
 missing() {  # names of $2 (a list) that are not in $1 (lines)
@@ -227,9 +225,14 @@ for i in "${selected[@]}"; do
   m_c=$(missing "$known_tests" "${M_TESTS[$i]}")
   if [ -n "$m_t$m_c" ]; then status[$i]="ERROR not configured here:${m_t:+ targets $m_t}${m_c:+ tests $m_c}"; fi
 done
-base_targets="" base_tests=""
-for t in "${!targets[@]}"; do grep -qxF -- "$t" <<< "$known_targets" && base_targets="$base_targets $t"; done
-for t in "${!tests[@]}"; do grep -qxF -- "$t" <<< "$known_tests" && base_tests="$base_tests $t"; done
+# The baseline: the tests of every mutant that can run.
+declare -A targets=() tests=()
+for i in "${selected[@]}"; do
+  [ -z "${status[$i]}" ] || continue
+  for t in ${M_BUILD[$i]}; do targets[$t]=1; done
+  for t in ${M_TESTS[$i]}; do tests[$t]=1; done
+done
+base_targets="${!targets[*]}" base_tests="${!tests[*]}"
 
 run_test() {  # $1 test, $2 log: 0 when it passes
   ctest --test-dir "$build" -R "^$1\$" --no-tests=error --output-on-failure > "$2" 2>&1
@@ -243,14 +246,16 @@ first_failure() {  # the first failing doctest test case named in log $1, or wha
 }
 
 start=$(date +%s)
-echo "baseline: building$base_targets"
-cmake --build "$build" -j "$jobs" --target $base_targets > "$logs/baseline.build.log" 2>&1 ||
-  die "the unmutated tree does not build: $logs/baseline.build.log"
-for t in $base_tests; do
-  run_test "$t" "$logs/baseline.$t.log" ||
-    die "baseline: $t fails without any mutant ($(first_failure "$logs/baseline.$t.log")): $logs/baseline.$t.log"
-done
-echo "baseline: $(echo $base_tests | wc -w) tests pass ($(($(date +%s) - start)) s)"
+if [ -n "$base_targets" ]; then
+  echo "baseline: building $base_targets"
+  cmake --build "$build" -j "$jobs" --target $base_targets > "$logs/baseline.build.log" 2>&1 ||
+    die "the unmutated tree does not build: $logs/baseline.build.log"
+  for t in $base_tests; do
+    run_test "$t" "$logs/baseline.$t.log" ||
+      die "baseline: $t fails without any mutant ($(first_failure "$logs/baseline.$t.log")): $logs/baseline.$t.log"
+  done
+  echo "baseline: $(echo $base_tests | wc -w) tests pass ($(($(date +%s) - start)) s)"
+fi
 
 # --- the mutants -----------------------------------------------------------------------------
 survived=0 errors=0
@@ -276,7 +281,7 @@ for i in "${selected[@]}"; do
         if [ -n "$killers" ]; then
           status[$i]="KILLED by ${killers#, }${missed:+; not by$missed}"
         else
-          status[$i]="SURVIVED $missed all pass"
+          status[$i]="SURVIVED (${missed# }: all pass)"
         fi
       fi
       restore_mutant "$i"
