@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "support/attention_check.hpp"
+#include "support/mask_brute.hpp"
 
 using namespace seqpar;
 
@@ -435,6 +436,44 @@ std::vector<char> keys_seen(const MaskCase& c, const KernelParams& p) {
   return seen;
 }
 
+/// The case's mask as AttentionProblem states it (lengths of documents, window sides, key
+/// padding), for the definition in support/mask_brute.hpp. Query rows come as diagonals, so
+/// the alignment is top-left.
+AttentionProblem problem_of(const MaskCase& c) {
+  AttentionProblem pr;
+  pr.batch = c.batch;
+  pr.causal = c.causal;
+  pr.window = {c.window_left, c.window_right};
+  pr.kv_valid = c.kv_valid;
+  const std::size_t lists = c.per_batch ? static_cast<std::size_t>(c.batch) : 1, per = c.docs.size() / lists;
+  for (std::size_t l = 0; !c.docs.empty() && l < lists; ++l) {
+    pr.documents.emplace_back();
+    for (std::size_t n = l * per + 1; n < (l + 1) * per; ++n) pr.documents.back().push_back(c.docs[n] - c.docs[n - 1]);
+  }
+  return pr;
+}
+
+/// (batch element, query, key) triples where the mask the kernels get (KernelParams::keys,
+/// MaskView) and the definition disagree. ReferenceKernel reads the same MaskView as the
+/// kernel under test, so a fault there would hide in both; this holds it to the definition.
+std::int64_t mask_disagreements(const MaskCase& c, const KernelParams& p) {
+  if (c.sq == 0 || c.sk == 0) return 0;
+  const AttentionProblem pr = problem_of(c);
+  const std::int64_t n = std::max(c.qpos.last(), c.kpos.last()) + 1;  // every position is below n
+  const test::DefinitionMask def(pr, n, n);
+  std::int64_t bad = 0;
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t i = 0; i < c.sq; ++i) {
+      const std::int64_t d = c.qpos(i);
+      const KeyRange r = p.keys(b, d);
+      for (std::int64_t j = 0; j < c.sk; ++j) {
+        const std::int64_t k = c.kpos(j);
+        bad += (r.lo <= k && k <= r.hi) != def.visible(b, d, k);
+      }
+    }
+  return bad;
+}
+
 /// Forward and backward of case `c` in T, every instruction set, against ReferenceKernel.
 template <class T>
 void check_masked(const MaskCase& c) {
@@ -457,6 +496,7 @@ void check_masked(const MaskCase& c) {
     for (std::int64_t h = 0; h < c.kv_heads; ++h)
       std::fill_n(key_row(v, b, j, h), c.dim, std::numeric_limits<double>::quiet_NaN());
   const KernelParams p = c.params();
+  if (c.row_end.empty()) CHECK(mask_disagreements(c, p) == 0);  // a decode step's row ends are not in the definition
 
   // Views of query rows [B, Sq, H, D], key rows [B, Sk, Hkv, D] and LSE [B, Sq, H, 1] (const
   // for a pointer to const).

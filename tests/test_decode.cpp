@@ -67,22 +67,22 @@ TEST_CASE("decode: the layout puts every token on exactly one rank, in increasin
 }
 
 TEST_CASE("decode: a rank whose plan advanced differently is named on every rank, no hang") {
-  auto out = test::rank_outcomes(3, [](ThreadCommunicator& world) {
-    SequenceParallelDecode<ThreadCommunicator, ReferenceKernel> dec(world);
-    DecodePlan plan = dec.plan({.batch = 1, .heads = 3, .head_dim = D, .kv_len = {10}, .capacity = 40, .page = 2});
-    if (world.rank() == 1) plan.advance(1);  // one rank thinks a token more is cached
-    std::vector<float> q(3 * D), kc(static_cast<std::size_t>(plan.shard_capacity() * 3 * D)), o(q.size());
-    std::vector<std::byte> ws(plan.workspace_bytes());
-    dec.step<float>(plan, TensorView<const float>::bshd(q.data(), 1, 1, 3, D),
-                    TensorView<const float>::bshd(kc.data(), 1, plan.shard_capacity(), 3, D),
-                    TensorView<const float>::bshd(kc.data(), 1, plan.shard_capacity(), 3, D),
-                    TensorView<float>::bshd(o.data(), 1, 1, 3, D), ws);
-  });
-  for (const auto& o : out) {
-    CAPTURE(o.what);
-    CHECK(o.kind == "ConfigError");
-    CHECK(o.what.find("is at another step than rank") != std::string::npos);
-  }
+  // Each of 3 ranks in turn is the odd one, under both exchanges: every rank throws, the
+  // others naming the odd rank, the odd rank naming the first rank it disagrees with.
+  for (DecodeExchange ex : {DecodeExchange::all_gather, DecodeExchange::heads})
+    for (int odd = 0; odd < 3; ++odd) {
+      CAPTURE(static_cast<int>(ex));
+      CAPTURE(odd);
+      const auto out = test::step_with_odd_rank(3, odd, ex);
+      INFO(test::describe(out));
+      for (int w = 0; w < 3; ++w) {
+        const int named = w == odd ? (odd == 0 ? 1 : 0) : odd;
+        CHECK(out[static_cast<std::size_t>(w)].kind == "ConfigError");
+        CHECK(out[static_cast<std::size_t>(w)].what.find("decode step: rank " + std::to_string(named) +
+                                                         " is at another step than rank " + std::to_string(w)) !=
+              std::string::npos);
+      }
+    }
   auto bad = test::rank_outcomes(2, [](ThreadCommunicator& world) {
     SequenceParallelDecode<ThreadCommunicator, ReferenceKernel> dec(world);
     (void)dec.plan({.batch = 2, .heads = 2, .head_dim = D, .new_tokens = 17, .kv_len = {1, 2}, .capacity = 40});

@@ -193,6 +193,49 @@ GlobalData huge_logits(const GlobalShape& c) {
   return g;
 }
 
+/// Inputs whose first `low_keys` keys score about `low` (scale 1) against every query while
+/// the others score within +-10: the ring's first block then leaves a partial LSE near `low`
+/// that later blocks exceed by ~|low|. Every input is exact in float.
+GlobalData far_apart_blocks(const GlobalShape& c, std::int64_t low_keys, double low) {
+  GlobalData g;
+  g.shape = c;
+  std::mt19937_64 rng(c.seed);
+  const std::int64_t H = c.heads, K = c.kv_heads, D = c.head_dim;
+  g.q = test::rounded<float>(test::random_tensor(c.batch * c.seq_q * H * D, rng));
+  g.k = test::rounded<float>(test::random_tensor(c.batch * c.kv_len() * K * D, rng));
+  g.v = test::rounded<float>(test::random_tensor(g.k.size(), rng));
+  for (std::size_t r = 0; r < g.q.size(); r += static_cast<std::size_t>(D)) g.q[r] = 4.0;
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t j = 0; j < low_keys; ++j)
+      for (std::int64_t h = 0; h < K; ++h) g.k[static_cast<std::size_t>(((b * c.kv_len() + j) * K + h) * D)] = low / 4;
+  return test::with_exact_answer(std::move(g));
+}
+
+/// Smallest gap, over every query row, between the lowest score of a key past `low_keys` and
+/// the highest of a key before it.
+double score_gap(const GlobalData& g, std::int64_t low_keys) {
+  const GlobalShape& c = g.shape;
+  const std::int64_t H = c.heads, K = c.kv_heads, D = c.head_dim;
+  double gap = inf;
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t i = 0; i < c.seq_q; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        double low_max = -inf, high_min = inf;
+        for (std::int64_t j = 0; j < c.kv_len(); ++j) {
+          double s = 0;
+          for (std::int64_t e = 0; e < D; ++e)
+            s += g.q[static_cast<std::size_t>(((b * c.seq_q + i) * H + h) * D + e)] *
+                 g.k[static_cast<std::size_t>(((b * c.kv_len() + j) * K + h / (H / K)) * D + e)];
+          if (j < low_keys)
+            low_max = std::max(low_max, s);
+          else
+            high_min = std::min(high_min, s);
+        }
+        gap = std::min(gap, high_min - low_max);
+      }
+  return gap * c.softmax_scale();
+}
+
 }  // namespace
 
 TEST_CASE("numerics: logits of +-1e4 neither overflow nor lose the softmax") {
@@ -213,6 +256,28 @@ TEST_CASE("numerics: logits of +-1e4 neither overflow nor lose the softmax") {
     // alone are held to 1e-5.
     check_everywhere<float>(c, g, 1e-5, 1e4 * 0x1p-24 * 4);
   }
+}
+
+TEST_CASE_TEMPLATE("numerics: ring partials whose LSEs lie past exp's range apart merge exactly", T, float, double) {
+  // The first 16 keys (ring rank 0's block) score ~-200 (float) or ~-1000 (double) against
+  // every query, the rest within +-10: rank 0's running LSE after its own block sits that far
+  // below the next block's, past exp's range (88.7 in float, 709.8 in double). A merge that
+  // forms exp(l2 - l1) without taking the larger out first overflows there, turns the LSE
+  // into +inf and drops every later block.
+  GlobalShape c = shape(2, 4, 16, 48, false);
+  c.scale = 1.0;
+  const double low = std::is_same_v<T, float> ? -200.0 : -1000.0;
+  const GlobalData g = far_apart_blocks(c, 16, low);
+  CHECK(score_gap(g, 16) > (std::is_same_v<T, float> ? 150.0 : 900.0));
+  const auto even = test::run_policy<T>(3, RingPolicy<Contiguous>{}, g);
+  CHECK(even.err.within(test::tolerance<T>));
+  test::RunOptions uneven;
+  uneven.lengths_q = uneven.lengths_kv = {16, 5, 27};
+  const auto anything = test::run_policy<T>(3, AnythingPolicy<RingPolicy<Contiguous>>{}, g, uneven);
+  CHECK(anything.err.within(test::tolerance<T>));
+  // A 2 x 3 mesh: ring blocks of 16 tokens again, each the union of two ranks' rows.
+  const auto unified = test::run_policy<T>(6, UnifiedPolicy<Contiguous>{2, 3}, g);
+  CHECK(unified.err.within(test::tolerance<T>));
 }
 
 TEST_CASE("numerics: NaN or Inf in one query row makes only that row NaN") {
@@ -242,11 +307,13 @@ TEST_CASE("numerics: fully masked rows give O = 0 and LSE = -inf, never NaN") {
   std::int64_t masked = 0;
   for (double l : want.lse) masked += l == -inf;
   CHECK(masked == c.batch * 20 * c.heads);
-  for (const Answer& got : {run_kernel<float, CpuFlashKernel>(c, g, qp, kp), run_kernel<float, ReferenceKernel>(c, g, qp, kp),
-                            run_kernel<double, CpuFlashKernel>(c, g, qp, kp)}) {
+  const std::pair<Answer, double> runs[] = {{run_kernel<float, CpuFlashKernel>(c, g, qp, kp), test::tolerance<float>},
+                                            {run_kernel<float, ReferenceKernel>(c, g, qp, kp), test::tolerance<float>},
+                                            {run_kernel<double, CpuFlashKernel>(c, g, qp, kp), test::tolerance<double>}};
+  for (const auto& [got, tol] : runs) {
     const auto r = compare(got, want, c.head_dim);
     INFO(show(r));
-    CHECK(r.within(1e-5));
+    CHECK(r.within(tol));
     CHECK(r.nan_got.empty());
   }
   // Distributed: no key at all (joint attention with an empty K/V on every rank).

@@ -523,3 +523,62 @@ TEST_CASE("tile math: merge_row of two disjoint key blocks equals attention over
   CHECK(o[0] == 0.0f);
   CHECK(o[1] == 0.0f);
 }
+
+namespace {
+
+/// Three partials with LSEs `lses` (each set far apart: past exp's range), merged with
+/// merge_row in accumulation type A in every order, against the exact merge in double:
+/// O = sum_i exp(L_i - L) O_i, L = log sum_i exp(L_i). exp overflows past 88.7 in float and
+/// 709.8 in double: a merge that forms exp(l2 - l1) without taking the larger LSE out first
+/// turns the LSE into +inf when a later partial's LSE is that much larger, and every block
+/// merged after it is dropped.
+template <class A>
+void merge_far_apart(const std::vector<std::array<double, 3>>& lses) {
+  constexpr double tol = std::is_same_v<A, float> ? 1e-5 : 1e-12;
+  constexpr int dim = 5;
+  std::mt19937_64 rng(31);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (const auto& lse : lses) {
+    std::array<std::array<double, dim>, 3> o{};
+    for (auto& row : o)
+      for (double& x : row) x = static_cast<A>(u(rng));
+    const double top = *std::max_element(lse.begin(), lse.end());
+    double sum = 0;
+    for (double l : lse) sum += std::exp(l - top);
+    const double want_l = top + std::log(sum);
+    std::array<double, dim> want_o{};
+    for (int i = 0; i < 3; ++i)
+      for (int d = 0; d < dim; ++d) want_o[d] += std::exp(lse[i] - want_l) * o[i][d];
+    std::array<int, 3> order{0, 1, 2};
+    do {
+      CAPTURE(lse[order[0]]);
+      CAPTURE(lse[order[1]]);
+      CAPTURE(lse[order[2]]);
+      A acc[dim], l = static_cast<A>(lse[order[0]]);
+      for (int d = 0; d < dim; ++d) acc[d] = static_cast<A>(o[order[0]][d]);
+      for (int n = 1; n < 3; ++n) {
+        A part[dim];
+        for (int d = 0; d < dim; ++d) part[d] = static_cast<A>(o[order[n]][d]);
+        merge_row(acc, l, part, static_cast<A>(lse[order[n]]), dim);
+      }
+      double err = 0, ref = 0;
+      for (int d = 0; d < dim; ++d) {
+        err = std::max(err, std::abs(double(acc[d]) - want_o[d]));
+        ref = std::max(ref, std::abs(want_o[d]));
+      }
+      CHECK(std::isfinite(double(l)));
+      CHECK(err / ref <= tol);
+      CHECK(std::abs(double(l) - want_l) / std::abs(want_l) <= tol);
+    } while (std::next_permutation(order.begin(), order.end()));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("tile math: merge_row of float partials whose LSEs lie 100-1000 apart loses no block") {
+  merge_far_apart<float>({{-300, 0, 1.5}, {-100, 2, -1000}, {0, 120, 119}});
+}
+
+TEST_CASE("tile math: merge_row of double partials whose LSEs lie 720-3000 apart loses no block") {
+  merge_far_apart<double>({{-1000, 0, 1.5}, {-720, 2, -3000}, {0, 800, 799}});
+}

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <vector>
@@ -145,9 +146,16 @@ TEST_CASE("decode on the device: every step equals attention over the whole cach
 
 #ifdef SEQPAR_TEST_NCCL
 TEST_CASE("decode on the device over NcclCommunicator (one GPU per rank)") {
-  // NCCL allows one rank per GPU: up to four ranks where there are GPUs (the emulation has four).
+  // NCCL allows one rank per GPU: up to four ranks where there are GPUs (the emulation has
+  // four). A one-GPU machine runs each case on 1 NCCL rank, whose partials merge without any
+  // traffic, and then on the case's ranks over CudaThreadCommunicator on that GPU.
   using Nccl = NcclCommunicator<ThreadCommunicator>;
   const int gpus = std::min(detail::cuda_device_count(), 4);
+  if (gpus == 1)
+    std::printf("decode over NCCL: one CUDA device, so 1 NCCL rank per case, then the case's ranks over "
+                "CudaThreadCommunicator on that device\n");
+  else
+    std::printf("decode over NCCL: up to %d NCCL ranks, one per GPU\n", gpus);
   for (const DecodeCase& base : cases()) {
     DecodeCase c = base;
     c.ranks = std::min(c.ranks, gpus);
@@ -170,6 +178,13 @@ TEST_CASE("decode on the device over NcclCommunicator (one GPU per rank)") {
         },
         ThreadRunOptions{std::chrono::milliseconds(120000)});
     CHECK(worst <= tolerance<T>);
+    if (gpus == 1) {
+      const test::Truth all = rounded_truth<T>(base, test::decode_problem(base).capacity);
+      CAPTURE(base.ranks);
+      CHECK(on_thread_ranks(base.ranks, [&](CudaThreadCommunicator& world, cudaStream_t stream) {
+              return decode_on_rank<T>(world, stream, base, all);
+            }) <= tolerance<T>);
+    }
   }
 }
 #endif

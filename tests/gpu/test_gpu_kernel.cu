@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <string>
@@ -505,7 +506,10 @@ TEST_CASE("CudaFlashKernel backward adds the exact gradients: half") { backward_
 TEST_CASE("CudaFlashKernel backward adds the exact gradients: bf16") { backward_suite<__nv_bfloat16>(); }
 
 TEST_CASE("CudaFlashKernel forward: a NaN or Inf at a hidden key reaches only the rows that see it (tensor cores)") {
-  if (!tensor_core_device()) return;
+  if (!tensor_core_device()) {  // said in the output, not passed in silence
+    std::printf("SKIPPED: the tensor-core poison cases (this device is below sm_80: no tensor-core paths)\n");
+    return;
+  }
   for (std::int64_t dim : {64, 128}) {
     poison_forward_suite<__half>(dim, true, "mma");
     poison_forward_suite<__nv_bfloat16>(dim, true, "mma");
@@ -595,35 +599,9 @@ TEST_CASE("TensorOps<CudaSpace> matches TensorOps<HostSpace>: copy, accumulate, 
   CHECK(rel_error(l1.values(), std::vector<double>(l1f.begin(), l1f.end())) <= 1e-6);
 }
 
-TEST_CASE("CudaThreadCommunicator moves device bytes: all_to_all_v and ring exchange") {
-  const int P = 3;
-  std::vector<std::vector<double>> got(P);
-  run_ranks<CudaSpace>(P, [&](CudaThreadCommunicator& comm) {
-    const int r = comm.rank();
-    // Rank r sends (j + 1) values r * 10 + j to rank j; then passes its block to r + 1.
-    std::vector<double> send;
-    std::vector<std::size_t> sc, sd, rc, rd;
-    for (int j = 0; j < P; ++j) {
-      sd.push_back(send.size() * sizeof(float));
-      for (int i = 0; i <= j; ++i) send.push_back(r * 10 + j);
-      sc.push_back(static_cast<std::size_t>(j + 1) * sizeof(float));
-      rd.push_back(static_cast<std::size_t>(j * (r + 1)) * sizeof(float));
-      rc.push_back(static_cast<std::size_t>(r + 1) * sizeof(float));
-    }
-    DeviceBuffer<float> s(send.size()), d(static_cast<std::size_t>(P * (r + 1))), e(static_cast<std::size_t>(P * P));
-    s.upload(send);
-    comm.all_to_all_v(reinterpret_cast<const std::byte*>(s.data()), sc, sd, reinterpret_cast<std::byte*>(d.data()), rc, rd);
-    const int from = (r + P - 1) % P;
-    auto req = comm.start_exchange(reinterpret_cast<const std::byte*>(d.data()), d.size() * sizeof(float), (r + 1) % P,
-                                   reinterpret_cast<std::byte*>(e.data()),
-                                   static_cast<std::size_t>(P * (from + 1)) * sizeof(float), from);
-    comm.wait(req);
-    const std::vector<double> mine = d.download(), passed = e.download();
-    for (int j = 0; j < P; ++j)
-      for (int i = 0; i <= r; ++i) CHECK(mine[j * (r + 1) + i] == j * 10 + r);
-    for (int j = 0; j < P; ++j)
-      for (int i = 0; i <= from; ++i) CHECK(passed[j * (from + 1) + i] == j * 10 + from);
-    got[r] = mine;
+TEST_CASE("CudaThreadCommunicator moves device bytes: all_to_all_v, ring exchange, split") {
+  run_ranks<CudaSpace>(3, [&](CudaThreadCommunicator& comm) {
+    Stream stream;
+    check_moves_bytes(comm, stream, 3);
   });
-  for (const auto& g : got) CHECK(!g.empty());
 }

@@ -1,7 +1,8 @@
 // Every policy under MPI against the exact reference, with the traffic held against the
 // analytic count; uneven and empty slices with AnythingPolicy; and plan mismatches that must
 // fail on every rank with the same message instead of hanging.
-// Runs with any world size; the 2 x 2 mesh cases need 4 ranks.
+// Runs with any world size; the 2 x 2 mesh cases need 4 ranks and the disagreements 2 or
+// more: their suites (mpi_suites.hpp) skip them elsewhere, visibly.
 
 #include <doctest/doctest.h>
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "mpi_suites.hpp"
 #include "seqpar/comm/mpi_communicator.hpp"
 
 using namespace seqpar;
@@ -102,9 +104,10 @@ TEST_CASE("MPI: causal zigzag Ring matches the reference and sends P-1 K/V block
   CHECK(run<float>(world, RingPolicy<Stripe>{}, s).err.rel() <= 1e-5);
 }
 
-TEST_CASE("MPI: Unified 2 x 2 (zigzag, causal, GQA) matches the reference and the USP traffic") {
+TEST_CASE("MPI: Unified 2 x 2 (zigzag, causal, GQA) matches the reference and the USP traffic" *
+          doctest::test_suite(mpi_test::four_ranks)) {
   MpiCommunicator world(MPI_COMM_WORLD);
-  if (world.size() != 4) return;
+  REQUIRE(world.size() == 4);
   const ex::GlobalShape s = shape_of(4 * 96, 8, 4, 16, true);
   const UnifiedPolicy<Zigzag> policy{.ulysses_degree = 2, .ring_degree = 2};
   const Outcome f = run<float>(world, policy, s);
@@ -119,7 +122,6 @@ TEST_CASE("MPI: Unified 2 x 2 (zigzag, causal, GQA) matches the reference and th
 
 TEST_CASE("MPI: AnythingPolicy at seq 4099 and 3969, heads that do not divide, exact traffic") {
   MpiCommunicator world(MPI_COMM_WORLD);
-  const int P = world.size();
   for (std::int64_t seq : {4099, 3969}) {
     CAPTURE(seq);
     const ex::GlobalShape s = shape_of(seq, 5, 5, 8, true);
@@ -130,13 +132,20 @@ TEST_CASE("MPI: AnythingPolicy at seq 4099 and 3969, heads that do not divide, e
     const Outcome r = run<float>(world, AnythingPolicy<RingPolicy<Zigzag>>{}, s);
     CHECK(r.err.rel() <= 1e-5);
     CHECK(r.bytes_match);
-    if (P == 4) {
-      const ex::GlobalShape g = shape_of(seq, 6, 3, 8, true);
-      const Outcome m = run<float>(world, AnythingPolicy<UnifiedPolicy<Zigzag>>{{.ulysses_degree = 2, .ring_degree = 2}}, g);
-      CHECK(m.err.rel() <= 1e-5);
-      CHECK(m.bytes_match);
-      CHECK(m.no_metadata);
-    }
+  }
+}
+
+TEST_CASE("MPI: AnythingPolicy over a 2 x 2 mesh at seq 4099 and 3969, heads that do not divide, exact traffic" *
+          doctest::test_suite(mpi_test::four_ranks)) {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  REQUIRE(world.size() == 4);
+  for (std::int64_t seq : {4099, 3969}) {
+    CAPTURE(seq);
+    const ex::GlobalShape g = shape_of(seq, 6, 3, 8, true);
+    const Outcome m = run<float>(world, AnythingPolicy<UnifiedPolicy<Zigzag>>{{.ulysses_degree = 2, .ring_degree = 2}}, g);
+    CHECK(m.err.rel() <= 1e-5);
+    CHECK(m.bytes_match);
+    CHECK(m.no_metadata);
   }
 }
 
@@ -176,10 +185,11 @@ TEST_CASE("MPI: AnythingPolicy with a rank that holds no tokens, and joint Q/KV 
   CHECK(joint.bytes_match);
 }
 
-TEST_CASE("MPI: ranks that disagree on a plan all throw the same ConfigError, none hangs") {
+TEST_CASE("MPI: ranks that disagree on a plan all throw the same ConfigError, none hangs" *
+          doctest::test_suite(mpi_test::two_or_more_ranks)) {
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
-  if (P < 2) return;
+  REQUIRE(P >= 2);
   SequenceParallelAttention<UlyssesPolicy, MpiCommunicator, CpuFlashKernel> attn(world);
   AttentionProblem p = shape_of(64 * P, 2 * P, 0, 16, false).problem<float>();
   const auto [heads_msg, heads_same] = collective_error(world, [&] {
@@ -197,18 +207,25 @@ TEST_CASE("MPI: ranks that disagree on a plan all throw the same ConfigError, no
   CHECK(len_same);
   CHECK(len_msg.find("AnythingPolicy") != std::string::npos);
 
-  // The mesh itself: one rank asks for another factorisation.
-  if (P == 4) {
-    const auto [mesh_msg, mesh_same] = collective_error(world, [&] {
-      UnifiedPolicy<> mine{.ulysses_degree = me == 2 ? 4 : 2, .ring_degree = me == 2 ? 1 : 2};
-      SequenceParallelAttention<UnifiedPolicy<>, MpiCommunicator, CpuFlashKernel> bad(world, mine);
-    });
-    INFO(mesh_msg);
-    CHECK(mesh_same);
-    CHECK(mesh_msg.find("ranks disagree on ulysses_degree") != std::string::npos);
-  }
   // After all that the plan still works.
   CHECK(world.size() == P);
   const Plan ok = attn.plan(p, {64});
   CHECK(ok.global_q() == 64 * P);
+}
+
+TEST_CASE("MPI: ranks that disagree on the mesh's factorisation all throw the same ConfigError" *
+          doctest::test_suite(mpi_test::four_ranks)) {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  REQUIRE(world.size() == 4);
+  const int me = world.rank();
+  const auto [mesh_msg, mesh_same] = collective_error(world, [&] {
+    UnifiedPolicy<> mine{.ulysses_degree = me == 2 ? 4 : 2, .ring_degree = me == 2 ? 1 : 2};
+    SequenceParallelAttention<UnifiedPolicy<>, MpiCommunicator, CpuFlashKernel> bad(world, mine);
+  });
+  INFO(mesh_msg);
+  CHECK(mesh_same);
+  CHECK(mesh_msg.find("ranks disagree on ulysses_degree") != std::string::npos);
+  // After it a plan still works.
+  SequenceParallelAttention<UlyssesPolicy, MpiCommunicator, CpuFlashKernel> attn(world);
+  CHECK(attn.plan(shape_of(64 * 4, 8, 0, 16, false).problem<float>(), {64}).global_q() == 64 * 4);
 }

@@ -1,9 +1,11 @@
 #pragma once
 // Test support on top of examples/common.hpp, which holds the global problem (GlobalShape),
-// its random inputs, a rank's rows of them, the exact reference and the error metric. Added
-// here, for tests only: the exact answer over the whole sequence, the LSE check, a policy run
-// on threads in named steps (run the ranks, gather, compare, count the traffic), the traffic
-// formula from first principles, and a watchdog so that a regression that hangs fails instead.
+// its random inputs, a rank's rows of them, the examples' reference and the error metric.
+// Added here, for tests only: the exact answer over the whole sequence by brute force from the
+// mask's definitions (mask_brute.hpp: no MaskView, so a fault in the library's masks cannot
+// hide in the reference too), the LSE check, a policy run on threads in named steps (run the
+// ranks, gather, compare, count the traffic), the traffic formula from first principles, and
+// a watchdog so that a regression that hangs fails instead.
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +23,7 @@
 
 #include "../../examples/common.hpp"
 #include "seqpar/seqpar.hpp"
+#include "support/mask_brute.hpp"
 
 namespace seqpar::test {
 
@@ -61,12 +64,70 @@ struct GlobalOutput {
 /// Global inputs and the exact answer on them over the whole sequence.
 struct GlobalData : GlobalInputs, GlobalOutput {};
 
+/// A global problem's inputs in double, Q [B, S_q, H, D] and K, V [B, S_kv, K, D], with the
+/// problem that gives their shape and mask (all held by reference).
+struct BruteProblem {
+  const AttentionProblem& pr;       ///< shape, scale and mask
+  std::int64_t sq, skv;             ///< S_q and S_kv
+  const std::vector<double>&q, &k, &v;  ///< the inputs
+  /// Row (b, s, h) of a [B, S, heads, D] tensor.
+  static const double* row(const std::vector<double>& x, std::int64_t seq, std::int64_t heads, std::int64_t dim,
+                           std::int64_t b, std::int64_t s, std::int64_t h) {
+    return x.data() + ((b * seq + s) * heads + h) * dim;
+  }
+};
+
+/// The exact output [B, S_q, H, D] and LSE [B, S_q, H] of every query row by brute force: the
+/// visible pairs straight from the mask's definitions (DefinitionMask), scores and softmax in
+/// double. A row that sees no key gets O = 0 and LSE = -inf; a NaN score makes its row NaN.
+inline GlobalOutput brute_force_forward(const BruteProblem& x) {
+  const AttentionProblem& pr = x.pr;
+  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_head_count(), D = pr.head_dim;
+  const double scale = pr.softmax_scale(), inf = std::numeric_limits<double>::infinity();
+  const DefinitionMask mask(pr, x.sq, x.skv);
+  GlobalOutput r{std::vector<double>(static_cast<std::size_t>(B * x.sq * H * D), 0.0),
+                 std::vector<double>(static_cast<std::size_t>(B * x.sq * H), -inf)};
+  std::vector<double> score(static_cast<std::size_t>(x.skv));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < x.sq; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t kh = h / (H / K);
+        const double* q = BruteProblem::row(x.q, x.sq, H, D, b, i, h);
+        double top = -inf;
+        for (std::int64_t j = 0; j < x.skv; ++j) {
+          double& sc = score[static_cast<std::size_t>(j)];
+          sc = mask.visible(b, i, j) ? scale * detail::dot_in_double(q, BruteProblem::row(x.k, x.skv, K, D, b, j, kh), D)
+                                     : -inf;
+          if (!(sc <= top)) top = std::isnan(top) ? top : sc;  // NaN wins and stays
+        }
+        if (top == -inf) continue;  // no visible key
+        double sum = 0;
+        double* o = r.out.data() + ((b * x.sq + i) * H + h) * D;
+        for (std::int64_t j = 0; j < x.skv; ++j) {
+          if (score[static_cast<std::size_t>(j)] == -inf) continue;
+          const double w = std::exp(score[static_cast<std::size_t>(j)] - top);
+          sum += w;
+          const double* v = BruteProblem::row(x.v, x.skv, K, D, b, j, kh);
+          for (std::int64_t e = 0; e < D; ++e) o[e] += w * v[e];
+        }
+        for (std::int64_t e = 0; e < D; ++e) o[e] /= sum;
+        r.lse[static_cast<std::size_t>((b * x.sq + i) * H + h)] = top + std::log(sum);
+      }
+  return r;
+}
+
+/// The exact answer on inputs `in` by brute force (brute_force_forward of their shape).
+inline GlobalData with_exact_answer(GlobalInputs in) {
+  const GlobalShape& s = in.shape;
+  const AttentionProblem pr = s.problem<double>();
+  GlobalOutput answer = brute_force_forward({pr, s.seq_q, s.kv_len(), in.q, in.k, in.v});
+  return GlobalData{std::move(in), std::move(answer)};
+}
+
 /// Random inputs of case `c`, rounded to T, and the exact double answer on them.
 template <class T = double>
 GlobalData make_global_as(const GlobalShape& c) {
-  GlobalData g{make_inputs<T>(c), {}};
-  g.out = reference_rows(g, PositionMap::run(c.seq_q, 0), &g.lse);
-  return g;
+  return with_exact_answer(make_inputs<T>(c));
 }
 
 /// Inputs and answer in double. A float run converts the inputs when it takes its rows, so

@@ -1,6 +1,6 @@
 #pragma once
-// Test support for backward: the exact gradients of every row (reference_grads of
-// examples/common.hpp over the whole sequence), a rank's gradients against them, and a
+// Test support for backward: the exact gradients of every row (by brute force from the mask's
+// definitions, as attention_check.hpp's answer), a rank's gradients against them, and a
 // distributed forward + backward on threads.
 
 #include <algorithm>
@@ -11,12 +11,51 @@
 
 namespace seqpar::test {
 
-using examples::reference_grads;
 using examples::ReferenceGrads;
+
+/// The exact dQ, dK, dV of problem `x` for upstream gradient `dout` by brute force: the
+/// visible pairs from the mask's definitions (DefinitionMask), the forward's O and LSE from
+/// brute_force_forward, every term in double: P = exp(s - lse), dS = P (dO.v - dO.o),
+/// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
+inline ReferenceGrads brute_force_grads(const BruteProblem& x, const std::vector<double>& dout) {
+  const AttentionProblem& pr = x.pr;
+  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_head_count(), D = pr.head_dim;
+  const double scale = pr.softmax_scale();
+  const GlobalOutput fwd = brute_force_forward(x);
+  const DefinitionMask mask(pr, x.sq, x.skv);
+  ReferenceGrads g{std::vector<double>(x.q.size(), 0.0), std::vector<double>(x.k.size(), 0.0),
+                   std::vector<double>(x.v.size(), 0.0)};
+  auto mut_row = [D](std::vector<double>& t, std::int64_t seq, std::int64_t heads, std::int64_t b, std::int64_t s,
+                     std::int64_t h) { return t.data() + ((b * seq + s) * heads + h) * D; };
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < x.sq; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double lse = fwd.lse[static_cast<std::size_t>((b * x.sq + i) * H + h)];
+        if (lse == -std::numeric_limits<double>::infinity()) continue;  // sees no key: no gradient
+        const std::int64_t kh = h / (H / K);
+        const double *q = BruteProblem::row(x.q, x.sq, H, D, b, i, h), *d_o = BruteProblem::row(dout, x.sq, H, D, b, i, h);
+        const double delta = detail::dot_in_double(d_o, BruteProblem::row(fwd.out, x.sq, H, D, b, i, h), D);
+        double* dq = mut_row(g.dq, x.sq, H, b, i, h);
+        for (std::int64_t j = 0; j < x.skv; ++j) {
+          if (!mask.visible(b, i, j)) continue;
+          const double *k = BruteProblem::row(x.k, x.skv, K, D, b, j, kh), *v = BruteProblem::row(x.v, x.skv, K, D, b, j, kh);
+          const double p = std::exp(scale * detail::dot_in_double(q, k, D) - lse);
+          const double ds = p * (detail::dot_in_double(d_o, v, D) - delta) * scale;
+          double *dk = mut_row(g.dk, x.skv, K, b, j, kh), *dv = mut_row(g.dv, x.skv, K, b, j, kh);
+          for (std::int64_t e = 0; e < D; ++e) {
+            dq[e] += ds * k[e];
+            dk[e] += ds * q[e];
+            dv[e] += p * d_o[e];
+          }
+        }
+      }
+  return g;
+}
 
 /// The exact dq, dk and dv of every row for g's inputs and upstream gradient g.dout.
 inline ReferenceGrads make_global_grads(const GlobalInputs& g) {
-  return reference_grads(g, PositionMap::run(g.shape.seq_q, 0), PositionMap::run(g.shape.kv_len(), 0));
+  const AttentionProblem pr = g.shape.problem<double>();
+  return brute_force_grads({pr, g.shape.seq_q, g.shape.kv_len(), g.q, g.k, g.v}, g.dout);
 }
 
 /// Normwise relative errors of dq, dk, dv (max |got - want| / max |want| over all ranks).

@@ -1,6 +1,7 @@
 // The decode scenarios' exact reference: a cache and queries known in whole, every step's
 // output against attention over the whole cache in double (tests/test_decode.cpp and the
-// allocation count of tests/test_thread_comm_alloc.cpp).
+// allocation count of tests/test_thread_comm_alloc.cpp); and a step on ranks whose plans
+// disagree.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -13,6 +14,7 @@
 
 #include "seqpar/decode/sequence_parallel_decode.hpp"
 #include "seqpar/seqpar.hpp"
+#include "support/rank_outcomes.hpp"
 
 namespace seqpar::test {
 
@@ -170,6 +172,25 @@ double run_decode_case(const DecodeCase& c, Hook hook = {}) {
     }
   });
   return *std::max_element(err.begin(), err.end());
+}
+
+/// One decode step (ReferenceKernel, exchange `ex`, 3 heads) on `ranks` thread ranks after
+/// rank `odd` advanced its plan one token further than the others; returns how each rank ended.
+inline std::vector<RankOutcome> step_with_odd_rank(int ranks, int odd, DecodeExchange ex) {
+  return rank_outcomes(ranks, [&](ThreadCommunicator& world) {
+    SequenceParallelDecode<ThreadCommunicator, ReferenceKernel> dec(world);
+    DecodePlan plan =
+        dec.plan({.batch = 1, .heads = 3, .head_dim = D, .kv_len = {10}, .capacity = 40, .page = 2, .exchange = ex});
+    if (world.rank() == odd) plan.advance(1);  // this rank thinks a token more is cached
+    const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
+    std::vector<float> q(static_cast<std::size_t>(qh.count * D)), o(static_cast<std::size_t>(oh.count * D)),
+        kc(static_cast<std::size_t>(plan.shard_capacity() * 3 * D));
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    dec.step<float>(plan, TensorView<const float>::bshd(q.data(), 1, 1, qh.count, D),
+                    TensorView<const float>::bshd(kc.data(), 1, plan.shard_capacity(), 3, D),
+                    TensorView<const float>::bshd(kc.data(), 1, plan.shard_capacity(), 3, D),
+                    TensorView<float>::bshd(o.data(), 1, 1, oh.count, D), ws);
+  });
 }
 
 }  // namespace seqpar::test

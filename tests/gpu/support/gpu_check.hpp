@@ -1,11 +1,12 @@
 #pragma once
 // GPU test support: device buffers and streams (RAII), element conversions for __half and
-// __nv_bfloat16, the tolerances of each element type, and a policy run on one GPU — P ranks as
+// __nv_bfloat16, the tolerances of each element type, a policy run on one GPU — P ranks as
 // threads over CudaThreadCommunicator, each on its own stream — checked row by row against the
 // exact double reference of tests/support (make_global_as / make_global_grads, compare_rows /
-// compare_grads).
+// compare_grads), and the byte traffic check of any device communicator.
 
 #include <cuda_runtime.h>
+#include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -243,6 +244,46 @@ GpuRunResult run_on_gpu(int ranks, Policy policy, const test::GlobalData& g, con
       },
       ThreadRunOptions{std::chrono::milliseconds(120000)});
   return res;
+}
+
+/// All-to-all with variable counts, a ring exchange and a split on P ranks of any CudaSpace
+/// communicator (run on every rank): rank r sends (j + 1) floats of value 10 r + j to rank j.
+template <class Comm>
+void check_moves_bytes(Comm& comm, cudaStream_t stream, int P) {
+  const int r = comm.rank();
+  CHECK(comm.size() == P);
+  std::vector<double> send;
+  std::vector<std::size_t> sc, sd, rc, rd;
+  for (int j = 0; j < P; ++j) {
+    sd.push_back(send.size() * sizeof(float));
+    for (int i = 0; i <= j; ++i) send.push_back(10 * r + j);
+    sc.push_back(static_cast<std::size_t>(j + 1) * sizeof(float));
+    rd.push_back(static_cast<std::size_t>(j * (r + 1)) * sizeof(float));
+    rc.push_back(static_cast<std::size_t>(r + 1) * sizeof(float));
+  }
+  DeviceBuffer<float> s(send.size()), d(static_cast<std::size_t>(P * (r + 1))), e(static_cast<std::size_t>(P * P));
+  s.upload(send);
+  comm.stats().reset();
+  comm.all_to_all_v(reinterpret_cast<const std::byte*>(s.data()), sc, sd, reinterpret_cast<std::byte*>(d.data()), rc, rd);
+  const int from = (r + P - 1) % P;
+  auto req = comm.start_exchange(reinterpret_cast<const std::byte*>(d.data()), d.size() * sizeof(float), (r + 1) % P,
+                                 reinterpret_cast<std::byte*>(e.data()),
+                                 static_cast<std::size_t>(P * (from + 1)) * sizeof(float), from);
+  comm.wait(req);
+  SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<double> mine = d.download(), passed = e.download();
+  for (int j = 0; j < P; ++j)
+    for (int i = 0; i <= r; ++i) CHECK(mine[j * (r + 1) + i] == 10 * j + r);
+  for (int j = 0; j < P; ++j)
+    for (int i = 0; i <= from; ++i) CHECK(passed[j * (from + 1) + i] == 10 * j + from);
+  CHECK(comm.stats().all_to_alls == 1);
+  CHECK(comm.stats().exchanges == 1);
+  // Split into even and odd ranks; the halves see their own sizes and share the stats.
+  Comm half = comm.split(r % 2, r);
+  CHECK(half.size() == (P + 1 - r % 2) / 2);
+  CHECK(half.rank() == r / 2);
+  CHECK(&half.stats() == &comm.stats());
+  half.barrier();
 }
 
 }  // namespace seqpar::gpu_test
