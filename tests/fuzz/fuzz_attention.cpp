@@ -183,6 +183,23 @@ void check_forward(const AttentionCase& c, const CaseData& d, const AttentionRun
   if (!bound.empty()) rep.fail(prop::forward, "scale " + std::to_string(c.problem.scale) + ": " + bound);
 }
 
+/// Every rank's bytes against the plan's count, and no metadata exchanged by a call.
+void check_traffic(const AttentionRun& run, bool backward, Report& rep) {
+  std::uint64_t total = 0;
+  for (const RankResult& r : run.ranks) total += (backward ? r.backward_traffic : r.forward_traffic).sent;
+  if (total > 0) rep.note(backward ? "attention: backward bytes counted" : "attention: forward bytes counted");
+  for (std::size_t w = 0; w < run.ranks.size(); ++w) {
+    const Traffic& t = backward ? run.ranks[w].backward_traffic : run.ranks[w].forward_traffic;
+    const char* call = backward ? "backward" : "forward";
+    if (t.sent != t.planned || t.gathers != 0) {
+      rep.fail(prop::traffic, "rank " + std::to_string(w) + "'s " + call + " sent " + std::to_string(t.sent) + " bytes and " +
+                                  std::to_string(t.gathers) + " metadata gathers, plan." + call + "_bytes says " +
+                                  std::to_string(t.planned) + " bytes");
+      return;
+    }
+  }
+}
+
 /// Gradients against the reference (tame scales only).
 void check_backward(const AttentionCase& c, const CaseData& d, const AttentionRun& run, Report& rep) {
   const double tol = c.f64 ? 1e-10 : 1e-4;
@@ -362,6 +379,7 @@ void analyse_attention(const AttentionCase& c, const CaseData& d, const Attentio
     return;
   }
   check_forward(c, d, run, rep);
+  check_traffic(run, false, rep);
   rep.note(d.exact ? "attention: forward checked exactly" : "attention: forward checked within bounds (huge scale)");
   if (!c.backward) return;
   if (const std::string m = mixed(run, &RankResult::backward); !m.empty()) {
@@ -372,6 +390,7 @@ void analyse_attention(const AttentionCase& c, const CaseData& d, const Attentio
     rep.fail(prop::backward, "the plan accepted, backward " + run.ranks.front().backward.text());
     return;
   }
+  check_traffic(run, true, rep);
   if (!d.exact) return;
   check_backward(c, d, run, rep);
   rep.note("attention: backward checked");

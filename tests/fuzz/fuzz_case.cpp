@@ -304,7 +304,11 @@ AttentionCase make_attention(Rng& r, const GenOptions& o) {
   const int kv_form = static_cast<int>(r.range(0, 3));
   p.kv_heads = kv_form == 0 ? 0 : kv_form == 1 ? p.heads : kv_form == 2 ? r.pick(divisors) : 1;
   p.head_dim = r.pick(std::vector<i64>{1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 79, 80});
-  if (p.heads * p.head_dim > 256) p.head_dim = std::max<i64>(1, 256 / p.heads);
+  // Now and then a sequence of several key and query tiles (the CPU kernel's blocks are 64-128
+  // rows), with few heads and a small head dim, so that the reference stays quick.
+  const bool long_seq = r.chance(0.08);
+  const i64 width = long_seq ? 64 : 256;
+  if (p.heads * p.head_dim > width) p.head_dim = std::max<i64>(1, width / p.heads);
   p.scale = tame_scale(r, p.head_dim);
   p.with_lse = r.chance(0.7);
 
@@ -313,9 +317,10 @@ AttentionCase make_attention(Rng& r, const GenOptions& o) {
   std::vector<i64> q_world, kv_world;
   const int P = c.world;
   if (plain) {
-    i64 local = r.pick(std::vector<i64>{0, 1, 2, 3, 4, 5, 8, 12, 16, 25});
+    i64 local = long_seq ? r.range(100, 320) / P : r.pick(std::vector<i64>{0, 1, 2, 3, 4, 5, 8, 12, 16, 25});
+    if (!long_seq)
+      while (local * P > 100 && local > 1) local /= 2;
     if (c.policy.layout == LayoutKind::zigzag && (local * Ug) % 2 != 0) ++local;
-    while (local * P > 100 && local > 1) local /= 2;
     sq = skv = local * P;
     q_world.assign(static_cast<std::size_t>(P), local);
     kv_world = q_world;
@@ -325,8 +330,8 @@ AttentionCase make_attention(Rng& r, const GenOptions& o) {
       if (form < 5 || U == 0) return U == 0 ? random_split(r, total, P, false) : to_world(c.policy, Ug, Rg, mesh_split(total, Ug, Rg));
       return random_split(r, total, P, form == 9);
     };
-    sq = r.pick(std::vector<i64>{0, 1, 2, 3, 5, 7, 16, 17, 31, 33, 64, 100, r.range(0, 100)});
-    skv = r.chance(0.3) ? r.pick(std::vector<i64>{0, 1, 5, 16, 33, 80, r.range(0, 100)}) : sq;
+    sq = long_seq ? r.range(100, 320) : r.pick(std::vector<i64>{0, 1, 2, 3, 5, 7, 16, 17, 31, 33, 64, 100, r.range(0, 100)});
+    skv = r.chance(0.3) ? (long_seq ? r.range(1, 320) : r.pick(std::vector<i64>{0, 1, 5, 16, 33, 80, r.range(0, 100)})) : sq;
     q_world = one(sq);
     kv_world = skv == sq && r.chance(0.6) ? q_world : one(skv);
   }
@@ -365,7 +370,10 @@ DecodeCase make_decode(Rng& r, const GenOptions& o) {
   p.head_dim = r.pick(std::vector<i64>{1, 2, 3, 8, 16, 17, 33, 64, 80});
   p.new_tokens = r.pick(std::vector<i64>{1, 1, 2, 3, 4, 8, 16});
   c.steps = static_cast<int>(r.range(1, 3));
-  for (i64 b = 0; b < p.batch; ++b) p.kv_len.push_back(r.chance(0.2) ? 0 : r.range(0, 120));
+  // Now and then a long cache (CpuFlashKernel splits a group's keys over its threads).
+  const bool long_cache = r.chance(0.1);
+  if (long_cache) p.head_dim = std::min<i64>(p.head_dim, 16);
+  for (i64 b = 0; b < p.batch; ++b) p.kv_len.push_back(r.chance(0.2) ? 0 : r.range(0, long_cache ? 3000 : 120));
   const i64 longest = *std::max_element(p.kv_len.begin(), p.kv_len.end());
   p.capacity = longest + p.new_tokens * c.steps + r.pick(std::vector<i64>{0, 0, 1, 5});
   p.page = r.pick(std::vector<i64>{0, 0, 1, 2, 3, 16, 64, 1000});

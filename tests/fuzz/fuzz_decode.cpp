@@ -33,6 +33,7 @@ struct DecodeRank {
   HeadRange out_heads;
   std::vector<std::vector<double>> out;  // per step, [B, T, out_heads, D]
   std::vector<Failure> found;            // checks the rank made itself
+  bool traffic_reported = false;         // a step's bytes differed from plan.step_bytes() (once)
 };
 
 /// Attention of one query row in double, and the bounds of each output element (min and max
@@ -193,6 +194,7 @@ std::vector<DecodeRank> run_decode_ranks(const DecodeCase& c, const std::optiona
                       q[static_cast<std::size_t>(((b * Tn + t) * qh.count + h) * D + e)] = static_cast<T>(
                           truth->q[static_cast<std::size_t>(s)][static_cast<std::size_t>(((b * Tn + t) * p.heads + qh.begin + h) * D + e)]);
               std::fill(out.begin(), out.end(), T(12345));
+              const std::uint64_t bytes = world.stats().bytes_sent;
               record(r.step, [&] {
                 dec.template step<T>(plan, TensorView<const T>::bshd(q.data(), B, Tn, qh.count, D),
                                      TensorView<const T>::bshd(kc.data(), B, C, K, D),
@@ -200,6 +202,12 @@ std::vector<DecodeRank> run_decode_ranks(const DecodeCase& c, const std::optiona
                                      TensorView<T>::bshd(out.data(), B, Tn, oh.count, D), ws);
               });
               r.out.push_back(as_double(out));
+              if (world.stats().bytes_sent - bytes != plan.step_bytes() && !r.traffic_reported) {
+                r.traffic_reported = true;
+                r.found.push_back({prop::traffic, "rank " + std::to_string(me) + "'s step " + std::to_string(s) + " sent " +
+                                                      std::to_string(world.stats().bytes_sent - bytes) +
+                                                      " bytes, plan.step_bytes() says " + std::to_string(plan.step_bytes())});
+              }
               record(r.advance, [&] { plan.advance(Tn); });
             }
           }

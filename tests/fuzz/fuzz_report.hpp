@@ -21,6 +21,7 @@ inline constexpr const char* work = "plan.work equals the visible pairs";
 inline constexpr const char* forward = "forward equals the reference";
 inline constexpr const char* lse = "the LSE equals the reference";
 inline constexpr const char* backward = "backward equals the reference";
+inline constexpr const char* traffic = "the plan's byte counts are the bytes sent";
 inline constexpr const char* disagreement = "a disagreement names the values";
 inline constexpr const char* message = "a refusal names the actual values";
 inline constexpr const char* no_crash = "no crash";

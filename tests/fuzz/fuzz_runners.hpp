@@ -64,6 +64,12 @@ struct CaseData {
 /// The inputs (rounded to float unless `c.f64`), NaN planted where the case asks, and the answer.
 CaseData prepare_attention(const AttentionCase& c);
 
+/// What one call sent: payload bytes to other ranks, what the plan says it sends, and the
+/// metadata all-gathers it did (a call does none).
+struct Traffic {
+  std::uint64_t sent = 0, planned = 0, gathers = 0;
+};
+
 /// What one rank left behind.
 struct RankResult {
   Outcome construct, plan_call, forward, backward;  ///< how each call ended
@@ -75,6 +81,7 @@ struct RankResult {
   std::vector<double> out, lse;  ///< [B, Lq, H, D] and [B, Lq, H]
   std::vector<double> dq, dk, dv;
   bool forwarded = false, backwarded = false;
+  Traffic forward_traffic, backward_traffic;  ///< of the checked calls
 };
 
 /// Every rank's result and the free can_implement's answer.
