@@ -4,6 +4,8 @@
 // class is listed in SEQPAR_FUZZ_OPEN_CLASSES (tests/fuzz/CMakeLists.txt) its case must still
 // break that property; once the class is removed, the case must keep every contract. So a fix
 // that lands without its letter being removed fails here, and so does a regression after.
+// Last, a self-test of the checks: a run fabricated from the reference passes them, and each
+// way of breaking it fails the property that names it.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +14,8 @@
 #include <string>
 
 #include "fuzz/fuzz_isolate.hpp"
+#include "fuzz/fuzz_runners.hpp"
+#include "seqpar/policy/policies.hpp"
 
 using namespace seqpar;
 using namespace seqpar::fuzz;
@@ -214,4 +218,93 @@ TEST_CASE("fuzz regression: the corpus's cases keep every other contract") {
                                 60);
   CHECK(d.failures.empty());
   CHECK(std::find(d.notes.begin(), d.notes.end(), "decode: steps checked exactly") != d.notes.end());
+}
+
+namespace {
+
+/// The rows at positions `pos` of a global [B, S, heads, width] tensor.
+std::vector<double> rows_at(const std::vector<double>& g, std::int64_t B, std::int64_t S, std::int64_t heads,
+                            std::int64_t width, const PositionMap& pos) {
+  std::vector<double> out;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < pos.size(); ++i) {
+      const auto at = g.begin() + ((b * S + pos(i)) * heads) * width;
+      out.insert(out.end(), at, at + heads * width);
+    }
+  return out;
+}
+
+bool breaks(const Report& r, const char* property) {
+  return std::any_of(r.failures.begin(), r.failures.end(), [&](const Failure& f) { return f.property == property; });
+}
+
+}  // namespace
+
+TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and none on the right one") {
+  // Two ranks of RingPolicy<Contiguous>, GQA, causal with a window: a run fabricated from the
+  // reference itself (plans built the way plan builds them), then broken one way at a time.
+  AttentionProblem p = small(2, 4);
+  p.kv_heads = 1;
+  p.causal = true;
+  p.window = {2, -1};
+  const RingPolicy<Contiguous> policy;
+  FuzzCase fc = attention(2, {PolicyKind::ring, LayoutKind::contiguous}, KernelKind::reference, p, {{3}, {3}});
+  AttentionCase& c = fc.attention;
+  c.backward = true;
+  const CaseData d = prepare_attention(c);
+  REQUIRE(d.ready);
+  const MeshConfig mesh = mesh_config(policy, 2);
+  std::vector<std::int64_t> all;
+  for (const LocalLengths& l : c.lengths)
+    for (std::int64_t v : detail::plan_fields(p, mesh, l)) all.push_back(v);
+  AttentionRun good;
+  good.free_verdict = can_implement(policy, p, std::span<const LocalLengths>(c.lengths));
+  for (int w = 0; w < 2; ++w) {
+    RankResult r;
+    r.plan = detail::build_plan(all, p, mesh, w, 1);
+    r.member_asked = true;
+    r.member = good.free_verdict;
+    r.planned = r.forwarded = r.backwarded = true;
+    r.qpos = r.plan.q_positions(w);
+    r.kvpos = r.plan.kv_positions(w);
+    r.out = rows_at(d.ref.out, d.B, d.Sq, d.H, d.D, r.qpos);
+    r.lse = rows_at(d.ref.lse, d.B, d.Sq, d.H, 1, r.qpos);
+    r.dq = rows_at(d.ref.dq, d.B, d.Sq, d.H, d.D, r.qpos);
+    r.dk = rows_at(d.ref.dk, d.B, d.Skv, d.K, d.D, r.kvpos);
+    r.dv = rows_at(d.ref.dv, d.B, d.Skv, d.K, d.D, r.kvpos);
+    r.forward_traffic = {r.plan.forward_bytes(w), r.plan.forward_bytes(w), 0};
+    r.backward_traffic = {r.plan.backward_bytes(w), r.plan.backward_bytes(w), 0};
+    good.ranks.push_back(std::move(r));
+  }
+  auto analyse = [&](const AttentionRun& run) {
+    Report rep;
+    analyse_attention(c, d, run, rep);
+    return rep;
+  };
+  const Report right = analyse(good);
+  for (const Failure& f : right.failures) INFO(f.property << ": " << f.detail);
+  CHECK(right.failures.empty());
+
+  auto broken = [&](auto&& change, const char* property) {
+    AttentionRun run = good;
+    change(run);
+    const Report r = analyse(run);
+    INFO("expected to break: " << std::string(property));
+    CHECK(breaks(r, property));
+  };
+  broken([](AttentionRun& r) { r.ranks[1].out[3] += 1e-3; }, prop::forward);
+  broken([](AttentionRun& r) { r.ranks[0].lse[1] += 1e-3; }, prop::lse);
+  broken([](AttentionRun& r) { r.ranks[1].dk[2] += 1e-2; }, prop::backward);
+  broken([](AttentionRun& r) { r.ranks[0].dq[0] = std::nan(""); }, prop::backward);
+  broken([](AttentionRun& r) { r.ranks[1].forward_traffic.sent += 4; }, prop::traffic);
+  broken([](AttentionRun& r) { r.ranks[0].backward_traffic.gathers = 1; }, prop::traffic);
+  broken([](AttentionRun& r) { r.ranks[1].qpos = r.ranks[0].qpos; }, prop::layout);
+  broken([](AttentionRun& r) { r.ranks[1].plan_call.kind = "ConfigError"; }, prop::same_refusal);
+  broken([](AttentionRun& r) { r.free_verdict = {false, "no"}; }, prop::can_implement);
+  broken([](AttentionRun& r) { r.ranks[0].member = {false, "no"}; }, prop::member_can_implement);
+  broken([](AttentionRun& r) { r.ranks[1].forward = {}, r.ranks[1].forward.kind = "CommAborted"; }, prop::forward);
+  broken([](AttentionRun& r) {  // a refusal in words other than can_implement's
+    for (RankResult& rank : r.ranks) rank.plan_call.kind = "ConfigError", rank.plan_call.what = "plan: something";
+    r.free_verdict = {false, "plan: something else"};
+  }, prop::can_implement);
 }
