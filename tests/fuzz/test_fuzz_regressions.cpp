@@ -83,6 +83,9 @@ TEST_CASE("fuzz regression (a): a window side of INT64_MAX hides no key it shoul
   p.window = {kMax, 2};  // bottom-right with S_q > S_kv: a diagonal below -1 minus left wraps
   p.causal_align = CausalAlign::bottom_right;
   expect_contract(attention(1, ulysses(true), KernelKind::cpu_flash_1, p, {{8, 4}}), 'a', prop::forward);
+  p.window = {kMax - 1, 0};  // past 16 query rows: CpuFlashKernel's forward_query_block crashes
+  const PolicyChoice stripe{PolicyKind::ring, LayoutKind::stripe, true};
+  expect_contract(attention(2, stripe, KernelKind::cpu_flash_1, p, {{17, 8}, {16, 8}}), 'a', prop::no_crash);
 }
 
 TEST_CASE("fuzz regression (b): DecodePlan::advance applies in whole or not at all") {
