@@ -4,6 +4,7 @@
 // blocked fails the test (as a "CommError" time-out) instead of hanging the suite.
 
 #include <chrono>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,30 @@ struct RankOutcome {
 /// Generous: only a rank that is really stuck waits this long.
 inline constexpr std::chrono::milliseconds outcome_timeout{10000};
 
+/// Runs `fn()`, records in `me` which seqpar exception (if any) it ended with, and rethrows
+/// it, so that run_ranks wakes the rank's peers exactly as in real use.
+template <class Fn>
+void record_outcome(RankOutcome& me, Fn&& fn) {
+  try {
+    fn();
+  } catch (const CommAborted& e) {  // before CommError: it is one
+    me = {"CommAborted", e.what()};
+    throw;
+  } catch (const ConfigError& e) {
+    me = {"ConfigError", e.what()};
+    throw;
+  } catch (const CommError& e) {
+    me = {"CommError", e.what()};
+    throw;
+  } catch (const Error& e) {
+    me = {"Error", e.what()};
+    throw;
+  } catch (const std::exception& e) {
+    me = {"other", e.what()};
+    throw;
+  }
+}
+
 /// Runs `fn(comm)` on `ranks` threads and returns how each rank ended. The rank's exception
 /// is rethrown after it is recorded so that run_ranks wakes its peers, exactly as in real use.
 template <class Fn>
@@ -29,27 +54,7 @@ std::vector<RankOutcome> rank_outcomes(int ranks, Fn&& fn, std::chrono::millisec
   try {
     run_ranks(
         ranks,
-        [&](ThreadCommunicator& comm) {
-          RankOutcome& me = out[static_cast<std::size_t>(comm.rank())];
-          try {
-            fn(comm);
-          } catch (const CommAborted& e) {  // before CommError: it is one
-            me = {"CommAborted", e.what()};
-            throw;
-          } catch (const ConfigError& e) {
-            me = {"ConfigError", e.what()};
-            throw;
-          } catch (const CommError& e) {
-            me = {"CommError", e.what()};
-            throw;
-          } catch (const Error& e) {
-            me = {"Error", e.what()};
-            throw;
-          } catch (const std::exception& e) {
-            me = {"other", e.what()};
-            throw;
-          }
-        },
+        [&](ThreadCommunicator& comm) { record_outcome(out[static_cast<std::size_t>(comm.rank())], [&] { fn(comm); }); },
         ThreadRunOptions{timeout});
   } catch (const std::exception&) {
     // Each rank's outcome is already recorded; the caller checks them.

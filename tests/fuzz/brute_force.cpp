@@ -1,0 +1,164 @@
+// The reference of brute_force.hpp.
+#include "fuzz/brute_force.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace seqpar::fuzz {
+
+using i64 = std::int64_t;
+using i128 = __int128;
+
+bool Visibility::key_seen(i64 b, i64 j) const {
+  for (i64 i = 0; i < sq; ++i)
+    if ((*this)(b, i, j)) return true;
+  return false;
+}
+
+Visibility visibility(const AttentionProblem& p, i64 sq, i64 skv) {
+  Visibility v;
+  v.batch = std::max<i64>(p.batch, 0);
+  v.sq = sq;
+  v.skv = skv;
+  v.seen.assign(static_cast<std::size_t>(v.batch * sq * skv), 0);
+  v.row_keys.assign(static_cast<std::size_t>(v.batch * sq), 0);
+  const i128 shift = p.causal_align == CausalAlign::bottom_right ? static_cast<i128>(skv) - sq : 0;
+  std::vector<i64> doc(static_cast<std::size_t>(std::max(sq, skv)));
+  for (i64 b = 0; b < v.batch; ++b) {
+    // (a plan that accepts a wrong number of lists or counts is reported by the rules check;
+    // the reference then reads no list for the batch elements past them)
+    const std::size_t list_at = p.documents.size() == 1 ? 0 : static_cast<std::size_t>(b);
+    const bool docs = list_at < p.documents.size();
+    const bool padded = static_cast<std::size_t>(b) < p.kv_valid.size();
+    if (docs) {  // the document of every position, by walking the cumulative lengths in 128 bits
+      const auto& list = p.documents[list_at];
+      i128 end = 0;
+      std::size_t n = 0;
+      for (i64 pos = 0; pos < static_cast<i64>(doc.size()); ++pos) {
+        while (n < list.size() && pos >= end + list[n]) end += list[n++];
+        // positions past every document get their own id (no pair across them is visible)
+        doc[static_cast<std::size_t>(pos)] = n < list.size() ? static_cast<i64>(n) : -1 - pos;
+      }
+    }
+    for (i64 i = 0; i < sq; ++i) {
+      const i128 d = i + shift;
+      i64 count = 0;
+      for (i64 j = 0; j < skv; ++j) {
+        bool s = true;
+        if (p.causal && j > d) s = false;
+        if (p.window.left >= 0 && j < d - p.window.left) s = false;
+        if (p.window.right >= 0 && j > d + p.window.right) s = false;
+        if (padded && j >= p.kv_valid[static_cast<std::size_t>(b)]) s = false;
+        if (docs && doc[static_cast<std::size_t>(i)] != doc[static_cast<std::size_t>(j)]) s = false;
+        v.seen[static_cast<std::size_t>((b * sq + i) * skv + j)] = s;
+        count += s;
+      }
+      v.row_keys[static_cast<std::size_t>(b * sq + i)] = count;
+    }
+  }
+  return v;
+}
+
+ReferenceResult reference_attention(const AttentionProblem& p, const Visibility& vis, const GlobalTensors& x,
+                                    bool backward) {
+  const i64 B = vis.batch, Sq = vis.sq, Skv = vis.skv, H = p.heads, K = p.kv_heads == 0 ? p.heads : p.kv_heads;
+  const i64 D = p.head_dim, G = H / K;
+  const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  const double ninf = -std::numeric_limits<double>::infinity();
+  auto qi = [&](i64 b, i64 i, i64 h) { return static_cast<std::size_t>(((b * Sq + i) * H + h) * D); };
+  auto ki = [&](i64 b, i64 j, i64 h) { return static_cast<std::size_t>(((b * Skv + j) * K + h) * D); };
+  ReferenceResult r;
+  r.out.assign(static_cast<std::size_t>(B * Sq * H * D), 0.0);
+  r.lo.assign(r.out.size(), 0.0);
+  r.hi.assign(r.out.size(), 0.0);
+  r.lse.assign(static_cast<std::size_t>(B * Sq * H), ninf);
+  if (backward) {
+    r.dq.assign(r.out.size(), 0.0);
+    r.dk.assign(static_cast<std::size_t>(B * Skv * K * D), 0.0);
+    r.dv.assign(r.dk.size(), 0.0);
+  }
+  std::vector<double> s(static_cast<std::size_t>(Skv));
+  for (i64 b = 0; b < B; ++b)
+    for (i64 h = 0; h < H; ++h) {
+      const i64 kh = h / G;
+      for (i64 i = 0; i < Sq; ++i) {
+        if (vis.keys(b, i) == 0) continue;  // O = 0, LSE = -inf; Q is never read
+        const double* q = &x.q[qi(b, i, h)];
+        double mx = ninf;
+        for (i64 j = 0; j < Skv; ++j) {
+          if (!vis(b, i, j)) continue;
+          const double* k = &x.k[ki(b, j, kh)];
+          double dot = 0;
+          for (i64 e = 0; e < D; ++e) dot += q[e] * k[e];
+          s[static_cast<std::size_t>(j)] = dot * scale;
+          mx = std::max(mx, s[static_cast<std::size_t>(j)]);
+        }
+        double sum = 0;
+        double* o = &r.out[qi(b, i, h)];
+        double* lo = &r.lo[qi(b, i, h)];
+        double* hi = &r.hi[qi(b, i, h)];
+        std::fill(lo, lo + D, std::numeric_limits<double>::infinity());
+        std::fill(hi, hi + D, ninf);
+        for (i64 j = 0; j < Skv; ++j) {
+          if (!vis(b, i, j)) continue;
+          const double w = std::exp(s[static_cast<std::size_t>(j)] - mx);
+          sum += w;
+          const double* v = &x.v[ki(b, j, kh)];
+          for (i64 e = 0; e < D; ++e) {
+            o[e] += w * v[e];
+            lo[e] = std::min(lo[e], v[e]);
+            hi[e] = std::max(hi[e], v[e]);
+          }
+        }
+        for (i64 e = 0; e < D; ++e) o[e] /= sum;
+        const double lse = mx + std::log(sum);
+        r.lse[static_cast<std::size_t>((b * Sq + i) * H + h)] = lse;
+        if (!backward) continue;
+        const double* dout = &x.dout[qi(b, i, h)];
+        double delta = 0;
+        for (i64 e = 0; e < D; ++e) delta += dout[e] * o[e];
+        for (i64 j = 0; j < Skv; ++j) {
+          if (!vis(b, i, j)) continue;
+          const double* k = &x.k[ki(b, j, kh)];
+          const double* v = &x.v[ki(b, j, kh)];
+          const double pr = std::exp(s[static_cast<std::size_t>(j)] - lse);
+          double dp = 0;
+          for (i64 e = 0; e < D; ++e) dp += dout[e] * v[e];
+          const double ds = pr * (dp - delta) * scale;
+          double* dq = &r.dq[qi(b, i, h)];
+          double* dk = &r.dk[ki(b, j, kh)];
+          double* dv = &r.dv[ki(b, j, kh)];
+          for (i64 e = 0; e < D; ++e) {
+            dq[e] += ds * k[e];
+            dk[e] += ds * q[e];
+            dv[e] += pr * dout[e];
+          }
+        }
+      }
+    }
+  return r;
+}
+
+void NormError::add(double got, double want, i64 where) {
+  const bool was_bad = bad;
+  if (std::isinf(want) || std::isnan(want)) {
+    if (!(got == want)) bad = true;  // -inf must be matched exactly (a NaN want never is)
+  } else if (!std::isfinite(got)) {
+    bad = true;
+  } else {
+    max_ref = std::max(max_ref, std::abs(want));
+    if (std::abs(got - want) > max_err && !bad) {
+      max_err = std::abs(got - want);
+      worst = where, worst_got = got, worst_want = want;
+    }
+  }
+  if (bad && !was_bad) worst = where, worst_got = got, worst_want = want;
+}
+
+double NormError::value() const {
+  if (bad) return std::numeric_limits<double>::infinity();
+  return max_ref > 0 ? max_err / max_ref : max_err;
+}
+
+}  // namespace seqpar::fuzz

@@ -1,0 +1,66 @@
+#pragma once
+// The fuzzer's reference: which (query, key) pairs a mask leaves visible, decided pair by pair
+// from the definitions in AttentionProblem with 128-bit arithmetic (no sum or difference of
+// 64-bit fields can wrap), and attention forward and backward in double over the global
+// tensors. It shares nothing with the library's MaskView or MaskTables: the point is that
+// the two are written independently.
+#include <cstdint>
+#include <vector>
+
+#include "seqpar/core/problem.hpp"
+
+namespace seqpar::fuzz {
+
+/// Visibility of every pair of one problem, [B, S_q, S_kv].
+struct Visibility {
+  std::int64_t batch = 0, sq = 0, skv = 0;
+  std::vector<unsigned char> seen;  ///< 1 where key j is visible to query i of batch element b
+  std::vector<std::int64_t> row_keys;  ///< [B, S_q]: visible keys per query row
+  /// True when key j is visible to query i of batch element b.
+  bool operator()(std::int64_t b, std::int64_t i, std::int64_t j) const {
+    return seen[static_cast<std::size_t>((b * sq + i) * skv + j)] != 0;
+  }
+  /// Visible keys of query i of batch element b.
+  std::int64_t keys(std::int64_t b, std::int64_t i) const { return row_keys[static_cast<std::size_t>(b * sq + i)]; }
+  /// True when some query of batch element b sees key j.
+  bool key_seen(std::int64_t b, std::int64_t j) const;
+};
+
+/// The visibility of `p` (its masks) for global lengths sq and skv, straight from the
+/// definitions: d(i) = i (top-left) or i + S_kv - S_q (bottom-right); causal hides j > d;
+/// a window side w >= 0 hides j < d - left or j > d + right; documents hide pairs in
+/// different documents; key padding hides j >= kv_valid[b].
+Visibility visibility(const AttentionProblem& p, std::int64_t sq, std::int64_t skv);
+
+/// Global tensors in double: Q [B, S_q, H, D], K and V [B, S_kv, K, D].
+struct GlobalTensors {
+  std::vector<double> q, k, v, dout;
+};
+
+/// The exact answer: O [B, S_q, H, D], LSE [B, S_q, H] (-inf for a row that sees nothing),
+/// the bounds of each output element (min and max of the visible V values: a softmax is a
+/// convex combination), and with backward the gradients dQ [B, S_q, H, D], dK and dV
+/// [B, S_kv, K, D].
+struct ReferenceResult {
+  std::vector<double> out, lse, lo, hi;
+  std::vector<double> dq, dk, dv;
+};
+
+/// Forward (and with `backward`, the gradients) in double of problem `p` on `x` under `vis`.
+ReferenceResult reference_attention(const AttentionProblem& p, const Visibility& vis, const GlobalTensors& x,
+                                    bool backward);
+
+/// The normwise error max|got - want| / max|want| of a set of values (absolute when every
+/// wanted value is 0); a NaN or infinity where a finite value is wanted counts as infinite.
+struct NormError {
+  double max_err = 0, max_ref = 0;
+  bool bad = false;  ///< a non-finite value where a finite one was wanted, or a -inf mismatch
+  std::int64_t worst = -1;               ///< the caller's index of the worst pair (the first bad one)
+  double worst_got = 0, worst_want = 0;  ///< its values
+  /// Adds one pair, `where` being the caller's index of it.
+  void add(double got, double want, std::int64_t where);
+  /// The error.
+  double value() const;
+};
+
+}  // namespace seqpar::fuzz

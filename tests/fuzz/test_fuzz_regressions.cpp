@@ -1,0 +1,313 @@
+// The contract fuzzer's regression corpus: each defect it found, as the smallest case that
+// shows it, named by the property it breaks. Every case runs through the fuzzer's own checks
+// in a child process (a crash or a hang fails the case, not this program). While a defect's
+// class is listed in SEQPAR_FUZZ_OPEN_CLASSES (tests/fuzz/CMakeLists.txt) its case must still
+// break that property; once the class is removed, the case must keep every contract. So a fix
+// that lands without its letter being removed fails here, and so does a regression after.
+// Last, a self-test of the checks: a run fabricated from the reference passes them, and each
+// way of breaking it fails the property that names it.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "fuzz/fuzz_isolate.hpp"
+#include "fuzz/fuzz_runners.hpp"
+#include "seqpar/policy/policies.hpp"
+
+using namespace seqpar;
+using namespace seqpar::fuzz;
+
+namespace {
+
+constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+
+/// An attention case: `world` ranks of `policy` on `kernel`, planning `p` with `lengths`.
+FuzzCase attention(int world, PolicyChoice policy, KernelKind kernel, AttentionProblem p, std::vector<LocalLengths> lengths) {
+  FuzzCase c;
+  c.kind = CaseKind::attention;
+  c.attention.world = world;
+  c.attention.policy = policy;
+  c.attention.kernel = kernel;
+  c.attention.problem = std::move(p);
+  c.attention.lengths = std::move(lengths);
+  c.attention.data_seed = 12345;
+  return c;
+}
+
+/// A decode case of `p` on `world` ranks with ReferenceKernel, one step.
+FuzzCase decode(int world, DecodeProblem p) {
+  FuzzCase c;
+  c.kind = CaseKind::decode;
+  c.decode.world = world;
+  c.decode.problem = std::move(p);
+  c.decode.data_seed = 777;
+  return c;
+}
+
+PolicyChoice ulysses(bool anything = false) { return {PolicyKind::ulysses, LayoutKind::contiguous, anything}; }
+
+/// Case `c` keeps every contract; or, while class `letter` is open, breaks `property`.
+void expect_contract(const FuzzCase& c, char letter, const char* property) {
+  const Report r = run_isolated(c, 60);
+  std::string seen;
+  for (const Failure& f : r.failures) seen += "\n  " + f.property + ": " + f.detail;
+  INFO("case: " << describe(c));
+  INFO("failures:" << (seen.empty() ? std::string(" none") : seen));
+  if (std::string(SEQPAR_FUZZ_OPEN_CLASSES).find(letter) != std::string::npos) {
+    const bool shown = std::any_of(r.failures.begin(), r.failures.end(), [&](const Failure& f) { return f.property == property; });
+    const std::string name(1, letter);
+    CHECK_MESSAGE(shown, "class " << name << " no longer breaks \"" << std::string(property) << "\": if its fix has landed, "
+                                  << "remove " << name << " from SEQPAR_FUZZ_OPEN_CLASSES in tests/fuzz/CMakeLists.txt");
+  } else {
+    CHECK(r.failures.empty());
+  }
+}
+
+AttentionProblem small(std::int64_t heads = 1, std::int64_t dim = 8) {
+  AttentionProblem p;
+  p.heads = heads;
+  p.head_dim = dim;
+  p.with_lse = true;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("fuzz regression (a): a window side of INT64_MAX hides no key it should show") {
+  AttentionProblem p = small();
+  p.window = {-1, kMax};  // d + right wraps: every key hidden
+  expect_contract(attention(1, ulysses(), KernelKind::reference, p, {{8}}), 'a', prop::forward);
+  p.window = {kMax, 2};  // bottom-right with S_q > S_kv: a diagonal below -1 minus left wraps
+  p.causal_align = CausalAlign::bottom_right;
+  expect_contract(attention(1, ulysses(true), KernelKind::cpu_flash_1, p, {{8, 4}}), 'a', prop::forward);
+  p.window = {kMax - 1, 0};  // past 16 query rows: CpuFlashKernel's forward_query_block crashes
+  const PolicyChoice stripe{PolicyKind::ring, LayoutKind::stripe, true};
+  expect_contract(attention(2, stripe, KernelKind::cpu_flash_1, p, {{17, 8}, {16, 8}}), 'a', prop::no_crash);
+}
+
+TEST_CASE("fuzz regression (b): DecodePlan::advance applies in whole or not at all") {
+  DecodeProblem p{.batch = 2, .heads = 1, .head_dim = 8, .kv_len = {1, 6}, .capacity = 8};
+  FuzzCase c = decode(1, p);
+  c.decode.advance_probes = {3};  // fits sequence 0, not sequence 1
+  expect_contract(c, 'b', prop::advance);
+  c.decode.advance_probes = {kMax};  // kv_len + k wraps below the capacity
+  expect_contract(c, 'b', prop::advance);
+}
+
+TEST_CASE("fuzz regression (c): a NaN in the Q row of a query that sees no key reaches no gradient") {
+  AttentionProblem p = small();
+  p.causal = true;
+  p.causal_align = CausalAlign::bottom_right;  // S_q 4 > S_kv 2: queries 0 and 1 see nothing
+  FuzzCase c = attention(1, ulysses(true), KernelKind::cpu_flash_1, p, {{4, 2}});
+  c.attention.backward = true;
+  c.attention.nan_hidden_q = true;
+  expect_contract(c, 'c', prop::backward);
+}
+
+TEST_CASE("fuzz regression (d): a time-out of INT64_MAX ms means never") {
+  FuzzCase c;
+  c.kind = CaseKind::timeout;
+  c.timeout.world = 2;
+  c.timeout.timeout_ms = kMax;
+  expect_contract(c, 'd', prop::timeout);
+  c.timeout.timeout_ms = 9'300'000'000'000;
+  expect_contract(c, 'd', prop::timeout);
+}
+
+TEST_CASE("fuzz regression (e): lengths whose sum wraps past 2^63 are refused") {
+  AttentionProblem p = small();
+  p.documents = {{kMax, kMax, 18}};  // sums to 16 in wrapped 64-bit arithmetic
+  expect_contract(attention(1, ulysses(true), KernelKind::reference, p, {{16}}), 'e', prop::rules);
+  expect_contract(decode(1, {.batch = 1, .heads = 1, .head_dim = 8, .new_tokens = 2, .kv_len = {kMax - 1}, .capacity = kMax}),
+                  'e', prop::rules);
+}
+
+TEST_CASE("fuzz regression (f): the member can_implement of a kernel without supports_masks refuses masks") {
+  AttentionProblem p = small();
+  p.window = {2, -1};
+  expect_contract(attention(1, ulysses(), KernelKind::causal_only, p, {{8}}), 'f', prop::member_can_implement);
+}
+
+TEST_CASE("fuzz regression (g): owner and slot refuse positions outside the cache") {
+  FuzzCase c = decode(2, {.batch = 1, .heads = 1, .head_dim = 8, .kv_len = {5}, .capacity = 8});
+  c.decode.position_probes = {{0, -1}, {0, 8}};
+  expect_contract(c, 'g', prop::position);
+}
+
+TEST_CASE("fuzz regression (h): decode refuses a NaN scale and an exchange outside its enum") {
+  expect_contract(decode(1, {.batch = 1, .heads = 1, .head_dim = 8, .scale = std::nan(""), .kv_len = {5}, .capacity = 8}),
+                  'h', prop::rules);
+  expect_contract(decode(1, {.batch = 1, .heads = 1, .head_dim = 8, .kv_len = {5}, .capacity = 8,
+                             .exchange = static_cast<DecodeExchange>(7)}),
+                  'h', prop::rules);
+}
+
+TEST_CASE("fuzz regression (i): ranks that disagree on documents are told the lengths, not hashes") {
+  AttentionProblem p = small();
+  p.documents = {{6, 2}};
+  FuzzCase c = attention(2, ulysses(), KernelKind::reference, p, {{4}, {4}});
+  c.attention.disagree_rank = 1;
+  c.attention.disagree_field = "documents";
+  c.attention.other_problem = p;
+  c.attention.other_problem.documents = {{4, 4}};
+  expect_contract(c, 'i', prop::disagreement);
+}
+
+TEST_CASE("fuzz regression (j): can_implement refuses stripe lengths that do not follow from the total") {
+  const PolicyChoice stripe{PolicyKind::ring, LayoutKind::stripe, true};
+  expect_contract(attention(2, stripe, KernelKind::reference, small(), {{3}, {1}}), 'j', prop::can_implement);
+}
+
+TEST_CASE("fuzz regression (k): a finite scale whose scores pass the float range is refused or computed") {
+  AttentionProblem p = small();
+  p.scale = 4e38;  // finite in double; past FLT_MAX, and so is the float LSE
+  const PolicyChoice ring{PolicyKind::ring, LayoutKind::contiguous};
+  expect_contract(attention(2, ring, KernelKind::reference, p, {{4}, {4}}), 'k', prop::forward);
+}
+
+TEST_CASE("fuzz regression (l): a K/V length below -1 is refused, not read as \"same as q\"") {
+  expect_contract(attention(1, ulysses(true), KernelKind::reference, small(), {{4, -2}}), 'l', prop::rules);
+}
+
+TEST_CASE("fuzz regression (m): enums outside their range are refused") {
+  PolicyChoice unified{PolicyKind::unified, LayoutKind::contiguous, false, 1, 0, static_cast<MeshPlacement>(5)};
+  expect_contract(attention(1, unified, KernelKind::reference, small(), {{4}}), 'm', prop::rules);
+  FuzzCase untyped = attention(1, ulysses(), KernelKind::reference, small(), {{4}});
+  untyped.attention.typed_plan = false;
+  untyped.attention.problem.dtype = static_cast<DType>(9);
+  expect_contract(untyped, 'm', prop::rules);
+  expect_contract(decode(1, {.batch = 1, .heads = 1, .head_dim = 8, .dtype = static_cast<DType>(9), .kv_len = {5},
+                             .capacity = 8}),
+                  'm', prop::rules);
+}
+
+TEST_CASE("fuzz regression (n): CpuFlashKernel with two threads runs an empty batch") {
+  AttentionProblem p = small();
+  p.batch = 0;
+  expect_contract(attention(1, ulysses(true), KernelKind::cpu_flash_2, p, {{4}}), 'n', prop::no_crash);
+}
+
+TEST_CASE("fuzz regression (o): a size refusal names the true lengths") {
+  expect_contract(attention(2, ulysses(true), KernelKind::reference, small(), {{1}, {kMax}}), 'o', prop::message);
+  AttentionProblem p = small();
+  p.batch = kMax;  // every tensor is empty: 0 bytes, below any limit
+  expect_contract(attention(1, ulysses(true), KernelKind::reference, p, {{0}}), 'o', prop::rules);
+}
+
+TEST_CASE("fuzz regression (p): Unified degrees whose product wraps int are refused at construction") {
+  const PolicyChoice wide{PolicyKind::unified, LayoutKind::contiguous, false, std::numeric_limits<int>::max(),
+                          std::numeric_limits<int>::max()};
+  expect_contract(attention(1, wide, KernelKind::reference, small(), {{4}}), 'p', prop::rules);
+}
+
+TEST_CASE("fuzz regression: the corpus's cases keep every other contract") {
+  // A case of each kind that no known class touches: the checks themselves pass on it.
+  AttentionProblem p = small(4);
+  p.kv_heads = 2;
+  p.causal = true;
+  p.window = {3, -1};
+  p.kv_valid = {7};
+  FuzzCase c = attention(2, {PolicyKind::unified, LayoutKind::zigzag, true, 2, 1}, KernelKind::cpu_flash_1, p, {{5}, {3}});
+  c.attention.backward = true;
+  c.attention.nan_hidden_kv = true;
+  const Report r = run_isolated(c, 60);
+  CHECK(r.failures.empty());
+  CHECK(std::find(r.notes.begin(), r.notes.end(), "attention: backward checked") != r.notes.end());
+  const Report d = run_isolated(decode(3, {.batch = 2, .heads = 2, .head_dim = 8, .new_tokens = 2, .kv_len = {7, 0},
+                                          .capacity = 12, .page = 2}),
+                                60);
+  CHECK(d.failures.empty());
+  CHECK(std::find(d.notes.begin(), d.notes.end(), "decode: steps checked exactly") != d.notes.end());
+}
+
+namespace {
+
+/// The rows at positions `pos` of a global [B, S, heads, width] tensor.
+std::vector<double> rows_at(const std::vector<double>& g, std::int64_t B, std::int64_t S, std::int64_t heads,
+                            std::int64_t width, const PositionMap& pos) {
+  std::vector<double> out;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < pos.size(); ++i) {
+      const auto at = g.begin() + ((b * S + pos(i)) * heads) * width;
+      out.insert(out.end(), at, at + heads * width);
+    }
+  return out;
+}
+
+bool breaks(const Report& r, const char* property) {
+  return std::any_of(r.failures.begin(), r.failures.end(), [&](const Failure& f) { return f.property == property; });
+}
+
+}  // namespace
+
+TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and none on the right one") {
+  // Two ranks of RingPolicy<Contiguous>, GQA, causal with a window: a run fabricated from the
+  // reference itself (plans built the way plan builds them), then broken one way at a time.
+  AttentionProblem p = small(2, 4);
+  p.kv_heads = 1;
+  p.causal = true;
+  p.window = {2, -1};
+  const RingPolicy<Contiguous> policy;
+  FuzzCase fc = attention(2, {PolicyKind::ring, LayoutKind::contiguous}, KernelKind::reference, p, {{3}, {3}});
+  AttentionCase& c = fc.attention;
+  c.backward = true;
+  const CaseData d = prepare_attention(c);
+  REQUIRE(d.ready);
+  const MeshConfig mesh = mesh_config(policy, 2);
+  std::vector<std::int64_t> all;
+  for (const LocalLengths& l : c.lengths)
+    for (std::int64_t v : detail::plan_fields(p, mesh, l)) all.push_back(v);
+  AttentionRun good;
+  good.free_verdict = can_implement(policy, p, std::span<const LocalLengths>(c.lengths));
+  for (int w = 0; w < 2; ++w) {
+    RankResult r;
+    r.plan = detail::build_plan(all, p, mesh, w, 1);
+    r.member_asked = true;
+    r.member = good.free_verdict;
+    r.planned = r.forwarded = r.backwarded = true;
+    r.qpos = r.plan.q_positions(w);
+    r.kvpos = r.plan.kv_positions(w);
+    r.out = rows_at(d.ref.out, d.B, d.Sq, d.H, d.D, r.qpos);
+    r.lse = rows_at(d.ref.lse, d.B, d.Sq, d.H, 1, r.qpos);
+    r.dq = rows_at(d.ref.dq, d.B, d.Sq, d.H, d.D, r.qpos);
+    r.dk = rows_at(d.ref.dk, d.B, d.Skv, d.K, d.D, r.kvpos);
+    r.dv = rows_at(d.ref.dv, d.B, d.Skv, d.K, d.D, r.kvpos);
+    r.forward_traffic = {r.plan.forward_bytes(w), r.plan.forward_bytes(w), 0};
+    r.backward_traffic = {r.plan.backward_bytes(w), r.plan.backward_bytes(w), 0};
+    good.ranks.push_back(std::move(r));
+  }
+  auto analyse = [&](const AttentionRun& run) {
+    Report rep;
+    analyse_attention(c, d, run, rep);
+    return rep;
+  };
+  const Report right = analyse(good);
+  for (const Failure& f : right.failures) INFO(f.property << ": " << f.detail);
+  CHECK(right.failures.empty());
+
+  auto broken = [&](auto&& change, const char* property) {
+    AttentionRun run = good;
+    change(run);
+    const Report r = analyse(run);
+    INFO("expected to break: " << std::string(property));
+    CHECK(breaks(r, property));
+  };
+  broken([](AttentionRun& r) { r.ranks[1].out[3] += 1e-3; }, prop::forward);
+  broken([](AttentionRun& r) { r.ranks[0].lse[1] += 1e-3; }, prop::lse);
+  broken([](AttentionRun& r) { r.ranks[1].dk[2] += 1e-2; }, prop::backward);
+  broken([](AttentionRun& r) { r.ranks[0].dq[0] = std::nan(""); }, prop::backward);
+  broken([](AttentionRun& r) { r.ranks[1].forward_traffic.sent += 4; }, prop::traffic);
+  broken([](AttentionRun& r) { r.ranks[0].backward_traffic.gathers = 1; }, prop::traffic);
+  broken([](AttentionRun& r) { r.ranks[1].qpos = r.ranks[0].qpos; }, prop::layout);
+  broken([](AttentionRun& r) { r.ranks[1].plan_call.kind = "ConfigError"; }, prop::same_refusal);
+  broken([](AttentionRun& r) { r.free_verdict = {false, "no"}; }, prop::can_implement);
+  broken([](AttentionRun& r) { r.ranks[0].member = {false, "no"}; }, prop::member_can_implement);
+  broken([](AttentionRun& r) { r.ranks[1].forward = {}, r.ranks[1].forward.kind = "CommAborted"; }, prop::forward);
+  broken([](AttentionRun& r) {  // a refusal in words other than can_implement's
+    for (RankResult& rank : r.ranks) rank.plan_call.kind = "ConfigError", rank.plan_call.what = "plan: something";
+    r.free_verdict = {false, "plan: something else"};
+  }, prop::can_implement);
+}
