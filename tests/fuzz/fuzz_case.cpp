@@ -4,6 +4,7 @@
 #include "fuzz/fuzz_case.hpp"
 
 #include <algorithm>
+#include <initializer_list>
 #include <cmath>
 #include <limits>
 #include <chrono>
@@ -569,18 +570,22 @@ std::string attention_model_reason(const AttentionCase& c) {
   if (D < 1) return "head_dim < 1";
   const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(D));
   if (!std::isfinite(scale)) return "scale not finite";
+  if (std::abs(scale) > 4294967296.0) return "|scale| above 2^32";
   for (const LocalLengths& l : c.lengths) {
     if (l.q < 0) return "a negative local query length";
     if (l.kv < -1) return "a local K/V length below -1 (only -1 means \"same as q\")";
   }
   const __int128 sq = total_q(c), skv = total_kv(c), limit = static_cast<__int128>(1) << 58;
   if (sq > kMax || skv > kMax) return "global lengths past 2^63";
-  // batch x max(S) x max(H, K) x D x 8 bytes <= 2^58, multiplied with saturation
+  // One token's rows, batch x max(H, K) x D x 8 bytes, and batch x max(S) x max(H, K) x D x 8
+  // bytes, both <= 2^58 (multiplied with saturation; the first bounds the loops over batch and
+  // heads even for an empty sequence).
   __int128 bytes = 8;
-  for (__int128 f : {static_cast<__int128>(B), std::max(sq, skv), static_cast<__int128>(std::max(H, K)),
-                     static_cast<__int128>(D)})
+  for (__int128 f : {static_cast<__int128>(B), static_cast<__int128>(std::max(H, K)), static_cast<__int128>(D)})
     bytes = f == 0 || bytes == 0 ? 0 : bytes > limit / f ? limit + 1 : bytes * f;
-  if (bytes > limit) return "a tensor above 2^58 bytes";
+  if (bytes > limit) return "one token's rows above 2^58 bytes";
+  const __int128 s = std::max(sq, skv);
+  if (s != 0 && bytes > limit / s) return "a tensor above 2^58 bytes";
   if (p.causal_align != CausalAlign::top_left && p.causal_align != CausalAlign::bottom_right) return "causal_align outside its enum";
   if (p.window.left < -1 || p.window.right < -1) return "a window side below -1";
   if (!p.documents.empty()) {
@@ -640,6 +645,17 @@ std::string decode_model_reason(const DecodeCase& c) {
     if (l < 0 || static_cast<__int128>(l) + p.new_tokens > p.capacity) return "kv_len + new_tokens past the capacity";
   const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   if (!std::isfinite(scale)) return "scale not finite";
+  if (std::abs(p.scale) > 4294967296.0) return "|scale| above 2^32";
+  // The whole cache (batch x capacity x K x D) and one step's rows (batch x T x H x (D + 1)),
+  // 8 bytes an element, each <= 2^58.
+  const __int128 limit = static_cast<__int128>(1) << 58;
+  auto bytes = [&](std::initializer_list<__int128> fs) {
+    __int128 b = 8;
+    for (__int128 f : fs) b = f == 0 || b == 0 ? 0 : b > limit / f ? limit + 1 : b * f;
+    return b;
+  };
+  if (bytes({p.batch, p.capacity, K, p.head_dim}) > limit || bytes({p.batch, p.new_tokens, p.heads, p.head_dim + 1}) > limit)
+    return "a cache or step tensor above 2^58 bytes";
   if (static_cast<int>(p.exchange) > 1) return "exchange outside its enum";
   if (static_cast<int>(p.dtype) > 3) return "dtype outside its enum";
   return "";

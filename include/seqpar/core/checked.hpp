@@ -13,6 +13,7 @@
 ///  - lengths, counts, sizes: 0..INT64_MAX, and every sum or product the library forms from
 ///    them must fit in 64 bits (the plan also bounds each tensor at 2^58 bytes, so the sizes
 ///    it derives later cannot wrap);
+///  - the softmax scale: 0 (1/sqrt(head_dim)) or finite with |scale| <= scale_limit (2^32);
 ///  - window sides: -1 (unbounded) or any value >= 0 up to INT64_MAX; a side at least as
 ///    large as the sequence is the same as unbounded, and `clamp_window_side` folds every such
 ///    side to `window_side_cap` so that `diagonal - side` and `diagonal + side` never wrap;
@@ -81,6 +82,11 @@ inline std::int64_t mul_or_throw(std::int64_t a, std::int64_t b, std::string_vie
                " does not fit in 64 bits");
   return *product;
 }
+
+/// The largest softmax scale a plan takes: 2^32. Real scales are near 1/sqrt(head_dim) (times a
+/// long-context factor); a scale past this makes scores of ordinary inputs overflow the
+/// float accumulation, which no kernel can turn into a finite answer, so it is refused.
+inline constexpr double scale_limit = 4294967296.0;
 
 /// The largest window side that keeps its meaning: 2^60. Positions are below 2^58 (a plan
 /// bounds every tensor at 2^58 bytes), so `diagonal +- side` stays far inside int64, and a

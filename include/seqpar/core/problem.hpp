@@ -20,7 +20,7 @@ struct AttentionProblem {
   std::int64_t kv_heads = 0;  ///< key/value heads K (H % K == 0); 0 means K = H
   std::int64_t head_dim = 64; ///< head dimension D
   bool causal = false;        ///< mask key positions after the query position (global positions)
-  double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim)
+  double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim); otherwise finite, |scale| <= 2^32
   DType dtype = DType::f32;   ///< element type of Q, K, V, O
   bool with_lse = false;      ///< forward also returns the LSE (every rank must agree: it changes the traffic)
   /// Where the causal diagonal (and a window's centre) sits when S_q != S_kv.
@@ -49,10 +49,10 @@ struct AttentionProblem {
 /// (AnythingPolicy) may give a different K/V length.
 struct LocalLengths {
   std::int64_t q = 0;   ///< local query tokens
-  std::int64_t kv = -1; ///< local key/value tokens; -1 means the same as q
+  std::int64_t kv = -1; ///< local key/value tokens; -1 means the same as q (other negatives are refused)
 
-  /// kv with -1 resolved.
-  constexpr std::int64_t kv_count() const { return kv < 0 ? q : kv; }
+  /// kv with -1 resolved (any other negative value stays, for plan to refuse).
+  constexpr std::int64_t kv_count() const { return kv == -1 ? q : kv; }
 };
 
 }  // namespace seqpar

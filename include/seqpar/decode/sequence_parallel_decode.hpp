@@ -294,8 +294,8 @@ class DecodeEngine {
     SEQPAR_CHECK_ARG(pr.kv_head_count() >= 1 && pr.heads % pr.kv_head_count() == 0, "decode plan: kv_heads",
                      "a divisor of heads " + std::to_string(pr.heads), pr.kv_head_count());
     SEQPAR_CHECK_ARG(pr.head_dim >= 1, "decode plan: head_dim", ">= 1", pr.head_dim);
-    SEQPAR_CHECK_ARG(std::isfinite(pr.scale), "decode plan: scale", "a finite number (or 0 for 1/sqrt(head_dim))",
-                     pr.scale);
+    SEQPAR_CHECK_ARG(std::isfinite(pr.scale) && std::abs(pr.scale) <= scale_limit, "decode plan: scale",
+                     "a finite number with |scale| <= 2^32 (or 0 for 1/sqrt(head_dim))", pr.scale);
     SEQPAR_CHECK_ARG(static_cast<int>(pr.dtype) <= static_cast<int>(DType::f64), "decode plan: dtype",
                      "f16, bf16, f32 or f64", static_cast<int>(pr.dtype));
     SEQPAR_CHECK_ARG(pr.exchange == DecodeExchange::all_gather || pr.exchange == DecodeExchange::heads,

@@ -86,7 +86,9 @@ struct FlashDecode {
     if (threads <= 1) return 1;
     const std::int64_t kheads = std::max<std::int64_t>(1, k.heads());
     const std::int64_t slab = slab_heads(q.seq(), (q.heads() + kheads - 1) / kheads, kheads);
-    const std::int64_t groups = q.batch() * ((kheads + slab - 1) / slab), want = (4 * threads + groups - 1) / groups;
+    const std::int64_t groups = q.batch() * ((kheads + slab - 1) / slab);
+    if (groups == 0) return 1;  // an empty batch: no task at all
+    const std::int64_t want = (4 * threads + groups - 1) / groups;
     return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, k.seq() / decode_min_chunk));
   }
 

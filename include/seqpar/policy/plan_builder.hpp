@@ -113,10 +113,18 @@ inline std::string size_reason(const AttentionProblem& pr, std::span<const std::
     return std::string("plan: size overflow: the ranks' local ") + (sq ? "kv" : "q") +
            " lengths sum past 2^63 tokens";
   const std::int64_t heads = std::max(pr.heads, pr.kv_head_count());
-  const std::int64_t factors[] = {8, pr.batch, std::max(*sq, *skv), heads, pr.head_dim};
-  const std::optional<std::int64_t> bytes = checked_product(factors);
-  if (bytes && *bytes <= limit) return "";
+  // One token's rows first: loops over the batch and the heads must stay bounded even when
+  // the sequence is empty (and every tensor with it).
+  const std::int64_t per_token[] = {8, pr.batch, heads, pr.head_dim};
+  const std::optional<std::int64_t> token_bytes = checked_product(per_token);
   std::ostringstream why;
+  if (!token_bytes || *token_bytes > limit) {
+    why << "plan: size overflow: batch " << pr.batch << " x heads " << heads << " x head_dim " << pr.head_dim
+        << " x 8 bytes (one token's rows) exceeds the 2^58-byte limit on one tensor, whatever the length";
+    return why.str();
+  }
+  const std::optional<std::int64_t> bytes = checked_mul(*token_bytes, std::max(*sq, *skv));
+  if (bytes && *bytes <= limit) return "";
   why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(*sq, *skv) << " x heads "
       << heads << " x head_dim " << pr.head_dim << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
   return why.str();
@@ -169,6 +177,28 @@ inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::
   return "";
 }
 
+/// The stripe layout's rule: token t lives on ring rank t mod R, so the lengths follow from
+/// the total (ring rank r's block holds ceil((S - r) / R) tokens). "" when `len` (per world
+/// rank, sums checked already) does, or the layout is another.
+inline std::string stripe_reason(const MeshConfig& mesh, std::span<const std::int64_t> len, const char* which) {
+  if (mesh.layout != LayoutKind::stripe || mesh.ring <= 1) return "";
+  std::vector<std::int64_t> block(static_cast<std::size_t>(mesh.ring), 0);
+  std::int64_t total = 0;
+  for (std::size_t w = 0; w < len.size(); ++w) {
+    block[static_cast<std::size_t>(mesh.ring_rank(static_cast<int>(w)))] += len[w];
+    total += len[w];
+  }
+  for (int r = 0; r < mesh.ring; ++r) {
+    const std::int64_t want = total > r ? (total - r + mesh.ring - 1) / mesh.ring : 0;
+    if (block[static_cast<std::size_t>(r)] != want)
+      return "plan: stripe layout: ring rank " + std::to_string(r) + " must hold " + std::to_string(want) + " of the " +
+             std::to_string(total) + " tokens of the " + which + " (token t lives on ring rank t mod " +
+             std::to_string(mesh.ring) + "), got " + std::to_string(block[static_cast<std::size_t>(r)]) +
+             "; use split_sequence() for the lengths, or the contiguous or zigzag layout";
+  }
+  return "";
+}
+
 /// The shape rules of a resolved mesh: "" when `problem` with these per-rank lengths (indexed
 /// by world rank) runs, else the reason (naming the rule and the fix).
 inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem,
@@ -181,8 +211,11 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
   else if (H < 1) why << "plan: heads: expected >= 1, got " << H;
   else if (K < 1 || H % K != 0) why << "plan: kv_heads: expected a divisor of heads " << H << ", got " << K;
   else if (D < 1) why << "plan: head_dim: expected >= 1, got " << D;
-  else if (!std::isfinite(scale))
-    why << "plan: scale: expected a finite number (or 0 for 1/sqrt(head_dim)), got " << problem.scale;
+  else if (!std::isfinite(scale) || std::abs(scale) > scale_limit)
+    why << "plan: scale: expected a finite number with |scale| <= 2^32 (or 0 for 1/sqrt(head_dim)), got "
+        << problem.scale;
+  else if (static_cast<int>(problem.dtype) > static_cast<int>(DType::f64))
+    why << "plan: dtype: expected f16, bf16, f32 or f64, got " << static_cast<int>(problem.dtype);
   if (!why.str().empty()) return why.str();
   for (int w = 0; w < world; ++w)
     if (q_len[w] < 0 || kv_len[w] < 0)
@@ -192,6 +225,8 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
   if (!size.empty()) return size;
   const std::string mask = mask_reason(problem, q_len, kv_len);
   if (!mask.empty()) return mask;
+  if (const std::string stripe = stripe_reason(mesh, q_len, "queries"); !stripe.empty()) return stripe;
+  if (const std::string stripe = stripe_reason(mesh, kv_len, "keys and values"); !stripe.empty()) return stripe;
   if (mesh.anything) return "";
   const std::string fix = std::string("; use AnythingPolicy<") + mesh.policy + "> for any shape";
   for (int w = 0; w < world; ++w) {

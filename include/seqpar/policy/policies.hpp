@@ -4,6 +4,7 @@
 /// arranged, and policy_traits: which engine phases each one instantiates. All of them run on
 /// one engine (policy/mesh_engine.hpp) as a U x R mesh.
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -165,9 +166,12 @@ inline std::string resolve_mesh_reason(MeshConfig& m, int world) {
     why << m.policy << ": ring_degree " << r << " does not divide the world size " << world;
   } else if (r == 0 && world % u != 0) {
     why << m.policy << ": ulysses_degree " << u << " does not divide the world size " << world;
-  } else if (u > 0 && r > 0 && u * r != world) {
+  } else if (u > 0 && r > 0 && std::int64_t{u} * r != world) {  // in 64 bits: int would wrap
     why << m.policy << ": ulysses_degree x ring_degree = " << u << " x " << r << " must equal the world size "
-        << world << " (it is " << u * r << "; leave one degree 0 to derive it from the other)";
+        << world << " (it is " << std::int64_t{u} * r << "; leave one degree 0 to derive it from the other)";
+  } else if (m.placement != MeshPlacement::ulysses_adjacent && m.placement != MeshPlacement::ring_adjacent) {
+    why << m.policy << ": placement: expected MeshPlacement::ulysses_adjacent or ring_adjacent, got "
+        << static_cast<std::int64_t>(m.placement);
   } else {
     if (u == 0) m.ulysses = world / r;
     if (r == 0) m.ring = world / u;
