@@ -1,6 +1,6 @@
 /// \file
 /// The machine's ceilings, measured at the vector width the kernels run at (chosen at run
-/// time, kernel/cpu_isa.hpp) so that the kernels' figures can be quoted as fractions of them:
+/// time, kernel/cpu/isa.hpp) so that the kernels' figures can be quoted as fractions of them:
 /// fp32 FMA peak of one core and of all cores, and memory copy bandwidth.
 
 #include <benchmark/benchmark.h>

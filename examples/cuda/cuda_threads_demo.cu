@@ -13,7 +13,7 @@
 #include "common.hpp"  // random inputs, a rank's slices, the exact reference rows
 #include "flash_instances.cuh"  // the kernels, compiled once for both examples
 #include "seqpar/comm/cuda_thread_communicator.hpp"
-#include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "seqpar/kernel/cuda/flash_kernel.cuh"
 #include "seqpar/seqpar.hpp"
 
 using namespace seqpar;

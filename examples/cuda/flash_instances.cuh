@@ -1,9 +1,9 @@
 #pragma once
-// The examples' CudaFlashKernel instances (see seqpar/kernel/cuda_flash_kernel_instances.cuh):
+// The examples' CudaFlashKernel instances (see seqpar/kernel/cuda/flash_kernel_instances.cuh):
 // bf16 forward, out in bf16 and in float. flash_instances.cu defines them once; CMakeLists.txt
 // defines SEQPAR_EXAMPLE_FLASH_INSTANCES where it links that file, and the demos then declare
 // them extern. A demo compiled on its own instantiates the kernels itself.
-#include "seqpar/kernel/cuda_flash_kernel_instances.cuh"
+#include "seqpar/kernel/cuda/flash_kernel_instances.cuh"
 
 /// The instances, declared (prefix `extern`) or defined (prefix empty).
 #define SEQPAR_EXAMPLE_FLASH_INSTANCE_LIST(prefix)                            \

@@ -18,7 +18,7 @@
 #include "flash_instances.cuh"  // the kernels, compiled once for both examples
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/comm/nccl_communicator.hpp"
-#include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "seqpar/kernel/cuda/flash_kernel.cuh"
 #include "seqpar/seqpar.hpp"
 
 using namespace seqpar;

@@ -6,10 +6,10 @@
 /// nccl.h is on the include path. The host-only library is seqpar/seqpar.hpp.
 
 #include "seqpar/comm/cuda_thread_communicator.hpp"
-#include "seqpar/core/cuda_error.hpp"
-#include "seqpar/core/cuda_types.hpp"
-#include "seqpar/kernel/cuda_flash_kernel.cuh"
-#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/cuda/error.hpp"
+#include "seqpar/cuda/types.hpp"
+#include "seqpar/kernel/cuda/flash_kernel.cuh"
+#include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/seqpar.hpp"
 
 #if __has_include(<nccl.h>)

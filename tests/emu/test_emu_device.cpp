@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "seqpar/kernel/cuda_launch.cuh"
+#include "seqpar/cuda/launch.cuh"
 
 namespace {
 

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "seqpar/comm/cuda_thread_communicator.hpp"
-#include "seqpar/core/cuda_error.hpp"
-#include "seqpar/core/cuda_types.hpp"
-#include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "seqpar/cuda/error.hpp"
+#include "seqpar/cuda/types.hpp"
+#include "seqpar/kernel/cuda/flash_kernel.cuh"
 #include "seqpar/seqpar.hpp"
 #include "support/kernel_instances.hpp"
 

@@ -173,7 +173,7 @@ Errors compare_rows(const std::vector<O>& out, const std::vector<A>& lse, const 
   return e;
 }
 
-/// Every CPU instruction set of the kernels (kernel/cpu_isa.hpp) that this machine runs,
+/// Every CPU instruction set of the kernels (kernel/cpu/isa.hpp) that this machine runs,
 /// narrowest first. The first call prints them (so the test log says which paths ran) and
 /// which were left out because the CPU lacks them.
 inline const std::vector<CpuIsa>& cpu_isas() {

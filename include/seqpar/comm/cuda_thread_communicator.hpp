@@ -19,7 +19,7 @@
 #include <cstddef>
 
 #include "seqpar/comm/thread_communicator.hpp"
-#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/cuda/error.hpp"
 #include "seqpar/core/types.hpp"
 
 namespace seqpar {

@@ -24,7 +24,7 @@
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/types.hpp"
 
-#include "seqpar/comm/mpi_comm_state.hpp"
+#include "seqpar/comm/detail/mpi_state.hpp"
 
 namespace seqpar {
 

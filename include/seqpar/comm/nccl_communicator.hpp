@@ -67,9 +67,9 @@
 #include <vector>
 
 #include "seqpar/comm/communicator.hpp"
-#include "seqpar/comm/nccl_state.hpp"
+#include "seqpar/comm/detail/nccl_state.hpp"
 #include "seqpar/core/checked.hpp"
-#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/cuda/error.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/types.hpp"
 

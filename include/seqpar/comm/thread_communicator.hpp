@@ -4,7 +4,7 @@
 /// programs, and (over device memory) to check every policy on one GPU.
 ///
 /// The state the ranks share (ThreadFamily, Channel, ThreadGroup) is in
-/// comm/thread_communicator_state.hpp; this header holds the communicator and run_ranks.
+/// comm/detail/thread_state.hpp; this header holds the communicator and run_ranks.
 
 #include <algorithm>
 #include <chrono>
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "seqpar/comm/communicator.hpp"
-#include "seqpar/comm/thread_communicator_state.hpp"
+#include "seqpar/comm/detail/thread_state.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/types.hpp"
 

@@ -1,20 +1,6 @@
 #pragma once
 /// \file
-/// The CUDA element types seqpar accepts: __half (DType::f16) and __nv_bfloat16 (DType::bf16).
-/// Both accumulate in float (acc_t). Host code can include this with a plain C++ compiler.
+/// Forwarding header, kept so that existing includes compile: the CUDA element types lives in
+/// seqpar/cuda/types.hpp (one folder per layer).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "seqpar/core/types.hpp"
-
-namespace seqpar {
-
-/// IEEE half precision: DType::f16.
-template <>
-struct dtype_of<__half> : std::integral_constant<DType, DType::f16> {};
-/// bfloat16: DType::bf16.
-template <>
-struct dtype_of<__nv_bfloat16> : std::integral_constant<DType, DType::bf16> {};
-
-}  // namespace seqpar
+#include "seqpar/cuda/types.hpp"

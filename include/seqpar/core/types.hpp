@@ -2,6 +2,7 @@
 /// \file
 /// Memory spaces, element types and the accumulation type.
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -49,5 +50,10 @@ inline constexpr DType dtype_v = dtype_of<std::remove_const_t<T>>::value;
 /// use it.
 template <class T>
 using acc_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
+
+/// Bytes of one element of a DType.
+constexpr std::size_t dtype_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
+/// Bytes of one element of a DType's accumulation type (acc_t): 8 for f64, else 4.
+constexpr std::size_t acc_bytes(DType t) { return t == DType::f64 ? 8 : 4; }
 
 }  // namespace seqpar

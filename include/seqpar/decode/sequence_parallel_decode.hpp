@@ -43,9 +43,8 @@
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/decode/decode_plan.hpp"
-#include "seqpar/kernel/host_ops.hpp"
+#include "seqpar/ops/host_ops.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
-#include "seqpar/policy/plan_builder.hpp"
 
 namespace seqpar {
 namespace detail {
@@ -239,7 +238,7 @@ class DecodeEngine {
     const DecodeProblem& pr = p.problem_;
     const int P = world_.size(), me = world_.rank();
     const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens);
-    const std::size_t a = pr.dtype == DType::f64 ? 8 : 4, e = dtype_bytes(pr.dtype), tag = 8;
+    const std::size_t a = acc_bytes(pr.dtype), e = dtype_bytes(pr.dtype), tag = 8;
     const auto D = static_cast<std::size_t>(pr.head_dim);
     auto partial = [&](HeadRange h) { return rows * static_cast<std::size_t>(h.count) * (D + 1) * a + tag; };
     DecodePieces s;
@@ -272,7 +271,7 @@ class DecodeEngine {
     const DecodePieces& sz = p.pieces_;
     const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens), H = static_cast<std::size_t>(pr.heads),
                D = static_cast<std::size_t>(pr.head_dim);
-    const std::size_t a = pr.dtype == DType::f64 ? 8 : 4, e = dtype_bytes(pr.dtype);
+    const std::size_t a = acc_bytes(pr.dtype), e = dtype_bytes(pr.dtype);
     const bool gather_q = pr.exchange == DecodeExchange::heads && world_.size() > 1;
     const auto W = SlotLife::whole_call;
     return WorkspaceLayout<s_count>({{

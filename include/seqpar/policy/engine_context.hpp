@@ -10,7 +10,7 @@
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/profile.hpp"
-#include "seqpar/kernel/host_ops.hpp"
+#include "seqpar/ops/host_ops.hpp"
 
 namespace seqpar::detail {
 

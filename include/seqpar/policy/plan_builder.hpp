@@ -39,9 +39,6 @@ struct Implementable {
 
 namespace detail {
 
-/// Bytes of one element of a DType.
-constexpr std::size_t dtype_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
-
 /// Every field ranks must agree on, gathered once per plan.
 enum PlanField : int {
   f_batch, f_heads, f_kv_heads, f_head_dim, f_causal, f_dtype, f_scale, f_with_lse,
@@ -283,7 +280,7 @@ inline Plan build_plan(const std::vector<std::int64_t>& all, const AttentionProb
   Plan p;
   PlanAccess::fill(p, agreed, mesh, me, owner, SequenceLayout(mesh.layout, R, U, qlen),
                    SequenceLayout(mesh.layout, R, U, kvlen), std::move(q_heads), std::move(kv_heads),
-                   dtype_bytes(problem.dtype), problem.dtype == DType::f64 ? 8 : 4);
+                   dtype_bytes(problem.dtype), acc_bytes(problem.dtype));
 
   PlanSchedule& s = PlanAccess::schedule(p);
   s.tables = PlanAccess::exchange_tables(p);

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "seqpar/comm/cuda_thread_communicator.hpp"
-#include "seqpar/core/cuda_error.hpp"
-#include "seqpar/core/cuda_types.hpp"
-#include "seqpar/kernel/cuda_flash_kernel.cuh"
+#include "seqpar/cuda/error.hpp"
+#include "seqpar/cuda/types.hpp"
+#include "seqpar/kernel/cuda/flash_kernel.cuh"
 #include "kernel_instances.hpp"
 #include "seqpar/seqpar.hpp"
 #include "support/attention_check.hpp"

@@ -6,7 +6,7 @@
 
 #include <cstdio>
 
-#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/cuda/error.hpp"
 
 int main(int argc, char** argv) {
   int count = 0;

@@ -2,11 +2,11 @@
 /// \file
 /// CudaFlashKernel's forward and backward for every element type the GPU tests use, compiled
 /// once (kernel_instances_{f16,bf16,f32}.cu, one object per type) instead of in every program
-/// (see seqpar/kernel/cuda_flash_kernel_instances.cuh). Where the build links those objects it
+/// (see seqpar/kernel/cuda/flash_kernel_instances.cuh). Where the build links those objects it
 /// defines SEQPAR_EXTERN_KERNEL_INSTANCES, and this header declares the instantiations extern;
 /// without it (a program compiled on its own) each program instantiates them as usual.
 
-#include "seqpar/kernel/cuda_flash_kernel_instances.cuh"
+#include "seqpar/kernel/cuda/flash_kernel_instances.cuh"
 
 /// Every instance of element type T: out in T, and in float (ring partial results) when T is not.
 #define SEQPAR_KERNEL_INSTANCES(prefix, T)          \

@@ -1,9 +1,9 @@
 #pragma once
 /// \file
-/// CpuFlashKernel's code compiled once per instruction set (kernel/cpu_isa.hpp), and the
+/// CpuFlashKernel's code compiled once per instruction set (kernel/cpu/isa.hpp), and the
 /// run-time switch between the copies.
 ///
-/// How: kernel/cpu_isa_kernels.inl (the SIMD layer, forward and backward) is included three
+/// How: kernel/cpu/isa/kernels.inl (the SIMD layer, forward and backward) is included three
 /// times, into namespaces detail::isa_avx512, detail::isa_avx2 and detail::isa_vec128, the
 /// first two under a function-level target (`#pragma GCC target`, or Clang's
 /// `#pragma clang attribute`) that covers every function, template and lambda defined there.
@@ -23,10 +23,10 @@
 #include <type_traits>
 #include <utility>
 
-#include "seqpar/kernel/cpu_flash_backward.hpp"
-#include "seqpar/kernel/cpu_flash_decode.hpp"
-#include "seqpar/kernel/cpu_flash_scratch.hpp"
-#include "seqpar/kernel/cpu_isa.hpp"
+#include "seqpar/kernel/cpu/flash_backward.hpp"
+#include "seqpar/kernel/cpu/flash_decode.hpp"
+#include "seqpar/kernel/cpu/flash_scratch.hpp"
+#include "seqpar/kernel/cpu/isa.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 
 #if SEQPAR_CPU_ISA_X86
@@ -96,7 +96,7 @@ namespace seqpar::detail::isa_avx512 {
 #define SEQPAR_ISA_BYTES 64
 /// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 32
-#include "seqpar/kernel/cpu_isa_kernels.inl"
+#include "seqpar/kernel/cpu/isa/kernels.inl"
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_avx512
@@ -114,7 +114,7 @@ namespace seqpar::detail::isa_avx2 {
 #define SEQPAR_ISA_BYTES 32
 /// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 16
-#include "seqpar/kernel/cpu_isa_kernels.inl"
+#include "seqpar/kernel/cpu/isa/kernels.inl"
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_avx2
@@ -137,7 +137,7 @@ namespace seqpar::detail::isa_vec128 {
 /// Vector registers of the copy being compiled (read by cpu_isa_kernels.inl).
 #define SEQPAR_ISA_REGISTERS 16
 #endif
-#include "seqpar/kernel/cpu_isa_kernels.inl"
+#include "seqpar/kernel/cpu/isa/kernels.inl"
 #undef SEQPAR_ISA_BYTES
 #undef SEQPAR_ISA_REGISTERS
 }  // namespace seqpar::detail::isa_vec128

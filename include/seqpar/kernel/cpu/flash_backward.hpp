@@ -2,7 +2,7 @@
 /// \file
 /// Backward of CpuFlashKernel (FlashAttention-2 style): probabilities are recomputed from the
 /// saved LSE one (query block, key block) tile at a time, so memory stays O(block). This file
-/// has the work split and the dQ turn order; kernel/cpu_isa_backward.inl the tile loop, once
+/// has the work split and the dQ turn order; kernel/cpu/isa/backward.inl the tile loop, once
 /// per instruction set.
 ///
 /// Work split. A task is one key block of one (batch, K/V head): it owns that block's dK, dV
@@ -23,7 +23,7 @@
 /// increasing order: the earliest running task never waits.
 ///
 /// Per tile (BQ queries, BK keys) five products run through one register-tiled
-/// micro-kernel (kernel/cpu_isa_simd.inl): S = Q K^T and dP = dO V^T with keys in the SIMD
+/// micro-kernel (kernel/cpu/isa/simd.inl): S = Q K^T and dP = dO V^T with keys in the SIMD
 /// lanes, then P = exp(S scale - LSE) and dS = P (dP - delta) scale lane-wise, then
 /// dV += P^T dO, dK += dS^T Q and dQ = dS K with head dims in the lanes. A tile runs from the
 /// first key any of its rows sees to the last (each row sees one contiguous run of keys); P
@@ -40,7 +40,7 @@
 #include <cstdint>
 #include <thread>
 
-#include "seqpar/kernel/cpu_flash_scratch.hpp"
+#include "seqpar/kernel/cpu/flash_scratch.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 
 namespace seqpar::detail {
@@ -74,7 +74,7 @@ inline void pass_turn(std::int32_t& turn, std::int32_t next) {
 }
 
 /// One backward call: the views, and how its work divides. Each instruction set's
-/// backward_task(job, t, scratch, turns) (kernel/cpu_isa_backward.inl) runs task t for every t
+/// backward_task(job, t, scratch, turns) (kernel/cpu/isa/backward.inl) runs task t for every t
 /// in [0, tasks()). `turns` (one int32 per (batch, head, query block), zeroed before the first
 /// task) orders the dQ adds when tasks run concurrently; tasks run one by one in increasing
 /// order need none (null).

@@ -3,18 +3,18 @@
 /// The tensor-core forward of CudaFlashKernel: flash_fwd_mma, for __half and __nv_bfloat16 at
 /// head_dim 64 or 128 on sm_80+, 64 (or 128) query rows x 64 keys per tile, Q K^T and P V by
 /// mma.sync with P kept in registers, K/V streamed into shared memory with cp.async. The host
-/// class (kernel/cuda_flash_kernel.cuh) picks it when its conditions hold and SIMT otherwise;
-/// the primitives it is built from are in kernel/cuda_flash_mma.cuh.
+/// class (kernel/cuda/flash_kernel.cuh) picks it when its conditions hold and SIMT otherwise;
+/// the primitives it is built from are in kernel/cuda/flash_mma.cuh.
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
-#include "seqpar/kernel/cuda_flash_args.cuh"
-#include "seqpar/kernel/cuda_flash_mask.cuh"
-#include "seqpar/kernel/cuda_flash_mma.cuh"
-#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/cuda/flash_args.cuh"
+#include "seqpar/kernel/cuda/flash_mask.cuh"
+#include "seqpar/kernel/cuda/flash_mma.cuh"
+#include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
 namespace seqpar {

@@ -1,6 +1,6 @@
 // CpuFlashKernel's forward for ONE instruction set: one (batch, head, query block) streamed
-// over the key blocks (the layout is explained in kernel/cpu_flash_kernel.hpp; why this file
-// has no include guard, in kernel/cpu_isa_kernels.hpp). Needs the SIMD layer
+// over the key blocks (the layout is explained in kernel/cpu/flash_kernel.hpp; why this file
+// has no include guard, in kernel/cpu/isa_kernels.hpp). Needs the SIMD layer
 // (cpu_isa_simd.inl) of the same namespace.
 
 /// What a finished row writes: its output times `inv`, and its LSE.

@@ -3,20 +3,20 @@
 /// The tensor-core backward of CudaFlashKernel: flash_bwd_mma, for __half and __nv_bfloat16
 /// at head_dim 64 or 128 on sm_80+, all five products (S, dP, dV, dK, dQ) by mma.sync with
 /// ldmatrix operands, one block per 64-key tile keeping its dK, dV in registers. The host
-/// class (kernel/cuda_flash_kernel.cuh) picks it on the forward's conditions (and dout's rows
+/// class (kernel/cuda/flash_kernel.cuh) picks it on the forward's conditions (and dout's rows
 /// 16-byte aligned) and the SIMT backward otherwise; its primitives are in
-/// kernel/cuda_flash_mma.cuh.
+/// kernel/cuda/flash_mma.cuh.
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
-#include "seqpar/kernel/cuda_flash_args.cuh"
-#include "seqpar/kernel/cuda_flash_mask.cuh"
-#include "seqpar/kernel/cuda_flash_mma.cuh"
-#include "seqpar/kernel/cuda_launch.cuh"
-#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/cuda/flash_args.cuh"
+#include "seqpar/kernel/cuda/flash_mask.cuh"
+#include "seqpar/kernel/cuda/flash_mma.cuh"
+#include "seqpar/cuda/launch.cuh"
+#include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
 namespace seqpar {

@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <string>
 
-#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/cuda/error.hpp"
 #include "seqpar/core/error.hpp"
 
 namespace seqpar {

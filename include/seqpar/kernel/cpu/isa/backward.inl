@@ -1,5 +1,5 @@
-// CpuFlashKernel's backward tile loop for ONE instruction set (see kernel/cpu_flash_backward.hpp
-// for the work split, and kernel/cpu_isa_kernels.hpp for why this file has no include guard).
+// CpuFlashKernel's backward tile loop for ONE instruction set (see kernel/cpu/flash_backward.hpp
+// for the work split, and kernel/cpu/isa_kernels.hpp for why this file has no include guard).
 // Needs the SIMD layer (cpu_isa_simd.inl) of the same namespace.
 
 /// The keys of block [j0, j0 + nk) that each row of query block [i0, i0 + nq) sees by the mask

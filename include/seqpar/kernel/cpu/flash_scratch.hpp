@@ -2,7 +2,7 @@
 /// \file
 /// Per-thread scratch of CpuFlashKernel's forward and backward: which buffers, their sizes,
 /// and how they are carved from one byte range. The layouts serve every instruction set
-/// (kernel/cpu_isa.hpp): rows are padded to whole panels of the widest one (two 512-bit
+/// (kernel/cpu/isa.hpp): rows are padded to whole panels of the widest one (two 512-bit
 /// vectors), which is a whole number of panels of every narrower one.
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // CpuFlashKernel's decode path for ONE instruction set: one (batch element, slab of K/V
-// heads, key chunk) task of kernel/cpu_flash_decode.hpp (which explains the layout; why this
-// file has no include guard, in kernel/cpu_isa_kernels.hpp). Needs the SIMD layer
+// heads, key chunk) task of kernel/cpu/flash_decode.hpp (which explains the layout; why this
+// file has no include guard, in kernel/cpu/isa_kernels.hpp). Needs the SIMD layer
 // (cpu_isa_simd.inl) and the forward's panel helpers (cpu_isa_forward.inl) of the same
 // namespace.
 

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <utility>
 
-#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/cuda/error.hpp"
 
 namespace seqpar::cuda_detail {
 

@@ -33,7 +33,7 @@
 
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/types.hpp"
-#include "seqpar/kernel/cpu_flash_scratch.hpp"
+#include "seqpar/kernel/cpu/flash_scratch.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/kernel/merge_state.hpp"
 

@@ -6,16 +6,16 @@
 /// mma_threads threads). Each wraps inline PTX; under SEQPAR_CUDA_EMULATION (tests/emu) it
 /// calls the CPU emulation instead, and below sm_80 it traps (the host never picks these paths
 /// there). Also the NaN/Inf tests of 16-bit operands that tiles cut by the causal mask apply.
-/// Used by kernel/cuda_flash_tensor_core_forward.cuh and
-/// kernel/cuda_flash_tensor_core_backward.cuh.
+/// Used by kernel/cuda/flash_tensor_core_forward.cuh and
+/// kernel/cuda/flash_tensor_core_backward.cuh.
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
-#include "seqpar/core/cuda_types.hpp"
-#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/cuda/types.hpp"
+#include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
 namespace seqpar {

@@ -2,19 +2,19 @@
 /// \file
 /// The SIMT kernels of CudaFlashKernel: flash_fwd_simt and flash_bwd_simt, for every element
 /// type (__half, __nv_bfloat16, float), any head_dim <= 256 and any strides, float in shared
-/// memory. They are the path every call can take; the host class (kernel/cuda_flash_kernel.cuh)
+/// memory. They are the path every call can take; the host class (kernel/cuda/flash_kernel.cuh)
 /// picks them whenever the tensor-core kernels do not apply. Kept apart from the tensor-core
-/// kernels because they share nothing with them but kernel/cuda_flash_args.cuh.
+/// kernels because they share nothing with them but kernel/cuda/flash_args.cuh.
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
-#include "seqpar/kernel/cuda_flash_args.cuh"
-#include "seqpar/kernel/cuda_flash_mask.cuh"
-#include "seqpar/kernel/cuda_launch.cuh"
-#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/kernel/cuda/flash_args.cuh"
+#include "seqpar/kernel/cuda/flash_mask.cuh"
+#include "seqpar/cuda/launch.cuh"
+#include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
 namespace seqpar {

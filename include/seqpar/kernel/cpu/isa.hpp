@@ -6,7 +6,7 @@
 /// the machine a program runs on: a binary built for plain x86-64 runs on cores with two
 /// 512-bit FMA pipes, where a 256-bit kernel reaches half the peak. So CpuFlashKernel is
 /// compiled once per instruction set, each copy under a function-level target (GCC/Clang
-/// `#pragma GCC target` / `#pragma clang attribute`, see kernel/cpu_isa_kernels.hpp), and picks
+/// `#pragma GCC target` / `#pragma clang attribute`, see kernel/cpu/isa_kernels.hpp), and picks
 /// the widest copy this CPU runs, once per process. No translation unit needs -mavx512f, so
 /// nothing outside the kernel is compiled for instructions the CPU may not have.
 ///

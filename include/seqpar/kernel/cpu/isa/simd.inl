@@ -1,6 +1,6 @@
 // The SIMD layer of the CPU kernels for ONE instruction set: vector types, the few operations
 // the kernels need, a branch-free float exp, and the register-tiled micro-kernel. No include
-// guard on purpose: kernel/cpu_isa_kernels.hpp includes this file once per instruction set,
+// guard on purpose: kernel/cpu/isa_kernels.hpp includes this file once per instruction set,
 // each time inside its own namespace and function-level target, with
 //   SEQPAR_ISA_BYTES      bytes of one vector (16, 32 or 64),
 //   SEQPAR_ISA_REGISTERS  architectural vector registers (16 or 32).

@@ -1,11 +1,11 @@
 // Everything CpuFlashKernel runs, for ONE instruction set: included once per level by
-// kernel/cpu_isa_kernels.hpp, inside that level's namespace and function-level target, with
+// kernel/cpu/isa_kernels.hpp, inside that level's namespace and function-level target, with
 // SEQPAR_ISA_BYTES and SEQPAR_ISA_REGISTERS defined (no include guard on purpose).
 
-#include "seqpar/kernel/cpu_isa_simd.inl"
-#include "seqpar/kernel/cpu_isa_forward.inl"
-#include "seqpar/kernel/cpu_isa_decode.inl"
-#include "seqpar/kernel/cpu_isa_backward.inl"
+#include "seqpar/kernel/cpu/isa/simd.inl"
+#include "seqpar/kernel/cpu/isa/forward.inl"
+#include "seqpar/kernel/cpu/isa/decode.inl"
+#include "seqpar/kernel/cpu/isa/backward.inl"
 
 /// `Chains` independent chains of `rounds` vector FMAs (IsaKernels::fma_burst). A fold
 /// expression over the chain index keeps each chain a named register value.

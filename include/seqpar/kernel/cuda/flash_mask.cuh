@@ -29,10 +29,10 @@
 #include <utility>
 #include <vector>
 
-#include "seqpar/core/cuda_error.hpp"
+#include "seqpar/cuda/error.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/mask.hpp"
-#include "seqpar/kernel/cuda_flash_args.cuh"
+#include "seqpar/kernel/cuda/flash_args.cuh"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/kernel/tile_math.hpp"
 

@@ -12,11 +12,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "seqpar/core/cuda_error.hpp"
-#include "seqpar/core/cuda_types.hpp"
+#include "seqpar/cuda/error.hpp"
+#include "seqpar/cuda/types.hpp"
 #include "seqpar/core/tensor_view.hpp"
-#include "seqpar/kernel/cuda_launch.cuh"
-#include "seqpar/kernel/host_ops.hpp"
+#include "seqpar/cuda/launch.cuh"
+#include "seqpar/ops/host_ops.hpp"
 
 namespace seqpar {
 namespace cuda_detail {

@@ -3,19 +3,19 @@
 /// What every CudaFlashKernel device kernel shares: the argument blocks FwdArgs and BwdArgs
 /// (the whole of what a kernel reads besides shared memory, passed by value at launch), the
 /// warp reductions, and backward_row_stats (the per-query-row D_i and LSE that both backward
-/// kernels stage). Split out of kernel/cuda_flash_kernel.cuh so that the SIMT and tensor-core
-/// kernels (kernel/cuda_flash_simt.cuh, kernel/cuda_flash_tensor_core_forward.cuh,
-/// kernel/cuda_flash_tensor_core_backward.cuh) depend on one small header rather than on each
-/// other. Include kernel/cuda_flash_kernel.cuh to use the kernel.
+/// kernels stage). Split out of kernel/cuda/flash_kernel.cuh so that the SIMT and tensor-core
+/// kernels (kernel/cuda/flash_simt.cuh, kernel/cuda/flash_tensor_core_forward.cuh,
+/// kernel/cuda/flash_tensor_core_backward.cuh) depend on one small header rather than on each
+/// other. Include kernel/cuda/flash_kernel.cuh to use the kernel.
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <limits>
 
-#include "seqpar/core/cuda_types.hpp"
+#include "seqpar/cuda/types.hpp"
 #include "seqpar/core/mask.hpp"
-#include "seqpar/kernel/cuda_ops.cuh"
+#include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
 namespace seqpar {

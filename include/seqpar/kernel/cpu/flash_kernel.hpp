@@ -1,0 +1,296 @@
+#pragma once
+/// \file
+/// CpuFlashKernel: blocked online-softmax attention on the CPU (FlashAttention-2's loop
+/// structure), for float and double, with every mask family of core/mask.hpp (causal,
+/// sliding windows, packed documents, key padding) taken from global positions.
+///
+/// Layout of the work (why it is fast). Everything runs *transposed*: a block of queries is
+/// packed once as Q^T [head_dim][block_q] (pre-scaled), the scores of a key block are formed
+/// as S^T = K Q^T [block_k][block_q] and the output accumulates as O^T [head_dim][block_q].
+/// Queries then sit in SIMD lanes, so
+///  - both products are the same register-tiled micro-kernel C[MR x 2 vectors] += A B, with
+///    A read by broadcast straight from the caller's K or V rows (no per-key-block packing or
+///    transposing; only Q is packed, once per query block) and B a contiguous panel of Q^T or
+///    P^T that stays in L1;
+///  - the softmax statistics (running max m, sum l, rescale alpha) of a column of queries are
+///    lane-wise vector operations over the rows of S^T, and exp is the vectorised fast_exp.
+/// O^T is transposed back, divided by l, once per query block. Per thread the working set is
+/// Q^T, O^T (head_dim x query block each) and S^T (block_k x query block): 96 or 192 KiB at
+/// head_dim 128 in float, in L2; one micro-kernel's B panel (<= 16 KiB) stays in L1. The next
+/// key block's K and V rows are prefetched into L2 while the current one computes.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "seqpar/core/error.hpp"
+#include "seqpar/kernel/cpu/flash_backward.hpp"
+#include "seqpar/kernel/cpu/flash_decode.hpp"
+#include "seqpar/kernel/cpu/flash_scratch.hpp"
+#include "seqpar/kernel/cpu/isa.hpp"
+#include "seqpar/kernel/cpu/isa_kernels.hpp"
+#include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/kernel/cpu/thread_pool.hpp"
+
+namespace seqpar {
+
+/// Options of CpuFlashKernel.
+struct CpuFlashOptions {
+  /// Threads a forward or backward call uses: the caller plus threads - 1 pool workers,
+  /// created once. Forward splits its work over (batch x heads x query blocks), backward over
+  /// (key blocks x batch x K/V heads). 1 runs on the caller alone.
+  int threads = 1;
+  /// Vector instruction set (kernel/cpu/isa.hpp): automatic picks the widest this CPU runs
+  /// (capped by the environment variable SEQPAR_CPU_ISA); a level the CPU cannot run is a
+  /// ConfigError when the kernel is made.
+  CpuIsa isa = CpuIsa::automatic;
+};
+
+/// Fast local attention on the CPU (see the file comment for the blocking). Each (batch,
+/// head, block of queries) streams over blocks of keys, keeping a running max, sum and
+/// output (online softmax), so memory stays O(block). Each query row sees one contiguous run
+/// of keys (params.keys; every family of core/mask.hpp): a query block's key loop runs from
+/// its first row's first key to its last row's last, key blocks that no row sees are skipped,
+/// each query panel is trimmed to its rows' keys, and only the keys a range boundary cuts go
+/// through the mask (the lanes that do not see such a key never read it, so a NaN stored
+/// there stays out). Scratch (one slice per thread) and the thread pool are made by prepare()
+/// and the constructor, so forward allocates nothing and starts no thread. One forward at a
+/// time per object; copies get their own pool and scratch.
+class CpuFlashKernel {
+ public:
+  static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
+  static constexpr bool supports_masks = true;    ///< windows, documents, key padding
+  using memory_space = HostSpace;                 ///< host tensors
+  static constexpr std::int64_t block_q = detail::fwd_block_q;  ///< most query rows per block (whole query panels)
+  static constexpr std::int64_t block_k = detail::fwd_block_k;  ///< key rows per block
+
+  /// Query rows per block for `key_len` keys. Each query block streams all of K and V once and
+  /// packs each key block of them: from 1K keys they no longer fit in L2 and come from L3 or
+  /// memory, so 256- and (from 2K keys) 512-row blocks cut that traffic and packing 4-8x (a
+  /// mask's range boundaries are trimmed per query panel, so large blocks waste no work there); below,
+  /// 64-row blocks make more tasks for the threads.
+  static constexpr std::int64_t query_block_rows(std::int64_t key_len) {
+    return key_len >= 2048 ? 512 : key_len >= 1024 ? 256 : 64;
+  }
+
+  /// One thread, the widest instruction set.
+  CpuFlashKernel() = default;
+  /// With options (e.g. `CpuFlashKernel(CpuFlashOptions{.threads = 2})`); starts the pool.
+  explicit CpuFlashKernel(CpuFlashOptions options) : isa_(resolve_cpu_isa(options.isa)) {
+    options_.isa = options.isa;
+    set_threads(options.threads);
+  }
+  /// Shorthand for `CpuFlashKernel(CpuFlashOptions{.threads = threads})`.
+  explicit CpuFlashKernel(int threads) : CpuFlashKernel(CpuFlashOptions{.threads = threads}) {}
+  /// Same options, own pool and scratch (the engine stores its kernel by value).
+  CpuFlashKernel(const CpuFlashKernel& other) : CpuFlashKernel(other.options_) { prepare(other.prepared_dim_); }
+  /// Same options, own pool and scratch.
+  CpuFlashKernel& operator=(const CpuFlashKernel& other) {
+    if (this != &other) {
+      options_.isa = other.options_.isa;
+      isa_ = other.isa_;
+      set_threads(other.options_.threads);
+      prepare(other.prepared_dim_);
+    }
+    return *this;
+  }
+  /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
+  CpuFlashKernel(CpuFlashKernel&& other) noexcept
+      : options_(std::exchange(other.options_, CpuFlashOptions{})), isa_(other.isa_), pool_(std::move(other.pool_)),
+        prepared_dim_(std::exchange(other.prepared_dim_, 0)), thread_stride_(std::exchange(other.thread_stride_, 0)),
+        scratch_(std::move(other.scratch_)), backward_scratch_(std::move(other.backward_scratch_)),
+        decode_scratch_(std::move(other.decode_scratch_)) {}
+  /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
+  CpuFlashKernel& operator=(CpuFlashKernel&& other) noexcept {
+    if (this != &other) {
+      options_ = std::exchange(other.options_, CpuFlashOptions{});
+      isa_ = other.isa_;
+      pool_ = std::move(other.pool_);
+      prepared_dim_ = std::exchange(other.prepared_dim_, 0);
+      thread_stride_ = std::exchange(other.thread_stride_, 0);
+      scratch_ = std::move(other.scratch_);
+      other.scratch_.clear();
+      backward_scratch_ = std::move(other.backward_scratch_);
+      other.backward_scratch_.clear();
+      decode_scratch_ = std::move(other.decode_scratch_);
+      other.decode_scratch_.clear();
+    }
+    return *this;
+  }
+  ~CpuFlashKernel() = default;
+
+  /// Sets the thread count (>= 1; throws ConfigError otherwise) and (re)starts the pool and
+  /// the per-thread scratch. Not to be called while a forward runs.
+  void set_threads(int threads) {
+    SEQPAR_CHECK(threads >= 1, ConfigError, "CpuFlashKernel threads: expected >= 1, got ", threads);
+    options_.threads = threads;
+    if (threads == 1)
+      pool_.reset();
+    else if (!pool_ || pool_->size() != threads)
+      pool_ = std::make_unique<detail::ThreadPool>(threads);
+    const std::int64_t dim = prepared_dim_;
+    prepared_dim_ = 0;
+    prepare(dim);
+  }
+  /// Threads a forward or backward call uses.
+  int threads() const { return options_.threads; }
+  /// The options in force.
+  const CpuFlashOptions& options() const { return options_; }
+  /// The instruction set this kernel runs (options().isa resolved; never automatic).
+  CpuIsa isa() const { return isa_; }
+
+  /// Sizes the scratch of every thread for head dims up to `max_head_dim` (both float and
+  /// double).
+  void prepare(std::int64_t max_head_dim) {
+    if (max_head_dim <= prepared_dim_) return;
+    thread_stride_ = detail::flash_forward_thread_bytes(max_head_dim);
+    scratch_.resize(static_cast<std::size_t>(options_.threads) * thread_stride_ + 64);
+    prepared_dim_ = max_head_dim;
+  }
+
+  /// See LocalAttentionKernel. `out` may be T or the accumulation type.
+  /// Up to 16 query rows (a decode step) take the decode path of kernel/cpu/flash_decode.hpp:
+  /// the query heads of a GQA group together, K and V read in place, a group's keys split
+  /// over the threads when there are fewer groups than threads (its partials buffer is sized
+  /// by reserve(), which the engines call at plan; a call larger than that grows it once).
+  template <class T, class O>
+  void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
+               TensorView<acc_t<T>> lse, const KernelParams& p) {
+    prepare(q.dim());  // no-op once prepared
+    using Decode = detail::FlashDecode<T, O, acc_t<T>>;
+    if (Decode::applies(q, k, p)) {
+      Decode job{q, k, v, out, lse, p};
+      job.chunks = Decode::chunk_count(options_.threads, q, k);
+      if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
+        if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
+        job.part = reinterpret_cast<acc_t<T>*>(aligned(decode_scratch_.data()));
+      }
+      detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+      return;
+    }
+    detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
+  }
+
+  /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
+  /// probabilities from the LSE, on the forward's threads (kernel/cpu/flash_backward.hpp has
+  /// the split). dq, dk, dv come out bit-identical whatever the thread count. Its scratch is
+  /// separate from forward's: one slice per thread plus, with more than one thread, one turn
+  /// counter per (batch, head, query block), sized by reserve() (the engine calls it at plan;
+  /// a direct call with a larger query shape grows it once).
+  template <class T>
+  void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
+                TensorView<acc_t<T>> dk, TensorView<acc_t<T>> dv, const KernelParams& p) {
+    using A = acc_t<T>;
+    const detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p};
+    const std::size_t turn_bytes = pool_ ? round_up(static_cast<std::size_t>(job.turn_count()) * 4, 256) : 0;
+    prepare_backward(q.dim(), turn_bytes);
+    std::byte* base = aligned(backward_scratch_.data());
+    std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base) : nullptr;
+    if (turns) std::fill(turns, turns + job.turn_count(), 0);
+    detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base + turn_bytes, turns);
+  }
+  /// Sizes every scratch a call within `c` needs (the engines call it when they make a plan):
+  /// forward's and backward's per-thread slices, backward's turn counters with more than one
+  /// thread, and the decode path's partials. After it such calls allocate nothing.
+  void reserve(const KernelCallBounds& c) {
+    prepare(c.head_dim);
+    if (c.backward) {
+      const std::int64_t query_blocks = (c.q_rows + detail::bwd_block_q - 1) / detail::bwd_block_q;
+      prepare_backward(c.head_dim, pool_ ? round_up(static_cast<std::size_t>(c.batch * c.heads * query_blocks) * 4, 256) : 0);
+    }
+    const std::size_t decode = std::max(detail::decode_part_bytes_bound<float>(options_.threads, c),
+                                        detail::decode_part_bytes_bound<double>(options_.threads, c));
+    if (decode > 0 && decode_scratch_.size() < decode + 64) decode_scratch_.resize(decode + 64);
+  }
+  /// Sizes the backward scratch for head dims up to `max_head_dim` and every thread, after
+  /// `turn_bytes` of turn counters (a no-op once large enough).
+  void prepare_backward(std::int64_t max_head_dim, std::size_t turn_bytes = 0) {
+    const std::size_t need =
+        turn_bytes + static_cast<std::size_t>(options_.threads) * detail::flash_backward_thread_bytes(max_head_dim) + 64;
+    if (backward_scratch_.size() < need) backward_scratch_.resize(need);
+  }
+
+ private:
+  /// dispatch_cpu_isa functor of forward: the tasks, (batch x heads x query blocks), on the pool.
+  struct ForwardOn {
+    template <class Kernels, class T, class O, class A>
+    static void run(CpuFlashKernel& self, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                    TensorView<O> out, TensorView<A> lse, const KernelParams& p) {
+      const std::int64_t dim = q.dim(), bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
+      const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
+      // Later query blocks see more keys under a causal mask: hand them out first, so that the
+      // cheap ones fill the gaps at the end.
+      self.run_tasks(tasks, [&](std::int64_t t, int worker) {
+        const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
+        Kernels::template forward<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq, self.thread_scratch<A>(worker, dim));
+      });
+    }
+  };
+
+  /// dispatch_cpu_isa functor of the decode path: the tasks (groups x key chunks), then, with
+  /// chunks, the merge of each group's partials.
+  struct DecodeOn {
+    template <class Kernels, class T, class O, class A>
+    static void run(CpuFlashKernel& self, const detail::FlashDecode<T, O, A>& job) {
+      self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
+        Kernels::template decode<T, O, A>(job, t, self.thread_scratch<A>(worker, job.q.dim()));
+      });
+      if (job.chunks > 1) self.run_tasks(job.groups(), [&](std::int64_t g, int) { job.merge(g); });
+    }
+  };
+
+  /// dispatch_cpu_isa functor of backward: job's tasks on the pool, each thread on its
+  /// scratch slice after `base`.
+  struct BackwardOn {
+    template <class Kernels, class T, class A>
+    static void run(CpuFlashKernel& self, const detail::FlashBackward<T, A>& job, std::byte* base,
+                    std::int32_t* turns) {
+      const std::size_t stride = detail::flash_backward_thread_bytes(job.q.dim());
+      self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
+        detail::BackwardScratch<A> s;
+        detail::BackwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * stride, job.q.dim(), &s);
+        Kernels::template backward<T, A>(job, t, s, turns);
+      });
+    }
+  };
+
+  static constexpr std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+  /// Runs task(t, worker) for t in [0, tasks) on the pool, or on the caller alone.
+  template <class Task>
+  void run_tasks(std::int64_t tasks, Task&& task) {
+    if (pool_)
+      pool_->run(tasks, task);
+    else
+      for (std::int64_t t = 0; t < tasks; ++t) task(t, 0);
+  }
+
+  /// The first 64-byte boundary in a scratch buffer.
+  static std::byte* aligned(std::byte* p) { return p + (64 - reinterpret_cast<std::uintptr_t>(p) % 64) % 64; }
+
+  template <class A>
+  detail::ForwardScratch<A> thread_scratch(int worker, std::int64_t dim) {
+    std::byte* base = aligned(scratch_.data());
+    detail::ForwardScratch<A> s;
+    detail::ForwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * thread_stride_, dim, &s);
+    return s;
+  }
+
+  CpuFlashOptions options_;
+  CpuIsa isa_ = default_cpu_isa();
+  std::unique_ptr<detail::ThreadPool> pool_;
+  std::int64_t prepared_dim_ = 0;
+  std::size_t thread_stride_ = 0;
+  std::vector<std::byte> scratch_;
+  std::vector<std::byte> backward_scratch_;  // backward's own; copies start empty and grow on use
+  std::vector<std::byte> decode_scratch_;    // the decode path's partials; as backward's
+};
+
+}  // namespace seqpar
