@@ -72,6 +72,7 @@ ReferenceResult reference_attention(const AttentionProblem& p, const Visibility&
   r.out.assign(static_cast<std::size_t>(B * Sq * H * D), 0.0);
   r.lo.assign(r.out.size(), 0.0);
   r.hi.assign(r.out.size(), 0.0);
+  r.mag.assign(r.out.size(), 0.0);
   r.lse.assign(static_cast<std::size_t>(B * Sq * H), ninf);
   if (backward) {
     r.dq.assign(r.out.size(), 0.0);
@@ -98,6 +99,7 @@ ReferenceResult reference_attention(const AttentionProblem& p, const Visibility&
         double* o = &r.out[qi(b, i, h)];
         double* lo = &r.lo[qi(b, i, h)];
         double* hi = &r.hi[qi(b, i, h)];
+        double* mag = &r.mag[qi(b, i, h)];
         std::fill(lo, lo + D, std::numeric_limits<double>::infinity());
         std::fill(hi, hi + D, ninf);
         for (i64 j = 0; j < Skv; ++j) {
@@ -107,11 +109,12 @@ ReferenceResult reference_attention(const AttentionProblem& p, const Visibility&
           const double* v = &x.v[ki(b, j, kh)];
           for (i64 e = 0; e < D; ++e) {
             o[e] += w * v[e];
+            mag[e] += w * std::abs(v[e]);
             lo[e] = std::min(lo[e], v[e]);
             hi[e] = std::max(hi[e], v[e]);
           }
         }
-        for (i64 e = 0; e < D; ++e) o[e] /= sum;
+        for (i64 e = 0; e < D; ++e) o[e] /= sum, mag[e] /= sum;
         const double lse = mx + std::log(sum);
         r.lse[static_cast<std::size_t>((b * Sq + i) * H + h)] = lse;
         if (!backward) continue;
@@ -140,14 +143,14 @@ ReferenceResult reference_attention(const AttentionProblem& p, const Visibility&
   return r;
 }
 
-void NormError::add(double got, double want, i64 where) {
+void NormError::add(double got, double want, i64 where, double magnitude) {
   const bool was_bad = bad;
   if (std::isinf(want) || std::isnan(want)) {
     if (!(got == want)) bad = true;  // -inf must be matched exactly (a NaN want never is)
   } else if (!std::isfinite(got)) {
     bad = true;
   } else {
-    max_ref = std::max(max_ref, std::abs(want));
+    max_ref = std::max({max_ref, std::abs(want), magnitude});
     if (std::abs(got - want) > max_err && !bad) {
       max_err = std::abs(got - want);
       worst = where, worst_got = got, worst_want = want;

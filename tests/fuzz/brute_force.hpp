@@ -43,6 +43,7 @@ struct GlobalTensors {
 /// [B, S_kv, K, D].
 struct ReferenceResult {
   std::vector<double> out, lse, lo, hi;
+  std::vector<double> mag;  ///< per output element: sum_j p_j |v_j| (the size of the terms O sums)
   std::vector<double> dq, dk, dv;
 };
 
@@ -50,15 +51,19 @@ struct ReferenceResult {
 ReferenceResult reference_attention(const AttentionProblem& p, const Visibility& vis, const GlobalTensors& x,
                                     bool backward);
 
-/// The normwise error max|got - want| / max|want| of a set of values (absolute when every
-/// wanted value is 0); a NaN or infinity where a finite value is wanted counts as infinite.
+/// The normwise error max|got - want| / max(|want|, magnitude) of a set of values (absolute
+/// when every wanted value and magnitude is 0); a NaN or infinity where a finite value is
+/// wanted counts as infinite. An output element O = sum_j p_j v_j is a convex combination: in
+/// floating point its error is bounded by a multiple of eps * sum_j p_j |v_j|, not of |O|,
+/// which cancellation can make arbitrarily smaller (a long row of zero-mean V values). Its
+/// magnitude is that sum, so a row whose terms cancel is held to the accuracy its terms allow.
 struct NormError {
   double max_err = 0, max_ref = 0;
   bool bad = false;  ///< a non-finite value where a finite one was wanted, or a -inf mismatch
   std::int64_t worst = -1;               ///< the caller's index of the worst pair (the first bad one)
   double worst_got = 0, worst_want = 0;  ///< its values
   /// Adds one pair, `where` being the caller's index of it.
-  void add(double got, double want, std::int64_t where);
+  void add(double got, double want, std::int64_t where, double magnitude = 0);
   /// The error.
   double value() const;
 };

@@ -157,7 +157,7 @@ void check_forward(const AttentionCase& c, const CaseData& d, const AttentionRun
             const double got = r.out[static_cast<std::size_t>(l * D + e)];
             const double want = as_element(d.ref.out[static_cast<std::size_t>(g * D + e)], c.f64);
             if (d.exact) {
-              out.add(got, want, g * D + e);
+              out.add(got, want, g * D + e, d.ref.mag[static_cast<std::size_t>(g * D + e)]);
             } else if (bound.empty()) {
               const bool keys = d.vis.keys(b, i) > 0;
               const double lo = d.ref.lo[static_cast<std::size_t>(g * D + e)], hi = d.ref.hi[static_cast<std::size_t>(g * D + e)];

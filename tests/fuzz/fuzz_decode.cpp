@@ -40,6 +40,7 @@ struct DecodeRank {
 /// of the visible V values: a softmax is a convex combination of them).
 struct RowAnswer {
   std::vector<double> o, lo, hi;
+  std::vector<double> mag;  // sum_j p_j |v_j| per element (NormError's magnitude)
 };
 
 /// Step s's query (b, t, h) over cache positions 0..len + t.
@@ -49,7 +50,7 @@ RowAnswer decode_reference(const DecodeTruth& tr, double scale, int s, i64 b, i6
   const auto D = static_cast<std::size_t>(tr.D);
   std::vector<double> sc(static_cast<std::size_t>(n));
   RowAnswer a{std::vector<double>(D, 0.0), std::vector<double>(D, std::numeric_limits<double>::infinity()),
-              std::vector<double>(D, -std::numeric_limits<double>::infinity())};
+              std::vector<double>(D, -std::numeric_limits<double>::infinity()), std::vector<double>(D, 0.0)};
   double mx = -std::numeric_limits<double>::infinity(), sum = 0;
   for (i64 j = 0; j < n; ++j) {
     double dot = 0;
@@ -62,6 +63,7 @@ RowAnswer decode_reference(const DecodeTruth& tr, double scale, int s, i64 b, i6
     for (std::size_t e = 0; e < D; ++e) {
       const double v = tr.vrow(b, j, kh)[e];
       a.o[e] += std::exp(sc[static_cast<std::size_t>(j)] - mx) / sum * v;
+      a.mag[e] += std::exp(sc[static_cast<std::size_t>(j)] - mx) / sum * std::abs(v);
       a.lo[e] = std::min(a.lo[e], v);
       a.hi[e] = std::max(a.hi[e], v);
     }
@@ -323,7 +325,7 @@ void decode_with(const DecodeCase& c, Report& rep) {
               const double got = r.out[static_cast<std::size_t>(s)][static_cast<std::size_t>(((b * truth->T + t) * oh.count + h) * truth->D + e)];
               if (exact)
                 err.add(got, c.f64 ? want.o[ue] : static_cast<double>(static_cast<float>(want.o[ue])),
-                        ((static_cast<i64>(w) * truth->B + b) * truth->T + t) * 64 + oh.begin + h);
+                        ((static_cast<i64>(w) * truth->B + b) * truth->T + t) * 64 + oh.begin + h, want.mag[ue]);
               else if (bound.empty() && !(got >= want.lo[ue] - tol && got <= want.hi[ue] + tol))
                 bound = "step " + std::to_string(s) + ": scale " + std::to_string(scale) + ", rank " + std::to_string(w) +
                         " (b " + std::to_string(b) + ", t " + std::to_string(t) + ", head " + std::to_string(oh.begin + h) +

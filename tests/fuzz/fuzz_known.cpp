@@ -40,6 +40,7 @@ std::string known_class(const FuzzCase& c, const Failure& f) {
     const bool wide_degrees = a.policy.kind == PolicyKind::unified &&
                               static_cast<i64>(a.policy.ulysses_degree) * a.policy.ring_degree > std::numeric_limits<int>::max();
     if (wide_degrees) return "p";
+    if (p == prop::same_refusal && d.find("could not allocate its scratch") != std::string::npos) return "q";
     if (p == prop::message || (p == prop::rules && d.find("size overflow") != std::string::npos)) return "o";
     if (a.kernel == KernelKind::causal_only && a.problem.has_extra_mask() && p == prop::member_can_implement) return "f";
     if (p == prop::disagreement && d.find("hash") != std::string::npos) return "i";

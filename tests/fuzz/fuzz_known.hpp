@@ -33,9 +33,11 @@ namespace seqpar::fuzz {
 ///     global length; batch INT64_MAX with empty sequences is refused as "exceeds 2^58 bytes"
 ///  p  Unified degrees whose product wraps int are accepted: {INT_MAX, INT_MAX} on one rank
 ///     constructs, and plan throws std::bad_alloc
+///  q  plan refuses on some ranks only when the kernel cannot allocate its scratch (a huge
+///     batch: the ranks whose share needs scratch throw, the others return a plan and wait)
 std::string known_class(const FuzzCase& c, const Failure& f);
 
 /// Every class letter known_class can return.
-inline constexpr const char* known_letters = "abcdefghijklmnop";
+inline constexpr const char* known_letters = "abcdefghijklmnopq";
 
 }  // namespace seqpar::fuzz

@@ -66,6 +66,15 @@ void expect_contract(const FuzzCase& c, char letter, const char* property) {
   }
 }
 
+/// Case `c` keeps every contract.
+void expect_clean(const FuzzCase& c) {
+  const Report r = run_isolated(c, 60);
+  std::string seen;
+  for (const Failure& f : r.failures) seen += "\n  " + f.property + ": " + f.detail;
+  INFO("case: " << describe(c));
+  CHECK_MESSAGE(r.failures.empty(), "failures:" << seen);
+}
+
 AttentionProblem small(std::int64_t heads = 1, std::int64_t dim = 8) {
   AttentionProblem p;
   p.heads = heads;
@@ -310,4 +319,24 @@ TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and no
     for (RankResult& rank : r.ranks) rank.plan_call.kind = "ConfigError", rank.plan_call.what = "plan: something";
     r.free_verdict = {false, "plan: something else"};
   }, prop::can_implement);
+}
+
+TEST_CASE("fuzz regression (q): every rank refuses alike when the kernel cannot allocate its scratch") {
+  // Head 0 goes to rank 0, which needs scratch for 2^40 batch rows and cannot have it (the
+  // child's address space is capped); rank 1 computes no head and needs none.
+  AttentionProblem p = small();
+  p.batch = std::int64_t{1} << 40;
+  expect_contract(attention(2, ulysses(true), KernelKind::cpu_flash_2, p, {{2}, {2}}), 'q', prop::same_refusal);
+}
+
+TEST_CASE("the checks hold a row whose V values cancel to the accuracy its terms allow") {
+  // One query over 2999 zero-mean V values of head dim 1: |O| is ~50x smaller than the terms
+  // it sums, so float's rounding, bounded by eps * sum_j p_j |v_j|, is ~1e-5 of |O|. The
+  // checks measure errors against that sum (NormError's magnitude), not |O| alone.
+  FuzzCase c = decode(4, {.batch = 1, .heads = 5, .kv_heads = 1, .head_dim = 1, .kv_len = {2999}, .capacity = 3001, .page = kMax});
+  c.decode.kernel = KernelKind::cpu_flash_1;
+  c.decode.isa = 2;
+  c.decode.advance_probes = {1};
+  c.decode.data_seed = 14367442863588565289u;  // the inputs of the run that found it: error 1.05e-5 of |O|
+  expect_clean(c);
 }
