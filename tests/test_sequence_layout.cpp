@@ -225,7 +225,9 @@ TEST_CASE("visible_pairs equals a brute-force count") {
     std::int64_t brute = 0;
     for (std::int64_t i = 0; i < q.size(); ++i)
       for (std::int64_t j = 0; j < k.size(); ++j) brute += k(j) <= q(i);
-    CHECK(visible_pairs(q, k, true) == brute);
-    CHECK(visible_pairs(q, k, false) == q.size() * k.size());
+    MaskView causal;
+    causal.causal = true;
+    CHECK(visible_pairs(causal, 0, q, k) == brute);
+    CHECK(visible_pairs(MaskView{}, 0, q, k) == q.size() * k.size());
   }
 }

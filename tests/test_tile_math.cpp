@@ -15,9 +15,12 @@
 #include <set>
 #include <vector>
 
+#include "seqpar/core/key_span.hpp"
+#include "seqpar/core/problem.hpp"
 #include "seqpar/kernel/merge_state.hpp"
 #include "seqpar/kernel/reference_kernel.hpp"
 #include "seqpar/kernel/tile_math.hpp"
+#include "support/mask_brute.hpp"
 
 using namespace seqpar;
 
@@ -65,6 +68,13 @@ void reference(const TileCase& c, std::vector<double>& out, std::vector<double>&
                             TensorView<double>::bshd(lse.data(), 1, c.sq, 1, 1), p);
 }
 
+/// The mask of a case as the kernels get it: causal or nothing.
+MaskView causal_view(bool causal) {
+  MaskView m;
+  m.causal = causal;
+  return m;
+}
+
 /// Normwise error of (out, lse) against the reference; -inf LSE must match exactly.
 double error_of(const TileCase& c, const std::vector<float>& out, const std::vector<float>& lse) {
   std::vector<double> want, want_lse;
@@ -90,7 +100,8 @@ double error_of(const TileCase& c, const std::vector<float>& out, const std::vec
 /// the extreme positions (stop at the first hidden one), per-row online softmax in base 2.
 void simt_emulation(const TileCase& c, std::vector<float>& out, std::vector<float>& lse) {
   constexpr int bq = 32, bk = 32;
-  const tile::Positions qp = tile::Positions::from(c.qpos), kp = tile::Positions::from(c.kpos);
+  const MaskView mask_view = causal_view(c.causal);
+  auto span = [&](int i) { return row_span<KeySpan32>(mask_view, c.qpos, c.kpos, c.sk, 0, i); };
   const float scale_log2 = static_cast<float>(c.scale) * tile::log2e;
   out.assign(c.q.size(), 0.0f);
   lse.assign(static_cast<std::size_t>(c.sq), 0.0f);
@@ -99,9 +110,8 @@ void simt_emulation(const TileCase& c, std::vector<float>& out, std::vector<floa
     std::vector<float> m(bq, -INFINITY), l(bq, 0.0f), o(static_cast<std::size_t>(bq * c.dim), 0.0f);
     for (int j0 = 0; j0 < c.sk; j0 += bk) {
       const int nk = std::min(bk, c.sk - j0);
-      const tile::TileMask mask =
-          tile::classify_tile(c.causal, qp(i0), qp(i0 + nq - 1), kp(j0), kp(j0 + nk - 1));
-      if (mask == tile::TileMask::hidden) break;
+      const TileClass mask = classify_tile(span(i0), span(i0 + nq - 1), j0, j0 + nk - 1);
+      if (mask == TileClass::skip) continue;
       for (int r = 0; r < nq; ++r) {
         float s[bk], mx = -INFINITY;
         for (int j = 0; j < bk; ++j) {
@@ -109,7 +119,7 @@ void simt_emulation(const TileCase& c, std::vector<float>& out, std::vector<floa
           for (int d = 0; d < c.dim; ++d)
             x += static_cast<float>(c.q[(i0 + r) * c.dim + d]) * scale_log2 *
                  (j < nk ? static_cast<float>(c.k[(j0 + j) * c.dim + d]) : 0.0f);
-          const bool visible = j < nk && (mask != tile::TileMask::partial || kp(j0 + j) <= qp(i0 + r));
+          const bool visible = j < nk && (mask != TileClass::cut || span(i0 + r).sees(j0 + j));
           s[j] = visible ? x : -INFINITY;
           mx = std::max(mx, s[j]);
         }
@@ -185,7 +195,8 @@ void quad_reduce(std::array<float, 32>& x, Op op) {
 void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float>& lse, bool ldsm) {
   constexpr int bq = 64, bk = 64;
   const int D = c.dim, stride = D + 8;
-  const tile::Positions qp = tile::Positions::from(c.qpos), kp = tile::Positions::from(c.kpos);
+  const MaskView mask_view = causal_view(c.causal);
+  auto span = [&](int i) { return row_span<KeySpan32>(mask_view, c.qpos, c.kpos, c.sk, 0, i); };
   const float scale_log2 = static_cast<float>(c.scale) * tile::log2e;
   out.assign(c.q.size(), 0.0f);
   lse.assign(static_cast<std::size_t>(c.sq), 0.0f);
@@ -215,8 +226,8 @@ void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float
       m1.fill(-INFINITY);
       for (int j0 = 0; j0 < c.sk; j0 += bk) {
         const int nk = std::min(bk, c.sk - j0);
-        const tile::TileMask mask = tile::classify_tile(c.causal, qp(i0), qp(i0 + nq - 1), kp(j0), kp(j0 + nk - 1));
-        if (mask == tile::TileMask::hidden) break;
+        const TileClass mask = classify_tile(span(i0), span(i0 + nq - 1), j0, j0 + nk - 1);
+        if (mask == TileClass::skip) continue;
         const std::vector<float> sk_tile = load_tile(c.k, j0, nk), sv_tile = load_tile(c.v, j0, nk);
         std::vector<Acc> sacc(bk / 8, Acc{});
         for (int kc = 0; kc < D / 16; ++kc)
@@ -252,7 +263,7 @@ void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float
               const tile::FragCoord f = tile::mma_c_coord(lane, i);
               const int col = nt * 8 + f.col, row = w * 16 + f.row;
               bool visible = col < nk;
-              if (visible && mask == tile::TileMask::partial && row < nq) visible = kp(j0 + col) <= qp(i0 + row);
+              if (visible && mask == TileClass::cut && row < nq) visible = span(i0 + row).sees(j0 + col);
               const float x = visible ? sacc[nt][lane][i] * scale_log2 : -INFINITY;
               sacc[nt][lane][i] = x;
               (i < 2 ? mx0 : mx1)[lane] = std::max((i < 2 ? mx0 : mx1)[lane], x);
@@ -327,6 +338,65 @@ void mma_emulation(const TileCase& c, std::vector<float>& out, std::vector<float
   }
 }
 
+/// A uniform integer in [lo, hi].
+std::int64_t pick(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi) {
+  return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+}
+
+/// A random increasing PositionMap inside [0, total) (total >= 1): one or two runs, strides 1
+/// to 3, a gap between the runs.
+PositionMap random_map(std::int64_t total, std::mt19937_64& rng) {
+  const std::int64_t stride = pick(rng, 1, 3), start = pick(rng, 0, total - 1);
+  PositionMap m = PositionMap::run(pick(rng, 1, (total - 1 - start) / stride + 1), start, stride);
+  const std::int64_t next = m.last() + 1 + pick(rng, 0, 4);
+  if (next < total && pick(rng, 0, 1)) {
+    const std::int64_t s2 = pick(rng, 1, 3);
+    m.seg[m.segments++] = {pick(rng, 1, (total - 1 - next) / s2 + 1), next, s2};
+  }
+  return m;
+}
+
+/// One call under a random mask: every family on or off, S_q and S_kv, the call's query
+/// positions (global, unshifted) and key positions, and the mask as kernels get it.
+struct SpanCase {
+  AttentionProblem pr;
+  std::int64_t sq = 0, skv = 0;
+  PositionMap q, k, diagonals;  // diagonals: q shifted by S_kv - S_q under bottom-right alignment
+  MaskTables tables;
+
+  /// The mask with causal merged in, pointing into `tables`.
+  MaskView view() const { return tables.view(pr.causal, pr.window); }
+  /// Key k(j) visible to query q(i) of batch element b, by the definition (mask_brute.hpp).
+  bool visible(std::int64_t b, std::int64_t i, std::int64_t j) const {
+    return test::visible_by_definition(pr, sq, skv, b, q(i), k(j));
+  }
+};
+
+SpanCase random_span_case(std::mt19937_64& rng) {
+  SpanCase c;
+  c.pr.batch = 2;
+  c.pr.causal = pick(rng, 0, 1) == 1;
+  c.skv = pick(rng, 1, 60);
+  const bool documents = pick(rng, 0, 2) == 0;  // they need S_q == S_kv
+  c.sq = documents ? c.skv : pick(rng, 1, 60);
+  c.pr.causal_align = pick(rng, 0, 1) ? CausalAlign::bottom_right : CausalAlign::top_left;
+  if (pick(rng, 0, 1)) c.pr.window = {pick(rng, -1, 12), pick(rng, -1, 12)};
+  if (documents)
+    for (std::int64_t b = 0, lists = pick(rng, 1, 2); b < lists; ++b) {
+      c.pr.documents.emplace_back();
+      for (std::int64_t left = c.skv, len = 0; left > 0; left -= len)
+        c.pr.documents.back().push_back(len = pick(rng, 1, std::min<std::int64_t>(left, 15)));
+    }
+  if (pick(rng, 0, 2) == 0) c.pr.kv_valid = {pick(rng, 0, c.skv), pick(rng, 0, c.skv)};
+  c.q = random_map(c.sq, rng);
+  c.k = random_map(c.skv, rng);
+  c.diagonals = c.q;
+  if (c.pr.causal_align == CausalAlign::bottom_right)
+    for (int s = 0; s < c.diagonals.segments; ++s) c.diagonals.seg[s].start += c.skv - c.sq;
+  c.tables = MaskTables(c.pr.documents, c.pr.kv_valid);
+  return c;
+}
+
 /// Position maps of the shapes the layouts produce: contiguous, zigzag (two runs), stripe.
 std::vector<std::pair<PositionMap, PositionMap>> position_cases(int sq, int sk) {
   PositionMap zq = PositionMap::run((sq + 1) / 2, 3);
@@ -341,13 +411,7 @@ std::vector<std::pair<PositionMap, PositionMap>> position_cases(int sq, int sk) 
 
 }  // namespace
 
-TEST_CASE("tile math: Positions and HeadMap match PositionMap and KernelParams") {
-  PositionMap two = PositionMap::run(5, 10, 2);
-  two.seg[two.segments++] = {4, 100, 3};
-  for (const PositionMap& m : {PositionMap::run(7, 3), PositionMap::run(6, 1, 4), two}) {
-    const tile::Positions p = tile::Positions::from(m);
-    for (std::int64_t i = 0; i < m.size(); ++i) CHECK(p(i) == m(i));
-  }
+TEST_CASE("tile math: HeadMap matches KernelParams") {
   KernelParams kp;
   kp.group_size = 4;
   kp.q_head_begin = 6;
@@ -356,22 +420,89 @@ TEST_CASE("tile math: Positions and HeadMap match PositionMap and KernelParams")
   for (std::int64_t h = 0; h < 6; ++h) CHECK(hm.kv_head(h) == kp.kv_head(h));
 }
 
-TEST_CASE("tile math: classify_tile agrees with the per-element causal rule") {
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int> pos(0, 40), len(1, 8);
-  for (int trial = 0; trial < 2000; ++trial) {
-    const int q0 = pos(rng), qn = len(rng), k0 = pos(rng), kn = len(rng);
-    bool any = false, all = true;
-    for (int i = q0; i < q0 + qn; ++i)
-      for (int j = k0; j < k0 + kn; ++j) {
-        any |= j <= i;
-        all &= j <= i;
-      }
-    const tile::TileMask m = tile::classify_tile(true, q0, q0 + qn - 1, k0, k0 + kn - 1);
-    CHECK((m == tile::TileMask::hidden) == !any);
-    CHECK((m == tile::TileMask::visible) == all);
-    CHECK(tile::classify_tile(false, q0, q0 + qn - 1, k0, k0 + kn - 1) == tile::TileMask::visible);
+TEST_CASE("key spans: keys_below counts the keys below a position, across runs and strides") {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 500; ++trial) {
+    const PositionMap k = random_map(pick(rng, 1, 80), rng);
+    for (std::int64_t x = -2; x <= k.last() + 3; ++x) {
+      std::int64_t below = 0;
+      for (std::int64_t j = 0; j < k.size(); ++j) below += k(j) < x;
+      CHECK(keys_below(k, x) == below);
+    }
   }
+}
+
+TEST_CASE("key spans: a row's span is exactly the keys the definition shows it, and its ends never decrease") {
+  std::mt19937_64 rng(12);
+  for (int trial = 0; trial < 400; ++trial) {
+    const SpanCase c = random_span_case(rng);
+    const MaskView m = c.view();
+    // What a kernel gets: causal apart from the other families.
+    KernelParams p;
+    p.causal = c.pr.causal;
+    p.mask = c.tables.view(false, c.pr.window);
+    p.q_positions = c.diagonals;
+    p.k_positions = c.k;
+    const std::int64_t sk = c.k.size();
+    for (std::int64_t b = 0; b < c.pr.batch; ++b) {
+      KeySpan prev{std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::min()};
+      std::int64_t wrong = 0;
+      for (std::int64_t i = 0; i < c.q.size(); ++i) {
+        const KeySpan s = row_span(m, c.diagonals, c.k, sk, b, i);
+        for (std::int64_t j = 0; j < sk; ++j) wrong += s.sees(j) != c.visible(b, i, j);
+        CHECK(s.first >= prev.first);
+        CHECK(s.last >= prev.last);
+        CHECK(s.first >= 0);
+        CHECK(s.last < sk);
+        prev = s;
+        const KeySpan from_params = p.row_span(b, i, sk);
+        const KeySpan32 narrow = row_span<KeySpan32>(m, c.diagonals, c.k, sk, b, i);
+        CHECK((from_params.first == s.first && from_params.last == s.last));
+        CHECK((narrow.first == s.first && narrow.last == s.last));
+      }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
+TEST_CASE("key spans: classify_tile skips only unseen tiles and calls visible exactly the tiles every row sees") {
+  std::mt19937_64 rng(13);
+  for (int trial = 0; trial < 300; ++trial) {
+    const SpanCase c = random_span_case(rng);
+    const MaskView m = c.view();
+    const std::int64_t sq = c.q.size(), sk = c.k.size();
+    for (int tile = 0; tile < 40; ++tile) {
+      const std::int64_t b = pick(rng, 0, 1), i0 = pick(rng, 0, sq - 1), i1 = pick(rng, i0, sq - 1);
+      const std::int64_t j0 = pick(rng, 0, sk - 1), j1 = pick(rng, j0, sk - 1);
+      std::int64_t seen = 0;
+      for (std::int64_t i = i0; i <= i1; ++i)
+        for (std::int64_t j = j0; j <= j1; ++j) seen += c.visible(b, i, j);
+      const KeySpan top = row_span(m, c.diagonals, c.k, sk, b, i0), bottom = row_span(m, c.diagonals, c.k, sk, b, i1);
+      const TileClass t = classify_tile(top, bottom, j0, j1);
+      if (t == TileClass::skip) CHECK(seen == 0);
+      CHECK((t == TileClass::visible) == (seen == (i1 - i0 + 1) * (j1 - j0 + 1)));
+      // The kernels' compact spans decide alike.
+      const TileClass narrow = classify_tile(row_span<KeySpan32>(m, c.diagonals, c.k, sk, b, i0),
+                                             row_span<KeySpan32>(m, c.diagonals, c.k, sk, b, i1), j0, j1);
+      CHECK(narrow == t);
+    }
+  }
+}
+
+TEST_CASE("key spans: the plan's work count and ring-step skips (visible_pairs, any_visible) match the definition") {
+  std::mt19937_64 rng(14);
+  for (int trial = 0; trial < 400; ++trial) {
+    const SpanCase c = random_span_case(rng);
+    for (std::int64_t b = 0; b < c.pr.batch; ++b) {
+      std::int64_t pairs = 0;
+      for (std::int64_t i = 0; i < c.q.size(); ++i)
+        for (std::int64_t j = 0; j < c.k.size(); ++j) pairs += c.visible(b, i, j);
+      CHECK(visible_pairs(c.view(), b, c.diagonals, c.k) == pairs);
+      CHECK(any_visible(c.view(), b, c.diagonals, c.k) == (pairs > 0));
+    }
+  }
+  CHECK(visible_pairs(MaskView{}, 0, PositionMap::run(3, 0), PositionMap::run(5, 0)) == 15);
+  CHECK(!any_visible(MaskView{}, 0, PositionMap::run(3, 0), PositionMap{}));
 }
 
 TEST_CASE("tile math: a row that sees nothing stays finite and ends at O = 0, LSE = -inf") {

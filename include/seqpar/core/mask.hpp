@@ -8,11 +8,8 @@
 /// bottom-right),
 ///   lo = max(start of i's document, d(i) - window.left),
 ///   hi = min(end of i's document - 1, d(i) if causal, d(i) + window.right, kv_valid[b] - 1),
-/// and key j is visible iff lo <= j <= hi. Since positions increase within a kernel call, the
-/// visible keys of a row are a contiguous run of its key block too: a kernel needs one range
-/// per row (MaskView::keys), skips a tile no row's range reaches, and masks only the tiles a
-/// range boundary cuts. Hidden keys are never read, so a NaN or Inf stored there (padding, a
-/// stale cache slot) reaches no row.
+/// and key j is visible iff lo <= j <= hi (MaskView::keys). How kernels and the plan turn
+/// these ranges into per-row key spans and per-tile decisions is core/key_span.hpp.
 
 #include <algorithm>
 #include <cstdint>
@@ -153,37 +150,5 @@ class MaskTables {
   std::int64_t doc_count_ = 0, doc_stride_ = 0;
   std::vector<std::int64_t> kv_valid_;
 };
-
-/// Keys of `k` (positions) inside the inclusive range `r`: each run is an arithmetic sequence.
-inline std::int64_t count_in_range(const PositionMap& k, KeyRange r) {
-  if (r.empty()) return 0;
-  std::int64_t n = 0;
-  for (int s = 0; s < k.segments; ++s) {
-    const PositionSegment& g = k.seg[s];
-    // first t with start + t * stride >= lo, last t with start + t * stride <= hi
-    const std::int64_t first = r.lo <= g.start ? 0 : (r.lo - g.start + g.stride - 1) / g.stride;
-    const std::int64_t last = r.hi < g.start ? -1 : std::min(g.count - 1, (r.hi - g.start) / g.stride);
-    if (last >= first) n += last - first + 1;
-  }
-  return n;
-}
-
-/// Visible (query, key) pairs between query diagonals `q` and key positions `k` of batch
-/// element `b`.
-inline std::int64_t visible_pairs(const MaskView& m, std::int64_t b, const PositionMap& q, const PositionMap& k) {
-  if (!m.any()) return q.size() * k.size();
-  std::int64_t n = 0;
-  for (std::int64_t i = 0; i < q.size(); ++i) n += count_in_range(k, m.keys(b, q(i)));
-  return n;
-}
-
-/// True when some query of `q` sees some key of `k` in batch element `b`.
-inline bool any_visible(const MaskView& m, std::int64_t b, const PositionMap& q, const PositionMap& k) {
-  if (q.size() == 0 || k.size() == 0) return false;
-  if (!m.any()) return true;
-  for (std::int64_t i = 0; i < q.size(); ++i)
-    if (count_in_range(k, m.keys(b, q(i))) > 0) return true;
-  return false;
-}
 
 }  // namespace seqpar

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "seqpar/core/key_span.hpp"
 #include "seqpar/core/mask.hpp"
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/problem.hpp"

@@ -9,11 +9,11 @@
 /// again, in local order, so positions within a block always increase.
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <vector>
 
 #include "seqpar/core/error.hpp"
+#include "seqpar/core/host_device.hpp"
 
 namespace seqpar {
 
@@ -56,28 +56,31 @@ struct PositionSegment {
 };
 
 /// Global positions of a local slice, as at most two increasing runs (every layout needs no
-/// more). Cheap to copy and to pass to a device kernel; positions strictly increase.
+/// more). Cheap to copy and passed to device kernels as it is (a plain array, members callable
+/// from host and device code); positions strictly increase.
 struct PositionMap {
-  std::array<PositionSegment, 2> seg{};  ///< the runs, in local order
-  int segments = 0;                      ///< runs in use (0, 1 or 2)
+  PositionSegment seg[2]{};  ///< the runs, in local order
+  int segments = 0;          ///< runs in use (0, 1 or 2)
 
   /// One run of `count` positions from `start` with `stride`.
-  static constexpr PositionMap run(std::int64_t count, std::int64_t start, std::int64_t stride = 1) {
+  SEQPAR_HOST_DEVICE static constexpr PositionMap run(std::int64_t count, std::int64_t start, std::int64_t stride = 1) {
     PositionMap m;
     if (count > 0) m.seg[m.segments++] = {count, start, stride};
     return m;
   }
   /// Number of local tokens.
-  constexpr std::int64_t size() const { return (segments > 0 ? seg[0].count : 0) + (segments > 1 ? seg[1].count : 0); }
+  SEQPAR_HOST_DEVICE constexpr std::int64_t size() const {
+    return (segments > 0 ? seg[0].count : 0) + (segments > 1 ? seg[1].count : 0);
+  }
   /// Global position of local token i (0 <= i < size()).
-  constexpr std::int64_t operator()(std::int64_t i) const {
+  SEQPAR_HOST_DEVICE constexpr std::int64_t operator()(std::int64_t i) const {
     if (segments > 1 && i >= seg[0].count) return seg[1].start + (i - seg[0].count) * seg[1].stride;
     return seg[0].start + i * seg[0].stride;
   }
   /// First (smallest) position; the map must not be empty.
-  constexpr std::int64_t first() const { return (*this)(0); }
+  SEQPAR_HOST_DEVICE constexpr std::int64_t first() const { return (*this)(0); }
   /// Last (largest) position; the map must not be empty.
-  constexpr std::int64_t last() const { return (*this)(size() - 1); }
+  SEQPAR_HOST_DEVICE constexpr std::int64_t last() const { return (*this)(size() - 1); }
   /// The positions of local tokens [begin, begin + count).
   constexpr PositionMap sub(std::int64_t begin, std::int64_t count) const {
     PositionMap m;
@@ -91,20 +94,6 @@ struct PositionMap {
     return m;
   }
 };
-
-/// Number of (query, key) pairs a causal mask leaves visible (key position <= query
-/// position); all pairs without a mask. Linear time: both maps increase.
-inline std::int64_t visible_pairs(const PositionMap& q, const PositionMap& k, bool causal) {
-  const std::int64_t nq = q.size(), nk = k.size();
-  if (!causal) return nq * nk;
-  std::int64_t total = 0, j = 0;
-  for (std::int64_t i = 0; i < nq; ++i) {
-    const std::int64_t qp = q(i);
-    while (j < nk && k(j) <= qp) ++j;
-    total += j;
-  }
-  return total;
-}
 
 /// Splits `total` into `parts` lengths as evenly as possible: the first total mod parts get
 /// one more.

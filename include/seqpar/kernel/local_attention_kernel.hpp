@@ -5,6 +5,7 @@
 #include <concepts>
 #include <cstdint>
 
+#include "seqpar/core/key_span.hpp"
 #include "seqpar/core/mask.hpp"
 #include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/core/tensor_view.hpp"
@@ -29,17 +30,25 @@ struct KernelParams {
   /// Local K/V head that local query head `h` reads.
   constexpr std::int64_t kv_head(std::int64_t h) const { return (q_head_begin + h) / group_size - kv_head_begin; }
 
-  /// The visible key positions of the query with diagonal position `q` in batch element `b`
-  /// (every family, causal included): a contiguous range.
-  constexpr KeyRange keys(std::int64_t b, std::int64_t q) const {
+  /// The mask with `causal` merged in: what MaskView::keys and row_span read.
+  constexpr MaskView full_mask() const {
     MaskView m = mask;
     m.causal = m.causal || causal;
-    return m.keys(b, q);
+    return m;
   }
+  /// The visible key positions of the query with diagonal position `q` in batch element `b`
+  /// (every family, causal included): a contiguous range.
+  constexpr KeyRange keys(std::int64_t b, std::int64_t q) const { return full_mask().keys(b, q); }
   /// True when key position `k` is visible to query diagonal `q` in batch element `b`.
   constexpr bool visible(std::int64_t b, std::int64_t q, std::int64_t k) const {
     const KeyRange r = keys(b, q);
     return r.lo <= k && k <= r.hi;
+  }
+  /// The keys local query row `i` of batch element `b` sees among the call's `sk` keys, as
+  /// local key indices (core/key_span.hpp: one contiguous run, both ends non-decreasing down
+  /// the rows).
+  constexpr KeySpan row_span(std::int64_t b, std::int64_t i, std::int64_t sk) const {
+    return seqpar::row_span(full_mask(), q_positions, k_positions, sk, b, i);
   }
   /// True when a window, documents or key padding is on (a kernel without
   /// kernel_supports_masks is never given one: the plan refuses it).
@@ -47,12 +56,6 @@ struct KernelParams {
     return mask.window_left >= 0 || mask.window_right >= 0 || mask.doc_count > 0 || mask.kv_valid != nullptr ||
            mask.row_key_end != nullptr;
   }
-
-  /// Causal masks only: true when no key of [k_lo, k_hi] can be seen by a query in [q_lo, q_hi]
-  /// (global positions, inclusive): such a tile is skipped.
-  constexpr bool fully_masked(std::int64_t q_hi, std::int64_t k_lo) const { return causal && k_lo > q_hi; }
-  /// Causal masks only: true when every key of the tile is visible to every query.
-  constexpr bool fully_visible(std::int64_t q_lo, std::int64_t k_hi) const { return !causal || k_hi <= q_lo; }
 };
 
 /// The largest kernel call a plan will make: a kernel with `reserve(bounds)` sizes whatever
@@ -99,8 +102,9 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   and dv (so ring steps and the query heads sharing a K/V head accumulate). It recomputes
 ///   the probabilities as exp(q k^T * scale - lse); rows with lse = -inf contribute nothing;
 /// - masks: key j is visible to query i iff params.visible(b, q_positions(i), k_positions(j));
-///   the visible keys of a row are one contiguous range (params.keys). A kernel that handles
-///   windows, documents and key padding declares `static constexpr bool supports_masks = true`
+///   the visible keys of a row are one contiguous range (params.keys), one run of local key
+///   indices (params.row_span, core/key_span.hpp). A kernel that handles windows, documents
+///   and key padding declares `static constexpr bool supports_masks = true`
 ///   (kernel_supports_masks); without it, plans with those masks are refused (causal, of
 ///   either alignment, needs nothing: q_positions already carry the alignment). Hidden keys
 ///   must never be read into a row: a NaN stored there stays out;

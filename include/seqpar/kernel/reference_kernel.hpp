@@ -52,9 +52,9 @@ struct ReferenceKernel {
         const std::int64_t kh = p.kv_head(h);
         for (std::int64_t i = 0; i < q.seq(); ++i) {
           double mx = -std::numeric_limits<double>::infinity();
-          const KeyRange seen = p.keys(b, p.q_positions(i));
+          const KeySpan seen = p.row_span(b, i, sk);
           for (std::int64_t j = 0; j < sk; ++j) {
-            if (p.k_positions(j) < seen.lo || p.k_positions(j) > seen.hi) {
+            if (!seen.sees(j)) {
               score[j] = -std::numeric_limits<double>::infinity();
               continue;
             }
@@ -101,9 +101,9 @@ struct ReferenceKernel {
           const T* orow = out.row(b, i, h);
           const double delta = detail::dot_in_double(dor, orow, dim);
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
-          const KeyRange seen = p.keys(b, p.q_positions(i));
+          const KeySpan seen = p.row_span(b, i, k.seq());
           for (std::int64_t j = 0; j < k.seq(); ++j) {
-            if (p.k_positions(j) < seen.lo || p.k_positions(j) > seen.hi) continue;
+            if (!seen.sees(j)) continue;
             const T* kr = k.row(b, j, kh);
             const T* vr = v.row(b, j, kh);
             const double s = detail::dot_in_double(qr, kr, dim), dp = detail::dot_in_double(dor, vr, dim);

@@ -7,16 +7,15 @@
 ///   units; the natural-log LSE is (m + log2 l) * ln 2;
 /// - the guards that keep a row that sees no key at O = 0, LSE = -inf, never NaN (and a row
 ///   that saw a NaN at NaN), and the zeroing of NaN/Inf 16-bit elements at keys a mask hides;
-/// - causal tile classification from global positions, and device copies of PositionMap and
-///   of the query-to-K/V head map (plain structs, cheap to pass to a kernel by value);
+/// - a device copy of the query-to-K/V head map (a plain struct, cheap to pass by value);
 /// - the register layout of the mma.sync m16n8k16 fragments the tensor-core kernel uses.
-/// The LSE merge of partial results is merge_row (kernel/merge_state.hpp), shared the same way.
+/// The LSE merge of partial results is merge_row (kernel/merge_state.hpp), and which keys a row
+/// sees and what that makes of a tile is core/key_span.hpp, both shared the same way.
 
 #include <cmath>
 #include <cstdint>
 
 #include "seqpar/core/host_device.hpp"
-#include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 
 namespace seqpar::tile {
@@ -71,22 +70,6 @@ SEQPAR_HOST_DEVICE inline RowFinish finish_row(float m, float l) {
   return {1.0f / l, (m + log2_fast(l)) * ln2};
 }
 
-/// How a causal mask treats a (query tile, key tile) pair.
-enum class TileMask : int {
-  hidden = 0,   ///< no key visible to any query: skip the tile
-  visible = 1,  ///< every key visible to every query: no per-element test
-  partial = 2,  ///< test each (query, key) pair
-};
-
-/// Classifies a tile from the global positions of its first and last query and key (both maps
-/// increase, so the extremes decide).
-SEQPAR_HOST_DEVICE inline TileMask classify_tile(bool causal, std::int64_t q_first, std::int64_t q_last,
-                                                 std::int64_t k_first, std::int64_t k_last) {
-  if (!causal) return TileMask::visible;
-  if (k_first > q_last) return TileMask::hidden;
-  return k_last <= q_first ? TileMask::visible : TileMask::partial;
-}
-
 /// Exponent bits of the 16-bit float formats: an element whose exponent bits are all set is
 /// NaN or +-Inf.
 inline constexpr std::uint32_t half_exponent = 0x7c00u;
@@ -100,45 +83,13 @@ SEQPAR_HOST_DEVICE constexpr bool nonfinite16(std::uint32_t bits, std::uint32_t 
 }
 
 /// A register of two packed 16-bit floats with each NaN or +-Inf element replaced by +0 (the
-/// others untouched). The kernels apply it to the K or V elements of a tile the causal mask
-/// cuts: a hidden key's weight is exactly 0, and 0 x NaN would otherwise be NaN.
+/// others untouched). The kernels apply it to the K or V elements of a tile the mask cuts
+/// (TileClass::cut): a hidden key's weight is exactly 0, and 0 x NaN would otherwise be NaN.
 SEQPAR_HOST_DEVICE constexpr std::uint32_t zero_nonfinite_pair(std::uint32_t pair, std::uint32_t exponent) {
   const std::uint32_t keep_lo = nonfinite16(pair, exponent) ? 0xffff0000u : 0xffffffffu;
   const std::uint32_t keep_hi = nonfinite16(pair >> 16, exponent) ? 0x0000ffffu : 0xffffffffu;
   return pair & keep_lo & keep_hi;
 }
-
-/// PositionMap as a kernel argument: at most two runs, no std:: types, callable on the device.
-struct Positions {
-  std::int64_t count0 = 0;                 ///< tokens in the first run
-  std::int64_t start0 = 0;                 ///< first position of the first run
-  std::int64_t stride0 = 1;                ///< step of the first run
-  std::int64_t start1 = 0;                 ///< first position of the second run (tokens count0 and on)
-  std::int64_t stride1 = 1;                ///< step of the second run
-
-  /// Copies a PositionMap (host side).
-  static Positions from(const PositionMap& m) {
-    Positions p;
-    if (m.segments > 0) {
-      p.count0 = m.seg[0].count;
-      p.start0 = m.seg[0].start;
-      p.stride0 = m.seg[0].stride;
-    }
-    if (m.segments > 1) {
-      p.start1 = m.seg[1].start;
-      p.stride1 = m.seg[1].stride;
-    } else {
-      // One run: let the "second" continue the first, so no index falls off the end.
-      p.start1 = p.start0 + p.count0 * p.stride0;
-      p.stride1 = p.stride0;
-    }
-    return p;
-  }
-  /// Global position of local token i.
-  SEQPAR_HOST_DEVICE std::int64_t operator()(std::int64_t i) const {
-    return i < count0 ? start0 + i * stride0 : start1 + (i - count0) * stride1;
-  }
-};
 
 /// KernelParams::kv_head as a kernel argument.
 struct HeadMap {

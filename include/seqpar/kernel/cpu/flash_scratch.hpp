@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "seqpar/core/key_span.hpp"
+
 namespace seqpar::detail {
 
 /// Elements of A in the widest micro-kernel panel of any instruction set (two 64-byte vectors).
@@ -45,10 +47,39 @@ class ScratchCarver {
   std::size_t used_ = 0;
 };
 
-/// The keys a forward query panel reaches, as key indices: some lane sees each of [lo, hi]
-/// (up to gaps between the lanes' ranges), every lane sees each of [all_lo, all_hi].
+/// The keys a forward query panel reaches, as local key indices: some lane sees each key of
+/// `reach` (up to gaps between the lanes' spans), every lane sees each key of `all`.
 struct PanelKeys {
-  std::int64_t lo, hi, all_lo, all_hi;
+  KeySpan reach;  ///< the lanes' spans joined
+  KeySpan all;    ///< the lanes' spans intersected
+
+  /// The keys rows [0, n) reach together and the keys all of them see, from the ends of the
+  /// rows' spans, first[i] .. last[i], among `sk` keys.
+  static PanelKeys join(const std::int64_t* first, const std::int64_t* last, std::int64_t n, std::int64_t sk) {
+    PanelKeys r{{sk, -1}, {0, sk - 1}};
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (first[i] <= last[i]) {
+        r.reach.first = std::min(r.reach.first, first[i]);
+        r.reach.last = std::max(r.reach.last, last[i]);
+      }
+      r.all.first = std::max(r.all.first, first[i]);
+      r.all.last = std::min(r.all.last, last[i]);
+    }
+    return r;
+  }
+
+  /// The panel's part of key block j0 .. j1: keys [ja, ja + n) it reaches (n <= 0: none), of
+  /// which [f0, f1), counted from ja, every lane sees (no mask there).
+  struct Part {
+    std::int64_t ja, n, f0, f1;
+  };
+  /// See Part.
+  Part in_block(std::int64_t j0, std::int64_t j1) const {
+    const std::int64_t ja = std::max(j0, reach.first), n = std::min(j1, reach.last) + 1 - ja;
+    if (n <= 0) return {ja, n, 0, 0};
+    const std::int64_t f0 = std::clamp<std::int64_t>(all.first - ja, 0, n);
+    return {ja, n, f0, std::clamp<std::int64_t>(all.last + 1 - ja, f0, n)};
+  }
 };
 
 /// One thread's forward scratch for accumulation type A and head dim `dim`.
@@ -56,7 +87,7 @@ template <class A>
 struct ForwardScratch {
   A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
   A* ones;  ///< one panel of 1 (the alpha of an accumulating micro-kernel call: the decode path's P V)
-  std::int64_t *first, *last;  ///< per query row: the key indices it sees (RowKeys)
+  std::int64_t *first, *last;  ///< per query row: the ends of its KeySpan
   std::int64_t *lane_lo, *lane_hi;  ///< per key of a panel's masked part: lanes [lo, hi) see it
   PanelKeys* panel;  ///< per query panel of the block
 

@@ -33,40 +33,6 @@
 #include <immintrin.h>
 #endif
 
-namespace seqpar::detail {
-
-/// Keys of `k` whose position is below `x` (positions increase along k, across its runs too).
-inline std::int64_t keys_below(const PositionMap& k, std::int64_t x) {
-  std::int64_t n = 0;
-  for (int s = 0; s < k.segments; ++s) {
-    const PositionSegment& g = k.seg[s];
-    if (x <= g.start) break;  // this run and every later one lie at or above x
-    const std::int64_t d = x - g.start;  // start + t * stride < x for t < ceil(d / stride)
-    n += std::min(g.count, g.stride == 1 ? d : (d + g.stride - 1) / g.stride);
-  }
-  return n;
-}
-
-/// The keys one query row sees, as local key indices: [first, last], none when first > last.
-struct RowKeys {
-  std::int64_t first, last;
-};
-
-/// The keys of a call's `sk` keys that local query row `i` of batch element `b` sees: every
-/// mask family leaves one contiguous range of positions (params.keys), so one contiguous run
-/// of key indices. Both ends are non-decreasing down the query rows (positions increase, and
-/// every family's bounds move with the diagonal: causal, window, the document holding the
-/// query, the batch element's padding), which the kernels rely on: the lanes of a query panel
-/// that see a key are one interval, and a query block's keys lie between its first row's
-/// first key and its last row's last.
-inline RowKeys row_keys(const KernelParams& p, std::int64_t b, std::int64_t i, std::int64_t sk) {
-  if (!p.causal && !p.extra_mask()) return {0, sk - 1};
-  const KeyRange r = p.keys(b, p.q_positions(i));
-  return {keys_below(p.k_positions, r.lo), std::min(sk, keys_below(p.k_positions, r.hi + 1)) - 1};
-}
-
-}  // namespace seqpar::detail
-
 /// _Pragma with its argument stringified.
 #define SEQPAR_PRAGMA(x) _Pragma(#x)
 #if defined(__clang__)

@@ -15,6 +15,7 @@
 
 #include "seqpar/cuda/types.hpp"
 #include "seqpar/core/mask.hpp"
+#include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/ops/cuda_ops.cuh"
 #include "seqpar/kernel/tile_math.hpp"
 
@@ -31,7 +32,7 @@ struct FwdArgs {
   int dim;
   float scale_log2;  // softmax scale * log2(e)
   MaskView mask;     // causal merged in; tables in device memory (DeviceMaskTables)
-  tile::Positions qpos, kpos;
+  PositionMap qpos, kpos;  // query diagonals, key positions (KernelParams)
   tile::HeadMap heads;
 };
 
@@ -46,7 +47,7 @@ struct BwdArgs {
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e)
   MaskView mask;     // causal merged in; tables in device memory (DeviceMaskTables)
-  tile::Positions qpos, kpos;
+  PositionMap qpos, kpos;  // query diagonals, key positions (KernelParams)
   tile::HeadMap heads;
 };
 

@@ -211,7 +211,7 @@ class CudaFlashKernel {
     SEQPAR_CHECK(v.seq() == k.seq() && v.heads() == k.heads(), ConfigError, "CudaFlashKernel::", what,
                  ": v: expected k's seq ", k.seq(), " and heads ", k.heads(), ", got ", v.seq(), " and ", v.heads());
     check_same("out", out, q.extent);
-    // KeySpan holds local key indices as int.
+    // The kernels hold local key indices as int (KeySpan32).
     SEQPAR_CHECK(k.seq() <= std::numeric_limits<int>::max() - 1, ConfigError, "CudaFlashKernel::", what,
                  ": k.seq: expected <= ", std::numeric_limits<int>::max() - 1, ", got ", k.seq());
   }
@@ -321,8 +321,7 @@ void CudaFlashKernel::forward(TensorView<const T, CudaSpace> q, TensorView<const
                                cuda_detail::device_view(out), cuda_detail::device_view(lse),
                                q.seq(), k.seq(), static_cast<int>(q.dim()),
                                static_cast<float>(p.scale) * tile::log2e, masks_.view(p, q.batch(), stream_),
-                               tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
-                               tile::HeadMap::from(p)};
+                               p.q_positions, p.k_positions, tile::HeadMap::from(p)};
   if (lse.absent()) a.lse.data = nullptr;
   if constexpr (!std::is_same_v<T, float>) {
     if (uses_mma(q, k, v)) {
@@ -363,8 +362,7 @@ void CudaFlashKernel::backward(TensorView<const T, CudaSpace> dout, TensorView<c
                             cuda_detail::device_view(dq), cuda_detail::device_view(dk), cuda_detail::device_view(dv),
                             q.seq(), k.seq(), static_cast<int>(q.dim()), static_cast<float>(p.scale),
                             static_cast<float>(p.scale) * tile::log2e, masks_.view(p, q.batch(), stream_),
-                            tile::Positions::from(p.q_positions), tile::Positions::from(p.k_positions),
-                            tile::HeadMap::from(p)};
+                            p.q_positions, p.k_positions, tile::HeadMap::from(p)};
   if constexpr (!std::is_same_v<T, float>) {
     if (uses_mma_backward(dout, q, k, v)) {
       if (q.dim() == 64)

@@ -3,23 +3,18 @@
 /// The mask on the device for CudaFlashKernel: every family of core/mask.hpp (causal of
 /// either alignment, windows, packed documents, key padding, decode's per-row key ends).
 ///
-/// Every family leaves a query row one contiguous range of visible key *positions*
-/// (MaskView::keys); positions increase within a call, so it is one run of *local key indices*
-/// too, a KeySpan. The kernels compute each row's span once per block (forward) or per query
-/// tile (backward) and then:
-/// - skip a tile outside the spans of its rows (a forward tile the block's first row's span
-///   starts after or its last row's span ends before, or that no row's span reaches; a
-///   backward query tile before the first row that sees the key tile, or after the last);
-/// - take the unmasked path on a tile every row sees whole (the last row's span starts at or
-///   before the tile and the first row's span ends at or after it: both ends are
-///   non-decreasing down the rows);
-/// - test `span.first <= j <= span.last` per element on the other tiles, with the NaN-safety
-///   of the causal cut tiles (a hidden key adds exactly 0, whatever K and V hold there; in
-///   the backward, a row that sees none of a cut tile's keys adds exactly 0 to their dK and
-///   dV, whatever its Q and dO hold).
-///
-/// MaskView points into the plan, in host memory; DeviceMaskTables keeps the kernel object's
-/// device copy of the tables it points to (documents, key padding, row key ends).
+/// Which keys a row sees and what that makes of a tile is core/key_span.hpp (row_span,
+/// classify_tile), the same code the CPU kernel and the plan run. The kernels compute each
+/// row's span (KeySpan32) once per block (forward) or per query tile (backward) and then skip
+/// a tile the spans leave out (forward: exact, a cut tile no row reaches is skipped too;
+/// backward: query tiles before the first row that reaches the key tile, and from the first
+/// whose first row starts after it), take the unmasked path on a visible tile, and on a cut
+/// one test `span.sees(j)` per element, with the NaN-safety of cut tiles (a hidden key adds
+/// exactly 0, whatever K and V hold there; in the backward, a row that sees none of a cut
+/// tile's keys adds exactly 0 to their dK and dV, whatever its Q and dO hold). This header
+/// keeps the device side of that: the kernels' walks over rows and tiles, and
+/// DeviceMaskTables, the kernel object's device copy of the tables a MaskView points to
+/// (documents, key padding, row key ends; MaskView points into the plan, in host memory).
 
 #include <cuda_runtime.h>
 
@@ -31,6 +26,7 @@
 
 #include "seqpar/cuda/error.hpp"
 #include "seqpar/core/error.hpp"
+#include "seqpar/core/key_span.hpp"
 #include "seqpar/core/mask.hpp"
 #include "seqpar/kernel/cuda/flash_args.cuh"
 #include "seqpar/kernel/local_attention_kernel.hpp"
@@ -39,58 +35,10 @@
 namespace seqpar {
 namespace cuda_detail {
 
-/// A query row's visible keys as local key indices of the call, first .. last inclusive
-/// (empty when first > last). Both ends are non-decreasing down the rows of a call.
-struct KeySpan {
-  int first;  ///< first visible local key
-  int last;   ///< last visible local key
-  /// True when local key j is visible to the row.
-  SEQPAR_HOST_DEVICE constexpr bool sees(std::int64_t j) const { return first <= j && j <= last; }
-  /// True when the row sees some key of the local keys j0 .. j1.
-  SEQPAR_HOST_DEVICE constexpr bool reaches(std::int64_t j0, std::int64_t j1) const {
-    return first <= last && first <= j1 && last >= j0;
-  }
-};
-
-/// How many of the `count` positions start + t * stride (stride > 0) are below position x.
-SEQPAR_HOST_DEVICE inline std::int64_t run_below(std::int64_t start, std::int64_t stride, std::int64_t count,
-                                                 std::int64_t x) {
-  if (count <= 0 || x <= start) return 0;
-  const std::int64_t n = (x - start + stride - 1) / stride;
-  return n < count ? n : count;
-}
-
-/// How many of the sk local keys with positions `k` have a position below x.
-SEQPAR_HOST_DEVICE inline std::int64_t keys_below(const tile::Positions& k, std::int64_t sk, std::int64_t x) {
-  const std::int64_t n0 = k.count0 < sk ? k.count0 : sk;
-  return run_below(k.start0, k.stride0, n0, x) + run_below(k.start1, k.stride1, sk - n0, x);
-}
-
-/// The span of query row i of batch element b, for a call with `mask` (causal merged in; its
-/// tables in device memory on the device), query diagonals `q` and sk keys at positions `k`.
-/// Without a mask every row sees 0 .. sk - 1. The ends are mapped from positions with
-/// keys_below, which keeps them non-decreasing down the rows even for empty spans.
-SEQPAR_HOST_DEVICE inline KeySpan row_span(const MaskView& mask, const tile::Positions& q, const tile::Positions& k,
-                                           std::int64_t sk, std::int64_t b, std::int64_t i) {
-  if (!mask.any()) return {0, static_cast<int>(sk - 1)};
-  const KeyRange r = mask.keys(b, q(i));
-  return {static_cast<int>(keys_below(k, sk, r.lo)), static_cast<int>(keys_below(k, sk, r.hi + 1) - 1)};
-}
-
 /// row_span of query row i of batch element b for the call of `a` (FwdArgs or BwdArgs).
 template <class Args>
-SEQPAR_HOST_DEVICE KeySpan row_span(const Args& a, std::int64_t b, std::int64_t i) {
-  return row_span(a.mask, a.qpos, a.kpos, a.sk, b, i);
-}
-
-/// Classifies local keys j0 .. j1 for a run of query rows whose first row has span `top` and
-/// last row span `bottom` (spans are non-decreasing): hidden when every row's span lies
-/// before or after the keys, visible when every row sees them all, partial otherwise (a
-/// partial tile may still reach no row when the rows' spans leave a gap over it).
-SEQPAR_HOST_DEVICE inline tile::TileMask classify_span_tile(KeySpan top, KeySpan bottom, std::int64_t j0,
-                                                            std::int64_t j1) {
-  if (j1 < top.first || j0 > bottom.last) return tile::TileMask::hidden;
-  return bottom.first <= j0 && top.last >= j1 ? tile::TileMask::visible : tile::TileMask::partial;
+SEQPAR_HOST_DEVICE KeySpan32 row_span(const Args& a, std::int64_t b, std::int64_t i) {
+  return seqpar::row_span<KeySpan32>(a.mask, a.qpos, a.kpos, a.sk, b, i);
 }
 
 /// The first query row of a call (`a`: FwdArgs or BwdArgs) whose span in batch element b ends
@@ -110,12 +58,12 @@ SEQPAR_HOST_DEVICE std::int64_t first_row_reaching(const Args& a, std::int64_t b
   return lo;
 }
 
-/// classify_span_tile for query rows i0 .. i0 + nq - 1 of the call of `a` (its first and last
+/// classify_tile for query rows i0 .. i0 + nq - 1 of the call of `a` (its first and last
 /// rows' spans).
 template <class Args>
-SEQPAR_HOST_DEVICE tile::TileMask classify_query_tile(const Args& a, std::int64_t b, std::int64_t i0, int nq,
-                                                      std::int64_t j0, std::int64_t j1) {
-  return classify_span_tile(row_span(a, b, i0), row_span(a, b, i0 + nq - 1), j0, j1);
+SEQPAR_HOST_DEVICE TileClass classify_query_tile(const Args& a, std::int64_t b, std::int64_t i0, int nq,
+                                                 std::int64_t j0, std::int64_t j1) {
+  return classify_tile(row_span(a, b, i0), row_span(a, b, i0 + nq - 1), j0, j1);
 }
 
 /// The backward's walk over query tiles of `bq` rows for local keys j0 .. j1: the first tile
@@ -127,7 +75,7 @@ SEQPAR_HOST_DEVICE std::int64_t next_query_tile(const Args& a, std::int64_t b, s
   for (; i0 < a.sq; i0 += bq) {
     if (row_span(a, b, i0).first > j1) return a.sq;
     const int nq = static_cast<int>(a.sq - i0 < bq ? a.sq - i0 : bq);
-    if (classify_query_tile(a, b, i0, nq, j0, j1) != tile::TileMask::hidden) return i0;
+    if (classify_query_tile(a, b, i0, nq, j0, j1) != TileClass::skip) return i0;
   }
   return a.sq;
 }
@@ -135,27 +83,26 @@ SEQPAR_HOST_DEVICE std::int64_t next_query_tile(const Args& a, std::int64_t b, s
 /// Block-wide: spans[r] = row_span of query row i0 + r for r < n, an empty span for the other
 /// rows up to ROWS (threads stride over the rows; publish with a barrier). `a`: FwdArgs or BwdArgs.
 template <int ROWS, class Args>
-__device__ __forceinline__ void fill_spans(KeySpan* spans, const Args& a, std::int64_t b, std::int64_t i0, int n) {
+__device__ __forceinline__ void fill_spans(KeySpan32* spans, const Args& a, std::int64_t b, std::int64_t i0, int n) {
   for (int r = threadIdx.x; r < ROWS; r += blockDim.x)
-    spans[r] = r < n ? row_span(a, b, i0 + r) : KeySpan{0, -1};
+    spans[r] = r < n ? row_span(a, b, i0 + r) : KeySpan32{0, -1};
 }
 
 /// Whether some row of spans[0 .. n) reaches local keys j0 .. j1 (REACH) or some row misses
 /// them all (!REACH); every lane gets it (a warp collective: call from the whole warp).
 template <bool REACH = true>
-__device__ __forceinline__ bool rows_reach(const KeySpan* spans, int n, std::int64_t j0, std::int64_t j1) {
+__device__ __forceinline__ bool rows_reach(const KeySpan32* spans, int n, std::int64_t j0, std::int64_t j1) {
   bool any = false;
   for (int r = threadIdx.x & 31; r < n; r += 32) any = any || spans[r].reaches(j0, j1) == REACH;
   return warp_any(any);
 }
 
-/// classify_span_tile for the rows spans[0 .. n) (n >= 1), exact on hidden tiles: a partial
-/// one that no row reaches is hidden. A warp collective on data every thread shares, so the
-/// answer is the same in the whole block.
-__device__ __forceinline__ tile::TileMask classify_rows(const KeySpan* spans, int n, std::int64_t j0,
-                                                        std::int64_t j1) {
-  tile::TileMask m = classify_span_tile(spans[0], spans[n - 1], j0, j1);
-  if (m == tile::TileMask::partial && !rows_reach(spans, n, j0, j1)) m = tile::TileMask::hidden;
+/// classify_tile for the rows spans[0 .. n) (n >= 1), exact on skips: a cut tile that no row
+/// reaches is skipped. A warp collective on data every thread shares, so the answer is the
+/// same in the whole block.
+__device__ __forceinline__ TileClass classify_rows(const KeySpan32* spans, int n, std::int64_t j0, std::int64_t j1) {
+  TileClass m = classify_tile(spans[0], spans[n - 1], j0, j1);
+  if (m == TileClass::cut && !rows_reach(spans, n, j0, j1)) m = TileClass::skip;
   return m;
 }
 
@@ -198,8 +145,7 @@ class DeviceMaskTables {
   /// `p`'s mask for a kernel: p.causal merged in, and the tables for `batch` batch elements in
   /// device memory (uploaded on `stream` when they changed, see the class comment).
   MaskView view(const KernelParams& p, std::int64_t batch, cudaStream_t stream) {
-    MaskView m = p.mask;
-    m.causal = m.causal || p.causal;
+    MaskView m = p.full_mask();
     const std::size_t n_doc = m.doc_count > 0 ? static_cast<std::size_t>(
                                                     (m.doc_batch_stride > 0 ? (batch - 1) * m.doc_batch_stride : 0) +
                                                     m.doc_count + 1)

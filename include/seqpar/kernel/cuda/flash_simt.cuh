@@ -46,7 +46,7 @@ constexpr std::size_t simt_fwd_smem(int dim, int dc) {
 /// take CUT = false, unchanged.
 template <int DC, bool CUT>
 __device__ __forceinline__ void simt_add_pv(float (&o)[simt_rows][DC], const float* sP, const float* sV, int Dv,
-                                            int nk, std::int64_t j0, const KeySpan (&rs)[simt_rows]) {
+                                            int nk, std::int64_t j0, const KeySpan32 (&rs)[simt_rows]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int j = 0; j < nk; ++j) {
     float vv[DC];
@@ -83,11 +83,11 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
     const int r = idx / Dp, d = idx - r * Dp;
     sQ[idx] = (r < nq && d < D) ? to_float(a.q.row(b, i0 + r, h)[d]) * a.scale_log2 : 0.0f;
   }
-  __shared__ KeySpan spans[simt_bq];  // each row's visible keys
+  __shared__ KeySpan32 spans[simt_bq];  // each row's visible keys
   fill_spans<simt_bq>(spans, a, b, i0, nq);
   __syncthreads();
   float m[simt_rows], l[simt_rows], o[simt_rows][DC];
-  KeySpan rs[simt_rows];
+  KeySpan32 rs[simt_rows];
 #pragma unroll
   for (int rr = 0; rr < simt_rows; ++rr) {
     m[rr] = -INFINITY;
@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
   const std::int64_t k_end = spans[nq - 1].last + std::int64_t{1};
   for (std::int64_t j0 = spans[0].first; j0 < k_end; j0 += simt_bk) {
     const int nk = static_cast<int>(k_end - j0 < simt_bk ? k_end - j0 : simt_bk);
-    const tile::TileMask mask = classify_rows(spans, nq, j0, j0 + nk - 1);
-    if (mask == tile::TileMask::hidden) continue;
+    const TileClass mask = classify_rows(spans, nq, j0, j0 + nk - 1);
+    if (mask == TileClass::skip) continue;
     __syncthreads();  // the previous tile's K, V, P are consumed
     for (int idx = tid; idx < simt_bk * Dp; idx += simt_threads) {
       const int j = idx / Dp, d = idx - j * Dp;
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
     const bool key_ok = lane < nk;
 #pragma unroll
     for (int rr = 0; rr < simt_rows; ++rr) {
-      const bool visible = key_ok && (mask != tile::TileMask::partial || rs[rr].sees(j0 + lane));
+      const bool visible = key_ok && (mask != TileClass::cut || rs[rr].sees(j0 + lane));
       const float x = visible ? s[rr] : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(x));
       const float alpha = tile::rescale_factor(m[rr], m_new);
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(simt_threads) flash_fwd_simt(FwdArgs<T, O> a) 
       sP[(warp * simt_rows + rr) * simt_bk + lane] = p;
     }
     __syncwarp();
-    if (mask == tile::TileMask::partial)
+    if (mask == TileClass::cut)
       simt_add_pv<DC, true>(o, sP, sV, Dv, nk, j0, rs);
     else
       simt_add_pv<DC, false>(o, sP, sV, Dv, nk, j0, rs);
@@ -182,7 +182,7 @@ constexpr std::size_t simt_bwd_smem(int dim) {
 template <int DC, bool CUT, class T>
 __device__ __forceinline__ void simt_add_dq(const BwdArgs<T>& a, const float* sS, const float* sK, int nq, int nk,
                                             std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t j0,
-                                            const KeySpan* spans) {
+                                            const KeySpan32* spans) {
   const int D = a.dim, Dp = simt_padded_dim(D), Ks = Dp + 1, Ps = bwd_bk + 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
     sK[j * Ks + d] = ok ? to_float(a.k.row(b, j0 + j, kh)[d]) : 0.0f;
     sV[j * Ks + d] = ok ? to_float(a.v.row(b, j0 + j, kh)[d]) : 0.0f;
   }
-  __shared__ KeySpan spans[bwd_bq];  // the query tile's rows' visible keys (on cut tiles)
+  __shared__ KeySpan32 spans[bwd_bq];  // the query tile's rows' visible keys (on cut tiles)
   const std::int64_t j_last = j0 + nk - 1;
 
   // dK, dV of keys warp * 8 + kk, columns lane + 32 c.
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
   for (std::int64_t i0 = next_query_tile(a, b, first_row_reaching(a, b, j0), bwd_bq, j0, j_last); i0 < a.sq;
        i0 = next_query_tile(a, b, i0 + bwd_bq, bwd_bq, j0, j_last)) {
     const int nq = static_cast<int>(a.sq - i0 < bwd_bq ? a.sq - i0 : bwd_bq);
-    const tile::TileMask mask = classify_query_tile(a, b, i0, nq, j0, j_last);
+    const TileClass mask = classify_query_tile(a, b, i0, nq, j0, j_last);
     __syncthreads();  // the previous query tile is consumed
     for (int idx = tid; idx < bwd_bq * Dp; idx += bwd_threads) {
       const int r = idx / Dp, d = idx - r * Dp;
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
       sO[idx] = ok ? to_float(a.dout.row(b, i0 + r, h)[d]) : 0.0f;
     }
     backward_row_stats<bwd_rows>(a, b, h, i0, nq, sD, sL);
-    if (mask == tile::TileMask::partial) fill_spans<bwd_bq>(spans, a, b, i0, nq);
+    if (mask == TileClass::cut) fill_spans<bwd_bq>(spans, a, b, i0, nq);
     __syncthreads();
 
     // P and dS: lane = key, warp rows.
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
         dp += g4.x * vr[d] + g4.y * vr[d + 1] + g4.z * vr[d + 2] + g4.w * vr[d + 3];
       }
       bool visible = lane < nk && r < nq && sL[r] != -INFINITY;
-      if (visible && mask == tile::TileMask::partial) visible = spans[r].sees(j0 + lane);
+      if (visible && mask == TileClass::cut) visible = spans[r].sees(j0 + lane);
       const float p = visible ? tile::exp2_fast(s * a.scale_log2 - sL[r]) : 0.0f;
       sP[r * Ps + lane] = p;
       // Not p * (...) alone: a hidden key's dP is NaN when its V is, and 0 x NaN = NaN.
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
     for (int i = 0; i < nq; ++i) {
       // A row that sees none of these keys adds nothing: its P and dS are 0, but 0 x NaN = NaN
       // (a NaN in its Q or dO must stay in that row). The same in the whole warp.
-      if (mask == tile::TileMask::partial && !spans[i].reaches(j0, j_last)) continue;
+      if (mask == TileClass::cut && !spans[i].reaches(j0, j_last)) continue;
       float gq[DC], qq[DC];
 #pragma unroll
       for (int c = 0; c < DC; ++c) {
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(bwd_threads) flash_bwd_simt(BwdArgs<T> a) {
         }
       }
     }
-    if (mask == tile::TileMask::partial)
+    if (mask == TileClass::cut)
       simt_add_dq<DC, true>(a, sS, sK, nq, nk, b, h, i0, j0, spans);
     else
       simt_add_dq<DC, false>(a, sS, sK, nq, nk, b, h, i0, j0, spans);

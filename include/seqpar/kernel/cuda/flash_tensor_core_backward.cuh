@@ -42,7 +42,7 @@ template <class T, int D>
 constexpr std::size_t mma_bwd_smem() {
   constexpr std::size_t bq = mma_bwd_bq<D>;
   return sizeof(T) * ((2 * mma_bwd_bk + 2 * bq) * (D + 8) + bq * (mma_bwd_bk + 8)) + 2 * sizeof(float) * bq +
-         sizeof(KeySpan) * bq;
+         sizeof(KeySpan32) * bq;
 }
 
 /// P^T and dS^T of one query tile on the accumulators of S^T (in s) and dP^T (in dp): row =
@@ -53,7 +53,7 @@ constexpr std::size_t mma_bwd_smem() {
 /// tiles take CUT = false, unchanged.
 template <class T, int D, bool CUT>
 __device__ __forceinline__ void bwd_p_ds(float (&s)[mma_bwd_bq<D> / 8][4], float (&dp)[mma_bwd_bq<D> / 8][4],
-                                         const bool (&key_ok)[2], const std::int64_t (&kj)[2], const KeySpan* spans,
+                                         const bool (&key_ok)[2], const std::int64_t (&kj)[2], const KeySpan32* spans,
                                          const BwdArgs<T>& a, int key0, const float* sL, const float* sD, T* sS) {
   constexpr int ds_stride = mma_bwd_bk + 8;
   const int lane = threadIdx.x & 31;
@@ -114,11 +114,11 @@ __device__ __forceinline__ void bwd_add_dq(const BwdArgs<T>& a, const T* sS, con
     }
     if (CUT && warp_any(zeroed)) {
       // This lane's rows (C rows g, g + 8) and columns ((n + t) 8 + 2 (lane % 4) + e).
-      KeySpan rsp[2];  // (the shared spans may already hold the next tile's)
+      KeySpan32 rsp[2];  // (the shared spans may already hold the next tile's)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = 16 * rb + tile::mma_c_coord(lane, 2 * hf).row;
-        rsp[hf] = row < nq ? row_span(a, b, i0 + row) : KeySpan{0, -1};
+        rsp[hf] = row < nq ? row_span(a, b, i0 + row) : KeySpan32{0, -1};
       }
       for (int j = 0; j < nk; ++j) {
 #pragma unroll
@@ -152,7 +152,7 @@ __device__ __forceinline__ void bwd_add_dq(const BwdArgs<T>& a, const T* sS, con
 /// every thread: call from a block-uniform branch). A row that sees some of the keys keeps its
 /// values, so a NaN there reaches the dK, dV of every key of the tile.
 template <class T, int D>
-__device__ __forceinline__ void clear_rows_missing_keys(T* sQ, T* sG, const KeySpan* spans, int nq, std::int64_t j0,
+__device__ __forceinline__ void clear_rows_missing_keys(T* sQ, T* sG, const KeySpan32* spans, int nq, std::int64_t j0,
                                                         std::int64_t j1) {
   if (!rows_reach<false>(spans, nq, j0, j1)) return;
   constexpr int stride = D + 8, chunks = D / 8;  // 16-byte chunks per row
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   T* sS = sG + bq * stride;  // dS, [query][key]
   float* sL = reinterpret_cast<float*>(sS + bq * ds_stride);
   float* sD = sL + bq;
-  KeySpan* spans = reinterpret_cast<KeySpan*>(sD + bq);  // the query tile's rows' visible keys
+  KeySpan32* spans = reinterpret_cast<KeySpan32*>(sD + bq);  // the query tile's rows' visible keys
 
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * bk;
   const std::int64_t h = blockIdx.y, b = blockIdx.z;
@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
   __syncthreads();
   while (i0 < a.sq) {
     const int nq = rows_of(i0);
-    const tile::TileMask mask = tile_mask(i0);
-    if (mask == tile::TileMask::partial) clear_rows_missing_keys<T, D>(sQ, sG, spans, nq, j0, j_last);
+    const TileClass mask = tile_mask(i0);
+    if (mask == TileClass::cut) clear_rows_missing_keys<T, D>(sQ, sG, spans, nq, j0, j_last);
 
     float s[nt_q][4], dp[nt_q][4];
 #pragma unroll
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
         mma_x2<false>(dp[nt], dp[nt + 1], va, sG + nt * 8 * stride + kc * 16 + off_b);
       }
     }
-    const bool cut = mask == tile::TileMask::partial;
+    const bool cut = mask == TileClass::cut;
     if (cut)
       bwd_p_ds<T, D, true>(s, dp, key_ok, kj, spans, a, key0, sL, sD, sS);
     else

@@ -73,7 +73,7 @@ __device__ __forceinline__ bool zero_nonfinite_keys(T* tile, int* bad, int* bad_
 /// weight of key 8 nt + 2 ((lane % 4) ^ m) + e, which each lane takes with a shuffle.
 template <class T, class O, int D, int MT>
 __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4], const float (&p)[MT][mma_bk / 8][4],
-                                                    const KeySpan (&rs)[MT][2], const FwdArgs<T, O>& a,
+                                                    const KeySpan32 (&rs)[MT][2], const FwdArgs<T, O>& a,
                                                     std::int64_t b, std::int64_t kh, std::int64_t j0,
                                                     const int* bad) {
   const int quad = threadIdx.x & 3;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   T* sV;
   T* sQ;
   __shared__ int bad_keys[mma_threads], bad_warps[mma_threads / 32];  // zero_nonfinite_keys's marks
-  __shared__ KeySpan spans[bq];                                       // each row's visible keys
+  __shared__ KeySpan32 spans[bq];                                     // each row's visible keys
   if constexpr (MT == 1) {
     __shared__ __align__(16) T sK1[mma_bk * stride];
     __shared__ __align__(16) T sV1[mma_bk * stride];
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   };
 
   // This thread's query rows: C fragment rows g and g + 8 of each of its warp's m-tiles.
-  KeySpan rs[MT][2];
+  KeySpan32 rs[MT][2];
   int rows[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   auto tile_mask = [&](int j0) { return classify_rows(spans, nq, j0, j0 + keys_of(j0) - 1); };
   // The first tile at or after j0 that some row sees, or k_end.
   auto next_tile = [&](int j0) {
-    while (j0 < k_end && tile_mask(j0) == tile::TileMask::hidden) j0 += mma_bk;
+    while (j0 < k_end && tile_mask(j0) == TileClass::skip) j0 += mma_bk;
     return j0;
   };
 
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
 
   while (j0 < k_end) {
     const int nk = keys_of(j0);
-    const tile::TileMask mask = tile_mask(j0);
+    const TileClass mask = tile_mask(j0);
     // Decided here, while no accumulator of the tile is live, for the prefetch below.
     const int j1 = next_tile(j0 + mma_bk);
     load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
         for (int i = 0; i < 4; ++i) {
           const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
           bool visible = col < nk;
-          if (visible && mask == tile::TileMask::partial) visible = rs[mt][i >> 1].sees(j0 + col);
+          if (visible && mask == TileClass::cut) visible = rs[mt][i >> 1].sees(j0 + col);
           const float x = visible ? sacc[mt][nt][i] * a.scale_log2 : -INFINITY;
           sacc[mt][nt][i] = x;
           mx[i >> 1] = fmaxf(mx[i >> 1], x);
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     // A tile the mask cuts: NaN/Inf in V become 0 for P V, and their terms go to the rows that
     // see them (before P V, while P is live anyway: the order of the terms only matters to
     // rows that become NaN or Inf). Fully visible tiles skip both.
-    if (mask == tile::TileMask::partial && zero_nonfinite_keys<T, D>(sV, bad_keys, bad_warps))
+    if (mask == TileClass::cut && zero_nonfinite_keys<T, D>(sV, bad_keys, bad_warps))
       restore_nonfinite_v<T, O, D, MT>(oacc, sacc, rs, a, b, kh, j0, bad_keys);
     int vb[4];
 #pragma unroll

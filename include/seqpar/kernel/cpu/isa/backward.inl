@@ -13,14 +13,13 @@ inline bool backward_tile_keys(const FlashBackward<T, A>& job, std::int64_t b, s
                                std::int64_t j0, std::int64_t nk, const BackwardScratch<A>& s, std::int64_t& prev) {
   const KernelParams& p = job.p;
   const std::int64_t sk = job.k.seq(), j1 = j0 + nk - 1;
-  // Both ends of the rows' ranges grow down the rows: the query block's keys lie between its
-  // first row's first key and its last row's last (most tiles of a window or of documents
-  // are rejected here, on two rows).
-  if (std::max(j0, row_keys(p, b, i0, sk).first) > std::min(j1, row_keys(p, b, i0 + nq - 1, sk).last)) return false;
+  // The query block's first and last rows decide a skip (most tiles of a window or of
+  // documents are rejected here, on two rows).
+  if (classify_tile(p.row_span(b, i0, sk), p.row_span(b, i0 + nq - 1, sk), j0, j1) == TileClass::skip) return false;
   bool any = false;
   prev = -1;
   for (std::int64_t i = 0; i < nq; ++i) {
-    const RowKeys r = row_keys(p, b, i0 + i, sk);
+    const KeySpan r = p.row_span(b, i0 + i, sk);
     s.row_lo[i] = std::max<std::int64_t>(r.first - j0, 0);
     s.row_hi[i] = std::min(r.last, j1) - j0;
     any = any || s.row_lo[i] <= s.row_hi[i];

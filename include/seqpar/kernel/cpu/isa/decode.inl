@@ -210,11 +210,8 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
   const std::int64_t* last = s.last + hd.base;
   A* const ot = s.ot + hd.base * dim;
   if constexpr (NR == 0) {
-    const PanelKeys& pk = s.panel[hd.base / max_panel<A>];
-    const std::int64_t ja = std::max(j0, pk.lo), nkp = std::min(j1, pk.hi) + 1 - ja;
+    const auto [ja, nkp, f0, f1] = s.panel[hd.base / max_panel<A>].in_block(j0, j1);
     if (nkp <= 0) return;
-    const std::int64_t f0 = std::clamp<std::int64_t>(pk.all_lo - ja, 0, nkp);
-    const std::int64_t f1 = std::clamp<std::int64_t>(pk.all_hi + 1 - ja, f0, nkp);
     const std::ptrdiff_t lds = fwd_block_k;
     decode_scores(s.qt + hd.base * dim, R, job.k.row(b, ja, hd.kh), ldk, nkp, dim, s.st, lds);
     for (std::int64_t i = 0; i < R; ++i) {
@@ -234,11 +231,8 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
     const std::int64_t panels = (R + PW - 1) / PW, qt_panel = dim * PW;
     for (std::int64_t panel = 0, c0 = 0; panel < panels; ++panel, c0 += PW) {
       // As the forward: the panel's keys [ja, ja + nkp) of this block, [f0, f1) seen by all.
-      const PanelKeys& pk = s.panel[hd.base / PW + panel];
-      const std::int64_t ja = std::max(j0, pk.lo), nkp = std::min(j1, pk.hi) + 1 - ja;
+      const auto [ja, nkp, f0, f1] = s.panel[hd.base / PW + panel].in_block(j0, j1);
       if (nkp <= 0) continue;
-      const std::int64_t f0 = std::clamp<std::int64_t>(pk.all_lo - ja, 0, nkp);
-      const std::int64_t f1 = std::clamp<std::int64_t>(pk.all_hi + 1 - ja, f0, nkp);
       const std::int64_t np = std::min<std::int64_t>(PW, R - c0);
       const A* const kr = job.k.row(b, ja, hd.kh);
       // S^T = K Q^T with K read in place, MR keys at a time.
@@ -283,8 +277,8 @@ void decode_head_init(const FlashDecode<T, O, A>& job, std::int64_t b, const Dec
   std::fill(s.ot + hd.base * dim, s.ot + (hd.base + R) * dim, A(0));
   const std::int64_t pidx = hd.base / PW;  // (decode_block finds them there)
   for (std::int64_t panel = 0; panel < panels; ++panel)
-    s.panel[pidx + panel] = join_row_keys(s.first + hd.base + panel * PW, s.last + hd.base + panel * PW,
-                                          std::min(R - panel * PW, PW), sk);
+    s.panel[pidx + panel] = PanelKeys::join(s.first + hd.base + panel * PW, s.last + hd.base + panel * PW,
+                                            std::min(R - panel * PW, PW), sk);
 }
 
 /// A head's rows after the key loop: each row's output and LSE, or with `part` the chunk's
@@ -321,10 +315,10 @@ void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const Forwa
   // Each query's keys (the same for every head), and the keys some query sees.
   std::int64_t lo = sk, hi = -1;
   for (std::int64_t t = 0; t < nq; ++t) {
-    const RowKeys r = row_keys(job.p, b, t, sk);
+    const KeySpan r = job.p.row_span(b, t, sk);
     s.lane_lo[t] = r.first;
     s.lane_hi[t] = r.last;
-    if (r.first <= r.last) {
+    if (!r.empty()) {
       lo = std::min(lo, r.first);
       hi = std::max(hi, r.last);
     }

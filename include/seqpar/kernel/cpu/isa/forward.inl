@@ -17,21 +17,6 @@ inline RowEnd<A> row_end(A m, A l) {
   return {A(1) / l, m + std::log(l)};
 }
 
-/// The keys rows [0, n) reach together and the keys all of them see (PanelKeys), from the
-/// rows' ranges [first[i], last[i]] among `sk` keys.
-inline PanelKeys join_row_keys(const std::int64_t* first, const std::int64_t* last, std::int64_t n, std::int64_t sk) {
-  PanelKeys r{sk, -1, 0, sk - 1};
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (first[i] <= last[i]) {
-      r.lo = std::min(r.lo, first[i]);
-      r.hi = std::max(r.hi, last[i]);
-    }
-    r.all_lo = std::max(r.all_lo, first[i]);
-    r.all_hi = std::min(r.all_hi, last[i]);
-  }
-  return r;
-}
-
 /// Keys a range boundary cuts, in a panel's S^T (`nkp` keys from key index `ja`, PW lanes, of
 /// which the first `np` are rows with ranges [first, last]): keys [0, f0) and [f1, nkp) are
 /// not seen by every lane. Both ends of the rows' ranges grow down the panel, so the lanes
@@ -102,7 +87,7 @@ template <int PW, class A>
 /// Per key block, V is packed once (MR head dims interleaved per key: its rows are a power
 /// of two apart in the caller's tensor and would fall into a few L1 sets), then each panel of
 /// PW queries runs the whole step, S^T = K Q^T, the online softmax and O^T += V^T P^T, on the
-/// keys it reaches (every row sees one contiguous run of keys, row_keys: the block's key loop
+/// keys it reaches (every row sees one contiguous run of keys, its KeySpan: the block's key loop
 /// runs from its first row's first key to its last row's last, skips blocks no panel reaches,
 /// and each panel is trimmed to its own keys). The block's Q^T and O^T are stored panel by
 /// panel, each panel contiguous, and the panel's S^T fits in L1. Large query blocks make K and
@@ -130,7 +115,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     A* col = s.qt + i / PW * qt_panel + i % PW;
     for (std::int64_t d = 0; d < dim; ++d) col[d * PW] = src ? static_cast<A>(src[d]) * scale : A(0);
     if (src) {
-      const RowKeys r = row_keys(p, b, i0 + i, sk);
+      const KeySpan r = p.row_span(b, i0 + i, sk);
       s.first[i] = r.first;
       s.last[i] = r.last;
     }
@@ -143,10 +128,10 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   std::int64_t block_lo = sk, block_hi = -1;
   for (std::int64_t panel = 0; panel < panels; ++panel) {
     const std::int64_t i = panel * PW;
-    const PanelKeys r = join_row_keys(s.first + i, s.last + i, std::min(nq, i + PW) - i, sk);
+    const PanelKeys r = PanelKeys::join(s.first + i, s.last + i, std::min(nq, i + PW) - i, sk);
     s.panel[panel] = r;
-    block_lo = std::min(block_lo, r.lo);
-    block_hi = std::max(block_hi, r.hi);
+    block_lo = std::min(block_lo, r.reach.first);
+    block_hi = std::max(block_hi, r.reach.last);
   }
 
   for (std::int64_t j0 = block_lo; j0 <= block_hi; j0 += fwd_block_k) {
@@ -154,7 +139,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     // A block in a gap between the rows' ranges (a window or a document boundary) is skipped.
     bool reached = false;
     for (std::int64_t panel = 0; panel < panels && !reached; ++panel)
-      reached = std::max(j0, s.panel[panel].lo) <= std::min(j1, s.panel[panel].hi);
+      reached = s.panel[panel].reach.reaches(j0, j1);
     if (!reached) continue;
     // K rows copied (and converted to A) into rows ldk apart: in the caller's tensor a head's
     // rows are a power of two apart (H D elements), and the MR rows a micro-kernel reads at
@@ -192,11 +177,8 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       }
       // The keys [ja, ja + nkp) of the block this panel reaches; of those, [f0, f1) (counted
       // from ja) are seen by every row of the panel and need no mask.
-      const PanelKeys& pk = s.panel[panel];
-      const std::int64_t ja = std::max(j0, pk.lo), nkp = std::min(j1, pk.hi) + 1 - ja;
+      const auto [ja, nkp, f0, f1] = s.panel[panel].in_block(j0, j1);
       if (nkp <= 0) continue;  // nothing to add: the panel's state stays as it is
-      const std::int64_t f0 = std::clamp<std::int64_t>(pk.all_lo - ja, 0, nkp);
-      const std::int64_t f1 = std::clamp<std::int64_t>(pk.all_hi + 1 - ja, f0, nkp);
       const std::int64_t np = std::min<std::int64_t>(PW, nq - c0);
       A* const qt = s.qt + panel * qt_panel;
       A* const ot = s.ot + panel * qt_panel;
