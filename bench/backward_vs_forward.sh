@@ -5,7 +5,7 @@
 #     and not, on 1 and 2 threads (or the thread counts given). A small timing program, written
 #     to the build directory and compiled with the flags the build used for seqpar_demo; the
 #     thread counts alternate call by call in one process.
-#  2. Each policy: build/examples/seqpar_demo, forward alone, then forward + backward.
+#  2. Each policy: build/tools/seqpar_demo/seqpar_demo, forward alone, then forward + backward.
 # Usage:
 #   bench/backward_vs_forward.sh [build-dir] [threads...]     (default: build 1 2)
 set -euo pipefail
@@ -13,12 +13,12 @@ build="${1:-build}"
 shift || true
 threads=("$@")
 [[ ${#threads[@]} -eq 0 ]] && threads=(1 2)
-demo="$build/examples/seqpar_demo"
+demo="$build/tools/seqpar_demo/seqpar_demo"
 [[ -x "$demo" ]] || { echo "backward_vs_forward.sh: $demo not built" >&2; exit 1; }
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
 # --- 1. The kernel alone -------------------------------------------------------------------
-flags_file="$build/examples/CMakeFiles/seqpar_demo.dir/flags.make"
+flags_file="$build/tools/seqpar_demo/CMakeFiles/seqpar_demo.dir/flags.make"
 if [[ -f "$flags_file" ]]; then
   read -r -a cxx_flags <<<"$(sed -n 's/^CXX_FLAGS = //p' "$flags_file")"
 else

@@ -3,10 +3,11 @@
 #   1. when run as root, installs the packages that are missing (apt-get);
 #   2. configures (Release) and builds.
 #
-#   bash scripts/setup.sh        everything into build/ (tests, examples, benchmarks, and the
+#   bash scripts/setup.sh        everything into build/ (tests, examples, the demo, benchmarks, and the
 #                                CUDA and emulated GPU tests when nvcc is found)
-#   bash scripts/setup.sh demo   only build-demo/examples/seqpar_demo: no tests, no benchmarks,
-#                                no CUDA (the README's first command; under a minute on 2 cores)
+#   bash scripts/setup.sh demo   only build-demo/tools/seqpar_demo/seqpar_demo: no tests, no
+#                                examples, no benchmarks, no CUDA (the README's first command;
+#                                under a minute on 2 cores)
 #
 # Idempotent: a second run installs nothing and rebuilds only what changed.
 # Extra CMake options: SEQPAR_CMAKE_ARGS="-DSEQPAR_ENABLE_CUDA=OFF" bash scripts/setup.sh
@@ -16,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mode=${1:-all}
 case "$mode" in
   all | demo) ;;
-  -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+  -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
   *) echo "setup.sh: unknown mode '$mode' (expected: demo, or nothing for everything)" >&2; exit 2 ;;
 esac
 
@@ -41,7 +42,8 @@ fi
 jobs=$(nproc 2>/dev/null || echo 2)
 if [[ $mode == demo ]]; then
   build=build-demo
-  options=(-DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_BENCHMARKS=OFF -DSEQPAR_ENABLE_CUDA=OFF)
+  options=(-DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_EXAMPLES=OFF -DSEQPAR_BUILD_TOOLS=ON -DSEQPAR_BUILD_BENCHMARKS=OFF
+           -DSEQPAR_ENABLE_CUDA=OFF)
   targets=(--target seqpar_demo)
 else
   build=build

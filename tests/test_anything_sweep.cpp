@@ -1,10 +1,10 @@
-// AnythingPolicy (issue 4): a seeded sweep of random cases on ThreadCommunicator against the
-// exact reference. Every factorisation U x R of 1..8 ranks, both placements, every layout;
-// any local length (0..5000, zero-token ranks, lengths that differ by more than one), any
-// head count with any divisor as kv_heads (also fewer than U), head_dim 1..160, causal or not,
-// Q and K/V of different lengths. Each case also checks the bytes sent against the real-token
-// formula and that forward did no host all-gather. Silent on success; a failure prints the
-// case. Compute is kept small: long cases get tiny heads.
+// AnythingPolicy: a seeded sweep of random cases on ThreadCommunicator against the exact
+// reference. Every factorisation U x R of 1..8 ranks, both placements, every layout; any local
+// length (0..5000, zero-token ranks, lengths that differ by more than one), any head count
+// with any divisor as kv_heads (also fewer than U), head_dim 1..160, causal or not, Q and K/V
+// of different lengths. Each case also checks the bytes sent against the real-token formula
+// and that forward did no host all-gather. Silent on success; a failure prints the case.
+// Compute is kept small: long cases get tiny heads.
 #include <doctest/doctest.h>
 
 #include <numeric>

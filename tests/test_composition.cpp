@@ -1,5 +1,5 @@
-// Compile-time composition (issue 16): which phases a policy instantiates, a kernel that writes
-// only T under every policy (a 2-byte type whose partials the ring must convert), can_implement
+// Compile-time composition: which phases a policy instantiates, a kernel that writes only T
+// under every policy (a 2-byte type whose partials the ring must convert), can_implement
 // answering in plan's words without communicating, the read-only plan, and the workspace's
 // declared aliasing.
 #include <doctest/doctest.h>

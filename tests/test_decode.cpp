@@ -1,8 +1,8 @@
-// Decode over a sharded KV cache (issue 20): every step against attention over the whole cache
-// in double, for world sizes 1-8, ragged caches (some empty on some ranks), contiguous and paged
-// layouts (page 1, 16, larger than a shard), 1 and 16 new tokens, GQA, both exchanges, growth
-// over many steps with appends on the owner rank; bytes per step equal the plan's count; a rank
-// that advanced differently is named on every rank.
+// Decode over a sharded KV cache: every step against attention over the whole cache in double,
+// for world sizes 1-8, ragged caches (some empty on some ranks), contiguous and paged layouts
+// (page 1, 16, larger than a shard), 1 and 16 new tokens, GQA, both exchanges, growth over many
+// steps with appends on the owner rank; bytes per step equal the plan's count; a rank that
+// advanced differently is named on every rank.
 #include <doctest/doctest.h>
 
 #include <vector>

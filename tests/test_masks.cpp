@@ -1,4 +1,4 @@
-// Masks beyond causal (issue 17): bottom-right causal, sliding windows, packed documents and key
+// Masks beyond causal: bottom-right causal, sliding windows, packed documents and key
 // padding, alone and combined, under every policy and layout, against a brute-force reference
 // written from the definitions (not from MaskView), forward and backward; plan.work counts
 // visible pairs; masks change no byte on the wire; ring steps no query sees are skipped; bad

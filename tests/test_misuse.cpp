@@ -1,6 +1,6 @@
-// Misuse of the public API that used to hang, wrap or crash (issue 18 items 2, 4 and 5): a plan
-// from another object, sizes that overflow, a head_dim no kernel can allocate for, and two
-// threads calling one object at once. Each must be a ConfigError naming the cause.
+// Misuse of the public API that must not hang, wrap or crash: a plan from another object,
+// sizes that overflow, a head_dim no kernel can allocate for, and two threads calling one
+// object at once. Each must be a ConfigError naming the cause.
 #include <doctest/doctest.h>
 
 #include <atomic>

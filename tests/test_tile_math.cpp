@@ -518,7 +518,7 @@ TEST_CASE("tile math: a row that sees nothing stays finite and ends at O = 0, LS
   // LSE in natural log from the base-2 state: m = 1 (log2 units), l = 2 -> (1 + 1) ln 2.
   CHECK(tile::finish_row(1.0f, 2.0f).lse == doctest::Approx(2.0f * tile::ln2));
   CHECK(tile::finish_row(1.0f, 2.0f).inv_sum == 0.5f);
-  // A row that saw a NaN score keeps it (issue 18): NaN output and LSE, not "saw nothing".
+  // A row that saw a NaN score keeps it: NaN output and LSE, not "saw nothing".
   const tile::RowFinish nan_row = tile::finish_row(1.0f, NAN);
   CHECK(std::isnan(nan_row.inv_sum));
   CHECK(std::isnan(nan_row.lse));

@@ -160,7 +160,7 @@ class Seqpar:
     """seqpar_demo under mpirun, one rank a process, one thread a rank."""
 
     def __init__(self, build: str):
-        self.demo = os.path.join(build, "examples", "seqpar_demo")
+        self.demo = os.path.join(build, "tools", "seqpar_demo", "seqpar_demo")
         self.env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                         OMPI_MCA_mpi_yield_when_idle="1")
 
@@ -240,8 +240,8 @@ def header(shim: SeqparShim, command: str) -> list[str]:
     import yunchang
 
     model = next((l.split(":", 1)[1].strip() for l in sh("lscpu").splitlines() if l.startswith("Model name")), "?")
-    dirty = (" (include/ or examples/ had uncommitted changes: other work in progress in this tree)"
-             if sh("git", "status", "--porcelain", "--untracked-files=no", "--", "include", "examples") else "")
+    dirty = (" (include/, examples/ or tools/ had uncommitted changes: other work in progress in this tree)"
+             if sh("git", "status", "--porcelain", "--untracked-files=no", "--", "include", "examples", "tools") else "")
     return [
         "# seqpar against its peers on one CPU",
         "",
@@ -261,7 +261,7 @@ def header(shim: SeqparShim, command: str) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shim", required=True, help="libseqpar_shim.so built by run.sh")
-    ap.add_argument("--build", required=True, help="build folder holding examples/seqpar_demo")
+    ap.add_argument("--build", required=True, help="build folder holding tools/seqpar_demo/seqpar_demo")
     ap.add_argument("--only", choices=["kernel", "dist"], help="run one of the two tables")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per side (>= 3)")
     ap.add_argument("--iters", type=int, default=3, help="forwards per distributed round")

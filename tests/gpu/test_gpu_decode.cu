@@ -1,10 +1,10 @@
-// SequenceParallelDecode on the device (issue 20 item 4): CudaFlashKernel over
-// CudaThreadCommunicator (ranks as threads on one GPU) and, where NCCL is built, over
-// NcclCommunicator (one GPU per rank), in half, bf16 and float, every step against attention
-// over the whole cache in double (tests/support/decode_check.hpp, on the inputs rounded to the
-// element type): 3 and 4 ranks, 1 and 4 new tokens, contiguous, page 1 and page 16 layouts,
-// both exchanges, GQA and MQA, ragged caches with shards that hold nothing of a sequence,
-// and NaN in every cache slot no token has been written to (it must reach no row).
+// SequenceParallelDecode on the device: CudaFlashKernel over CudaThreadCommunicator (ranks as
+// threads on one GPU) and, where NCCL is built, over NcclCommunicator (one GPU per rank), in
+// half, bf16 and float, every step against attention over the whole cache in double
+// (tests/support/decode_check.hpp, on the inputs rounded to the element type): 3 and 4 ranks,
+// 1 and 4 new tokens, contiguous, page 1 and page 16 layouts, both exchanges, GQA and MQA,
+// ragged caches with shards that hold nothing of a sequence, and NaN in every cache slot no
+// token has been written to (it must reach no row).
 
 #include <doctest/doctest.h>
 

@@ -278,7 +278,7 @@ void backward_suite() {
   }
 }
 
-// Issue 18: a NaN or Inf at a key the causal mask hides from some rows must reach only the
+// A NaN or Inf at a key the causal mask hides from some rows must reach only the
 // rows that see it (0 x NaN = NaN: a hidden key's weight P = 0 is not enough).
 
 /// Positions of the poison checks, 300 queries and 300 keys (five 64-key tiles), as ring steps

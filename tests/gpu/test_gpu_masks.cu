@@ -1,10 +1,10 @@
-// CudaFlashKernel under every mask family (issue 17): bottom-right causal with S_q != S_kv,
-// sliding windows (causal and not), packed documents (uneven, shorter than a tile), key
-// padding (a batch element with every key hidden) and a combination, on both paths (tensor
-// cores and SIMT) and every element type, forward (O, LSE) and backward (dQ, dK, dV) against a
-// double reference written from the definitions (not from MaskView); NaN in K and V at hidden
-// keys, and in Q and dO of rows that see no key (or none of a key tile); the device mask
-// tables uploaded once per plan; and Ring Zigzag and Ulysses with a mask.
+// CudaFlashKernel under every mask family: bottom-right causal with S_q != S_kv, sliding
+// windows (causal and not), packed documents (uneven, shorter than a tile), key padding (a
+// batch element with every key hidden) and a combination, on both paths (tensor cores and
+// SIMT) and every element type, forward (O, LSE) and backward (dQ, dK, dV) against a double
+// reference written from the definitions (not from MaskView); NaN in K and V at hidden keys,
+// and in Q and dO of rows that see no key (or none of a key tile); the device mask tables
+// uploaded once per plan; and Ring Zigzag and Ulysses with a mask.
 
 #include <doctest/doctest.h>
 

@@ -15,13 +15,13 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/checked.hpp"
 #include "seqpar/core/error.hpp"
+#include "seqpar/core/poll.hpp"
 #include "seqpar/core/types.hpp"
 
 #include "seqpar/comm/detail/mpi_state.hpp"
@@ -46,13 +46,13 @@ namespace seqpar {
 /// Time-out (off by default, as in MPI): set_timeout(), or the environment variable
 /// SEQPAR_COMM_TIMEOUT_MS read when the communicator is made (splits inherit their parent's).
 /// With one, every wait (all_to_all_v, wait, all_gather_host, barrier) uses MPI's nonblocking
-/// call (MPI_Ialltoallv, MPI_Isend/Irecv, MPI_Iallgather, MPI_Ibarrier) and polls it, yielding
-/// or sleeping between polls; when it makes no progress for that long it throws CommError
-/// naming the operation and, for an exchange, the peer (a peer that failed but stays alive,
-/// finalized, or waits in another operation). MPI cannot cancel a collective, so after a
-/// time-out the communicator and the buffers of that operation still belong to MPI: end the
-/// job (MPI_Abort). split() and duplicate() stay blocking. Without a time-out the blocking
-/// calls are used, unchanged.
+/// call (MPI_Ialltoallv, MPI_Isend/Irecv, MPI_Iallgather, MPI_Ibarrier) and polls it
+/// (poll_until, core/poll.hpp: yielding, then sleeping between polls); when it makes no
+/// progress for that long it throws CommError naming the operation and, for an exchange, the
+/// peer (a peer that failed but stays alive, finalized, or waits in another operation). MPI
+/// cannot cancel a collective, so after a time-out the communicator and the buffers of that
+/// operation still belong to MPI: end the job (MPI_Abort). split() and duplicate() stay
+/// blocking. Without a time-out the blocking calls are used, unchanged.
 ///
 /// Calls never mix their messages. MPI matches a receive to the first message of its source,
 /// communicator and tag, so exchanges carry a tag: the seven-argument start_exchange maps its
@@ -393,22 +393,11 @@ class BasicMpiCommunicator {
   }
 
   /// Calls `done()` (true: finished, or an MPI error to report) until it says so or the
-  /// time-out passes; returns whether it finished. Yields between polls for the first
-  /// millisecond, then sleeps 100 us, so ranks that wait leave the cores to ranks that compute.
+  /// time-out passes, with poll_until's back-off (core/poll.hpp); returns whether it finished.
   template <class Done>
   bool poll(Done done) const {
     using Clock = std::chrono::steady_clock;
-    const auto start = Clock::now();
-    const auto deadline = saturating_deadline<Clock>(start, timeout());  // huge: never
-    for (;;) {
-      if (done()) return true;
-      const auto now = Clock::now();
-      if (now >= deadline) return false;
-      if (now - start < std::chrono::milliseconds(1))
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
+    return poll_until(done, saturating_deadline<Clock>(Clock::now(), timeout()));  // huge time-out: never
   }
 
   /// Completes a nonblocking collective `call` by polling it; on time-out throws CommError.

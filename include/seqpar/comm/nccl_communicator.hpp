@@ -61,7 +61,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -71,6 +70,7 @@
 #include "seqpar/core/checked.hpp"
 #include "seqpar/cuda/error.hpp"
 #include "seqpar/core/error.hpp"
+#include "seqpar/core/poll.hpp"
 #include "seqpar/core/types.hpp"
 
 namespace seqpar {
@@ -310,11 +310,9 @@ class NcclCommunicator {
       return;
     }
     using Clock = std::chrono::steady_clock;
-    const auto start = Clock::now();
-    const auto deadline = saturating_deadline<Clock>(start, st.timeout);  // huge: never
-    for (;;) {
+    const auto stream_done = [&] {  // throws the stream's or NCCL's error
       const cudaError_t rc = cudaStreamQuery(stream_);
-      if (rc == cudaSuccess) return;
+      if (rc == cudaSuccess) return true;
       if (rc != cudaErrorNotReady) SEQPAR_CUDA_CHECK(rc);
       ncclResult_t async = ncclSuccess;
       SEQPAR_NCCL_CHECK(ncclCommGetAsyncError(st.comm, &async));
@@ -323,13 +321,10 @@ class NcclCommunicator {
       failed = failed && async != ncclInProgress;  // a nonblocking communicator still working
 #endif
       if (failed) detail::throw_nccl_error(async, "ncclCommGetAsyncError", __FILE__, __LINE__);
-      const auto now = Clock::now();
-      if (now >= deadline) break;
-      if (now - start < std::chrono::milliseconds(1))
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
+      return false;
+    };
+    // poll_until's back-off (core/poll.hpp); a huge time-out saturates: never.
+    if (poll_until(stream_done, saturating_deadline<Clock>(Clock::now(), st.timeout))) return;
     // The stream waits for transfers a peer never joined: aborting the communicator ends the
     // kernels that wait for them (every later call on it fails).
     ncclCommAbort(st.comm);

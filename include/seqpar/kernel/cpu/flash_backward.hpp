@@ -38,34 +38,26 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <thread>
 
+#include "seqpar/core/poll.hpp"
 #include "seqpar/kernel/cpu/flash_scratch.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 
 namespace seqpar::detail {
 
-/// Spins briefly, then yields and finally naps in 20 us steps, until `turn` reaches `mine`.
-/// The acquire load makes the earlier key blocks' dQ adds visible. (Not std::atomic wait /
-/// notify: libstdc++ 12's can lose a wake-up, which left two workers asleep for good with 5
-/// threads on 2 cores; a polling nap cannot miss one, and a shared machine's preempted peer
-/// still gets its core.)
+/// The back-off of a dQ turn wait: the earlier key block is usually a tile behind, so spin
+/// first, then yield for about 200 yields of an idle core; the naps are short because a turn
+/// waits for one tile's work, not for a transfer.
+inline constexpr Backoff turn_backoff{.spins = 64, .yield_for = std::chrono::microseconds(40),
+                                     .nap = std::chrono::microseconds(20)};
+
+/// Waits (poll_until, core/poll.hpp) until `turn` reaches `mine`. The acquire load makes the
+/// earlier key blocks' dQ adds visible. (Not std::atomic wait / notify: libstdc++ 12's can
+/// lose a wake-up, which left two workers asleep for good with 5 threads on 2 cores; a polling
+/// nap cannot miss one, and a shared machine's preempted peer still gets its core.)
 inline void wait_turn(std::int32_t& turn, std::int32_t mine) {
-  std::atomic_ref<std::int32_t> t(turn);
-  for (int spin = 0;; ++spin) {
-    if (t.load(std::memory_order_acquire) == mine) return;
-    if (spin < 64) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#else
-      std::this_thread::yield();
-#endif
-    } else if (spin < 256) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
+  const std::atomic_ref<std::int32_t> t(turn);
+  poll_until([&] { return t.load(std::memory_order_acquire) == mine; }, no_deadline, turn_backoff);
 }
 
 /// Hands `turn` to key block `next` (release: this block's dQ adds happen before).

@@ -1,0 +1,97 @@
+#pragma once
+/// \file
+/// One rank's forward (and --backward) run of seqpar_demo: plan, a checked first step, timed
+/// steps, and the figures every rank gives rank 0's report.
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "attention.hpp"
+#include "common.hpp"
+#include "report.hpp"
+
+namespace seqpar_demo {
+
+/// One rank's run of the options' policy with element type T: plan, a checked forward, timed
+/// forwards, and (rank 0) the report. `sweep_at`: the length's index in --sweep (-1: no sweep).
+/// Returns the exit status.
+template <class T, class Comm>
+int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
+  const int me = comm.rank();
+  const bool print = me == 0;
+  const std::unique_ptr<DemoAttention<T>> attn_ptr = make_attention<T>(comm, o);
+  DemoAttention<T>& attn = *attn_ptr;
+  const MeshConfig& mesh = attn.mesh();
+  const ex::GlobalShape& s = g.shape;
+  const auto idx = static_cast<std::size_t>(me);
+  const Plan plan = attn.plan(s.problem<T>(o.backward), {split_sequence(s.seq_q, mesh)[idx], split_sequence(s.kv_len(), mesh)[idx]});
+  g_planned = true;
+
+  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim;
+  const PositionMap qpos = plan.q_positions(me), kvpos = plan.kv_positions(me);
+  ex::LocalSlices<T> l = ex::local_slices<T>(g, qpos, kvpos);
+  std::vector<std::byte> workspace(std::max(plan.workspace_bytes(), o.backward ? plan.backward_workspace_bytes() : 0));
+  using CV = TensorView<const T>;
+  using V = TensorView<T>;
+  const CV q = CV::bshd(l.q.data(), B, l.lq, H, D), k = CV::bshd(l.k.data(), B, l.lkv, K, D),
+           v = CV::bshd(l.v.data(), B, l.lkv, K, D);
+  const V out = V::bshd(l.out.data(), B, l.lq, H, D);
+  // Backward state: the LSE kept from forward, the upstream gradient and the three gradients.
+  std::vector<acc_t<T>> lse(o.backward ? static_cast<std::size_t>(B * l.lq * H) : 0);
+  const std::vector<T> dout = o.backward ? ex::take_rows<T>(g.dout, B, s.seq_q, H, D, qpos) : std::vector<T>{};
+  std::vector<T> dq(o.backward ? l.q.size() : 0), dk(o.backward ? l.k.size() : 0), dv(dk.size());
+  const auto lse_view = o.backward ? TensorView<acc_t<T>>::lse_bhs(lse.data(), B, l.lq, H) : TensorView<acc_t<T>>{};
+  auto step = [&] {
+    attn.forward(plan, q, k, v, out, lse_view, workspace);
+    if (o.backward)
+      attn.backward(plan, CV::bshd(dout.data(), B, l.lq, H, D), q, k, v, out, lse_view,
+                                V::bshd(dq.data(), B, l.lq, H, D), V::bshd(dk.data(), B, l.lkv, K, D),
+                                V::bshd(dv.data(), B, l.lkv, K, D), workspace);
+  };
+
+  // The first step is the one measured for traffic and checked; it also warms up.
+  comm.stats().reset();
+  step();
+  const std::uint64_t bytes = comm.stats().bytes_sent;
+  ex::ErrorStats err, grad_err;
+  const auto check_start = std::chrono::steady_clock::now();
+  if (o.check) {
+    if (print && sweep_at < 0)
+      std::printf("check        computing the exact double-precision reference for every rank's rows%s...\n",
+                  o.backward ? " and the gradients" : "");
+    std::fflush(stdout);
+    err = ex::reduce_errors(comm, ex::compare(l.out, ex::reference_rows(g, qpos)));
+    if (o.backward) {
+      const ex::ReferenceGrads want = ex::reference_grads(g, qpos, kvpos);
+      ex::ErrorStats e = ex::compare(dq, want.dq);
+      for (const ex::ErrorStats& x : {ex::compare(dk, want.dk), ex::compare(dv, want.dv)}) e.merge(x);
+      grad_err = ex::reduce_errors(comm, e);
+    }
+  }
+  const double check_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
+
+  PhaseProfile profile;  // only the timed calls
+  if (o.profile) attn.set_profile(&profile);
+  comm.barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < o.iters; ++i) step();
+  comm.barrier();  // the time of the slowest rank
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / o.iters;
+  attn.set_profile(nullptr);
+  std::vector<PhaseProfile> profiles;
+  if (o.profile)
+    for (const auto& row : ex::gather_rows(comm, ex::profile_row(profile))) profiles.push_back(ex::profile_from_row(row));
+  const std::uint64_t formula = plan.forward_bytes(me) + (o.backward ? plan.backward_bytes(me) : 0);
+
+  const RunFigures figures(ex::gather_rows(comm, {plan.local_q(), plan.local_kv(), plan.work(me), static_cast<std::int64_t>(bytes),
+                                                  static_cast<std::int64_t>(formula), std::bit_cast<std::int64_t>(ms)}));
+  if (!print) return 0;
+  return report_run(o, s, mesh, figures, err, grad_err, check_s, sweep_at, profiles) ? 0 : 1;
+}
+
+}  // namespace seqpar_demo

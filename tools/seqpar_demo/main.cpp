@@ -1,0 +1,168 @@
+/// \file
+/// seqpar_demo: runs one policy on a random attention problem over MPI processes or threads,
+/// checks it against the exact reference, and reports the error, the traffic and the time.
+/// Its command line is a stable interface (scripts and tests parse the last line, RESULT).
+///
+/// The files: options (the command line), attention.hpp (from options to policy types),
+/// forward_run.hpp and decode_run.hpp (one rank's run), report (tables and RESULT), runs.hpp
+/// (the runs by element type, each compiled apart), and this one: the inputs, threads or MPI,
+/// and the exit status.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common.hpp"
+#include "options.hpp"
+#include "report.hpp"
+#include "runs.hpp"
+#include "seqpar/seqpar.hpp"
+
+namespace seqpar_demo {
+namespace {
+
+/// Runs the options' dtype and policy on one rank.
+template <class Comm>
+int run_options(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
+  check_degrees(o, comm.size());
+  return o.f64 ? run_typed<double>(comm, o, g, sweep_at) : run_typed<float>(comm, o, g, sweep_at);
+}
+
+/// The global inputs of run `at` (the sweep's length `at`, or the one run). Decode: one
+/// sequence holding every prompt and its steps' tokens, as causal documents.
+/// Inputs come from the seed alone, so every process makes the same global tensors.
+ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
+  ex::GlobalShape shape = ex::make_case(o.lengths()[at], o.heads, o.kv_heads, o.head_dim, o.causal, o.seed, o.batch);
+  shape.seq_kv = o.kv_seq ? o.kv_seq : -1;
+  shape.causal_align = o.causal_align;
+  shape.window = o.window;
+  if (!o.docs.empty()) shape.documents = {o.docs};
+  shape.kv_valid = o.kv_valid;
+  if (o.decode) {
+    shape.batch = 1;
+    shape.seq_q = 0;
+    shape.documents = {{}};
+    for (std::int64_t n : o.kv_len) {
+      shape.documents.front().push_back(n + o.steps * o.new_tokens);
+      shape.seq_q += n + o.steps * o.new_tokens;
+    }
+  }
+  return ex::make_inputs(shape);
+}
+
+/// True when an MPI launcher started this process (mpirun, mpiexec, srun).
+bool under_mpi_launcher() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+
+/// Prints error `e` for a command-line user (`kind`: "" or "error: "); returns exit status 2.
+int report(const std::exception& e, const char* kind, bool verbose) {
+  std::fprintf(stderr, "seqpar_demo: %s%s\n", kind, user_message(e, verbose).c_str());
+  return 2;
+}
+
+/// Runs every length with ranks as threads; returns the worst rank's exit status.
+int run_threads(Options& o) {
+  o.comm = "threads";
+  const int ranks = o.ranks ? o.ranks : 4;
+  int worst = 0;
+  for (std::size_t at = 0; at < o.lengths().size(); ++at) {  // a failed check goes on to the next length
+    const ex::GlobalInputs g = inputs_for(o, at);
+    const int sweep_at = o.sweep.empty() ? -1 : static_cast<int>(at);
+    std::vector<int> status(static_cast<std::size_t>(ranks), 0);
+    g_planned = false;
+    run_ranks(ranks, [&](ThreadCommunicator& comm) {
+      status[static_cast<std::size_t>(comm.rank())] = run_options(comm, o, g, sweep_at);
+    });
+    worst = std::max(worst, *std::max_element(status.begin(), status.end()));
+  }
+  print_results();
+  return worst;
+}
+
+#ifdef SEQPAR_HAS_MPI
+/// Runs every length on MPI_COMM_WORLD; returns this rank's exit status (an error after the
+/// plan, which the other ranks may not share, ends the job instead).
+int run_mpi(int& argc, char**& argv, Options& o) {
+  o.comm = "mpi";
+  MpiSession session(argc, argv);
+  int status = 0, rank = 0;
+  {
+    MpiCommunicator world(MPI_COMM_WORLD);
+    rank = world.rank();
+    try {
+      // A failed check goes on to the next length; an error ends the sweep.
+      for (std::size_t at = 0; at < o.lengths().size(); ++at) {
+        g_planned = false;
+        status = std::max(status, run_options(world, o, inputs_for(o, at), o.sweep.empty() ? -1 : static_cast<int>(at)));
+      }
+      print_results();
+    } catch (const UsageError& e) {
+      print_results();
+      status = rank == 0 ? report(e, "", o.verbose) : 2;  // every rank failed alike; one reports
+      MPI_Barrier(MPI_COMM_WORLD);  // no rank exits (and gets the job killed) before it has
+    } catch (const std::exception& e) {
+      // plan's checks are collective (every rank throws the same ConfigError); after the plan,
+      // forward's and backward's are local: the others may be waiting on this rank, so end the job.
+      if (!g_planned && dynamic_cast<const ConfigError*>(&e)) {
+        print_results();
+        status = rank == 0 ? report(e, "", o.verbose) : 2;
+        MPI_Barrier(MPI_COMM_WORLD);
+      } else {
+        std::fprintf(stderr, "seqpar_demo: rank %d: %s\n", rank, user_message(e, o.verbose).c_str());
+        MPI_Abort(MPI_COMM_WORLD, 3);
+      }
+    }
+  }
+  return status;
+}
+#endif
+
+}  // namespace
+}  // namespace seqpar_demo
+
+int main(int argc, char** argv) {
+  using namespace seqpar_demo;
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const UsageError& e) {
+    // Parsed identically on every rank; under mpirun only the first process should speak,
+    // but MPI is not initialised yet, so use the launcher's rank variable when it has one.
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!rank) rank = std::getenv("PMI_RANK");
+    if (!rank || std::string_view(rank) == "0") report(e, "", false);
+    return 2;
+  }
+  if (o.comm.empty()) {
+#ifdef SEQPAR_HAS_MPI
+    o.comm = under_mpi_launcher() ? "mpi" : "threads";
+#else
+    o.comm = "threads";
+#endif
+  }
+  try {
+    if (o.comm == "mpi") {
+#ifdef SEQPAR_HAS_MPI
+      return run_mpi(argc, argv, o);
+#else
+      throw UsageError("--comm mpi: this seqpar_demo was built without MPI (configure with SEQPAR_ENABLE_MPI=ON)");
+#endif
+    }
+    return run_threads(o);
+  } catch (const UsageError& e) {
+    print_results();
+    return report(e, "", o.verbose);
+  } catch (const ConfigError& e) {
+    print_results();
+    return report(e, "", o.verbose);
+  } catch (const std::exception& e) {
+    return report(e, "error: ", o.verbose);
+  }
+}

@@ -1,0 +1,85 @@
+#pragma once
+/// \file
+/// seqpar_demo's command line: the options (Options), how they are read and checked against
+/// each other and the world (parse, check_degrees), and the errors a command-line user sees
+/// (UsageError, user_message). The options are a stable interface: scripts and tests give them
+/// and parse the RESULT line (report.hpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "seqpar/seqpar.hpp"
+
+namespace seqpar_demo {
+
+using namespace seqpar;
+
+/// A wrong option or a combination the demo does not run. Every rank sees the same options,
+/// so every rank throws it alike: the demo prints one line and exits with status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class PolicyKind { ulysses, ring, unified };
+
+/// The parsed command line.
+struct Options {
+  PolicyKind policy = PolicyKind::ulysses;
+  std::string policy_name;
+  bool anything = false;
+  LayoutKind layout = LayoutKind::contiguous;
+  bool layout_given = false;
+  int ulysses_degree = 0, ring_degree = 0;
+  std::int64_t batch = 1, seq = 2048, heads = 8, kv_heads = 0, head_dim = 64;
+  std::int64_t kv_seq = 0;  // 0 = --seq
+  bool causal = false;
+  CausalAlign causal_align = CausalAlign::top_left;
+  Window window{};
+  std::vector<std::int64_t> docs, kv_valid;  // empty: none
+  std::vector<std::int64_t> sweep;           // empty: the one --seq
+  bool f64 = false;
+  std::string comm;  // "" = choose
+  int ranks = 0;     // 0 = world size (mpi) or 4 (threads)
+  int iters = 2;
+  bool check = false;
+  int threads = 0;  // 0 = the kernel's default
+  std::uint64_t seed = 2024;
+  bool backward = false;
+  bool profile = false;
+  bool verbose = false;
+  // --decode
+  bool decode = false;
+  std::vector<std::int64_t> kv_len;  // prompt lengths, one per sequence
+  std::int64_t new_tokens = 1, page = 0, steps = 8;
+  DecodeExchange exchange = DecodeExchange::all_gather;
+  std::vector<std::string> given;  // the options on the command line, for the checks between them
+
+  /// True when option `name` was on the command line.
+  bool has(std::string_view name) const { return std::find(given.begin(), given.end(), name) != given.end(); }
+  /// The global lengths to run: the sweep's, or the one --seq.
+  std::vector<std::int64_t> lengths() const { return sweep.empty() ? std::vector<std::int64_t>{seq} : sweep; }
+};
+
+/// --layout's values, by LayoutKind.
+inline constexpr const char* layout_names[] = {"contiguous", "zigzag", "stripe"};
+
+/// Reads the command line (--help prints the usage and exits); throws UsageError naming the
+/// option to change.
+Options parse(int argc, char** argv);
+
+/// The world size and degrees the options ask for, checked against the world.
+void check_degrees(const Options& o, int world);
+
+/// Readable type name of the policy the options select.
+std::string policy_type_name(const Options& o);
+
+/// An error message for a command-line user: the library's " (at file:line)" suffix dropped
+/// unless --verbose, and the flag that fixes a plain policy's uneven split named.
+std::string user_message(const std::exception& e, bool verbose);
+
+}  // namespace seqpar_demo
