@@ -27,20 +27,26 @@ struct GlobalShape {
   std::int64_t seq_kv = -1;   ///< global K/V length; -1 means seq_q
   std::int64_t heads = 4;     ///< H
   std::int64_t kv_heads = 0;  ///< K; 0 means H
-  std::int64_t head_dim = 64; ///< D
+  std::int64_t head_dim = 64; ///< D (of Q and K)
+  std::int64_t head_dim_v = 0; ///< D_v (of V and O); 0 means D
   bool causal = false;        ///< causal mask over global positions
   CausalAlign causal_align = CausalAlign::top_left;  ///< where the diagonal sits when seq_kv != seq_q
   Window window{};            ///< sliding window ({-1, -1}: none)
   std::vector<std::vector<std::int64_t>> documents{};  ///< packed documents (AttentionProblem::documents)
   std::vector<std::int64_t> kv_valid{};                ///< key padding per batch element (empty: none)
   double scale = 0.0;         ///< softmax scale; 0 means 1/sqrt(head_dim), as AttentionProblem
+  double softcap = 0.0;       ///< logit soft-cap (0: off), as AttentionProblem
+  std::vector<float> sinks{}; ///< one sink logit per query head (empty: none), as AttentionProblem
   std::uint64_t seed = 2024;  ///< seed of the random inputs
 
   /// Global K/V length.
   std::int64_t kv_len() const { return seq_kv < 0 ? seq_q : seq_kv; }
   /// K with 0 resolved.
   std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
-  /// The library's problem for element type T (with the LSE when backward will follow).
+  /// D_v with 0 resolved.
+  std::int64_t value_dim() const { return head_dim_v == 0 ? head_dim : head_dim_v; }
+  /// The library's problem for element type T (with the LSE when backward will follow). Its
+  /// sinks point into this shape, which must outlive the problem's plans.
   template <class T>
   AttentionProblem problem(bool with_lse = false) const {
     AttentionProblem p;
@@ -49,6 +55,9 @@ struct GlobalShape {
     p.heads = heads;
     p.kv_heads = kv_head_count();
     p.head_dim = head_dim;
+    p.head_dim_v = head_dim_v;
+    p.softcap = softcap;
+    p.sinks = sinks.empty() ? nullptr : sinks.data();
     p.causal = causal;
     p.causal_align = causal_align;
     p.window = window;
@@ -98,12 +107,12 @@ std::vector<double> rounded(std::vector<double> x) {
   return x;
 }
 
-/// Global Q, K, V ([B, S, H, D] contiguous, double), identical on every rank: they come from
-/// the seed alone, so no rank needs to send inputs to another.
+/// Global Q, K ([B, S, heads, D]) and V ([B, S, K, D_v]) contiguous in double, identical on
+/// every rank: they come from the seed alone, so no rank needs to send inputs to another.
 struct GlobalInputs {
   GlobalShape shape;           ///< the shape they were made for
   std::vector<double> q, k, v; ///< uniform in [-1, 1]
-  std::vector<double> dout;    ///< upstream gradient of the output, like q
+  std::vector<double> dout;    ///< upstream gradient of the output [B, S_q, H, D_v]
 };
 
 /// Makes the global inputs of `shape`, rounded to T (the default, double, rounds nothing).
@@ -111,14 +120,14 @@ struct GlobalInputs {
 template <class T = double>
 GlobalInputs make_inputs(const GlobalShape& shape) {
   const std::int64_t q_elems = shape.batch * shape.seq_q * shape.heads * shape.head_dim;
-  const std::int64_t kv_elems = shape.batch * shape.kv_len() * shape.kv_head_count() * shape.head_dim;
+  const std::int64_t kv_rows = shape.batch * shape.kv_len() * shape.kv_head_count();
   std::mt19937_64 rng(shape.seed), grad_rng(shape.seed * 7919 + 17);
   GlobalInputs g;
   g.shape = shape;
   g.q = rounded<T>(random_tensor(q_elems, rng));
-  g.k = rounded<T>(random_tensor(kv_elems, rng));
-  g.v = rounded<T>(random_tensor(kv_elems, rng));
-  g.dout = rounded<T>(random_tensor(q_elems, grad_rng));
+  g.k = rounded<T>(random_tensor(kv_rows * shape.head_dim, rng));
+  g.v = rounded<T>(random_tensor(kv_rows * shape.value_dim(), rng));
+  g.dout = rounded<T>(random_tensor(q_elems / shape.head_dim * shape.value_dim(), grad_rng));
   return g;
 }
 
@@ -142,7 +151,7 @@ void place_rows(const std::vector<T>& local, std::int64_t batch, std::int64_t se
                   TensorView<double>::bshd(global.data(), batch, seq, heads, dim));
 }
 
-/// One rank's input slices and output buffer, [B, L, H, D] contiguous.
+/// One rank's input slices and output buffer, [B, L, heads, D or D_v] contiguous.
 template <class T>
 struct LocalSlices {
   std::vector<T> q, k, v, out;  ///< this rank's rows
@@ -158,8 +167,8 @@ LocalSlices<T> local_slices(const GlobalInputs& g, const PositionMap& qpos, cons
   l.lkv = kvpos.size();
   l.q = take_rows<T>(g.q, s.batch, s.seq_q, s.heads, s.head_dim, qpos);
   l.k = take_rows<T>(g.k, s.batch, s.kv_len(), s.kv_head_count(), s.head_dim, kvpos);
-  l.v = take_rows<T>(g.v, s.batch, s.kv_len(), s.kv_head_count(), s.head_dim, kvpos);
-  l.out.assign(l.q.size(), T(0));
+  l.v = take_rows<T>(g.v, s.batch, s.kv_len(), s.kv_head_count(), s.value_dim(), kvpos);
+  l.out.assign(static_cast<std::size_t>(s.batch * l.lq * s.heads * s.value_dim()), T(0));
   return l;
 }
 
@@ -169,6 +178,7 @@ inline KernelParams reference_params(const GlobalShape& s, const MaskTables& tab
                                      const PositionMap& kpos) {
   KernelParams p;
   p.scale = s.softmax_scale();
+  p.softcap = s.softcap;
   p.causal = s.causal;
   p.mask = tables.view(s.causal, s.window);
   if (s.causal_align == CausalAlign::bottom_right)  // the kernel compares keys with diagonals
@@ -179,37 +189,73 @@ inline KernelParams reference_params(const GlobalShape& s, const MaskTables& tab
   return p;
 }
 
-/// The exact output (ReferenceKernel, double) of the query rows at `qpos` against the whole
-/// global K/V: [B, qpos.size(), H, D], and their LSE ([B, qpos.size(), H]) when `lse` is given.
-/// Each rank checks its own rows, so the reference work is spread like the real work.
+/// Joins each row's sink to its result over the keys: L' = log(exp(L) + exp(sink_h)),
+/// O' = O exp(L - L') (out [rows, heads, D_v] and lse [rows, heads], row-major; heads from
+/// `first_head`).
+inline void apply_sinks(std::vector<double>& out, std::vector<double>& lse, const std::vector<float>& sinks,
+                        std::int64_t heads, std::int64_t dim_v, std::int64_t first_head = 0) {
+  for (std::size_t r = 0; r < lse.size(); ++r) {
+    const double sink = sinks[static_cast<std::size_t>(first_head + static_cast<std::int64_t>(r) % heads)];
+    const double l = lse[r], top = std::max(l, sink);
+    const double joined = top + std::log(std::exp(l - top) + std::exp(sink - top));
+    const double factor = std::exp(l - joined);  // 0 for a row that saw no key
+    for (std::int64_t e = 0; e < dim_v; ++e) out[r * static_cast<std::size_t>(dim_v) + static_cast<std::size_t>(e)] *= factor;
+    lse[r] = joined;
+  }
+}
+
+/// The exact output (ReferenceKernel, double, then the sinks) of the query rows at `qpos`
+/// against the whole global K/V: [B, qpos.size(), H, D_v], and their LSE ([B, qpos.size(), H])
+/// when `lse` is given. Each rank checks its own rows, so the reference work is spread like the
+/// real work.
 inline std::vector<double> reference_rows(const GlobalInputs& g, const PositionMap& qpos,
                                           std::vector<double>* lse = nullptr) {
   const GlobalShape& s = g.shape;
-  const std::int64_t n = qpos.size();
+  const std::int64_t n = qpos.size(), dv = s.value_dim();
   const std::vector<double> q = take_rows<double>(g.q, s.batch, s.seq_q, s.heads, s.head_dim, qpos);
-  std::vector<double> out(q.size());
+  std::vector<double> out(static_cast<std::size_t>(s.batch * n * s.heads * dv)), own_lse;
+  if (!lse && !s.sinks.empty()) lse = &own_lse;  // the sinks join through the LSE
   if (lse) lse->assign(static_cast<std::size_t>(s.batch * n * s.heads), 0.0);
   using CV = TensorView<const double>;
   ReferenceKernel{}.forward(CV::bshd(q.data(), s.batch, n, s.heads, s.head_dim),
                             CV::bshd(g.k.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
-                            CV::bshd(g.v.data(), s.batch, s.kv_len(), s.kv_head_count(), s.head_dim),
-                            TensorView<double>::bshd(out.data(), s.batch, n, s.heads, s.head_dim),
+                            CV::bshd(g.v.data(), s.batch, s.kv_len(), s.kv_head_count(), dv),
+                            TensorView<double>::bshd(out.data(), s.batch, n, s.heads, dv),
                             lse ? TensorView<double>::bshd(lse->data(), s.batch, n, s.heads, 1) : TensorView<double>{},
                             reference_params(s, s.mask_tables(), qpos, PositionMap::run(s.kv_len(), 0)));
+  if (!s.sinks.empty()) apply_sinks(out, *lse, s.sinks, s.heads, dv);
   return out;
 }
 
-/// Exact gradients of one rank's slices: dq of its query rows, dk and dv of its K/V rows.
+/// Exact gradients of one rank's slices: dq of its query rows, dk and dv of its K/V rows, and
+/// with sinks, the sinks' gradient from those query rows.
 struct ReferenceGrads {
-  std::vector<double> dq, dk, dv;  ///< [B, L, heads, D] each
+  std::vector<double> dq, dk, dv;  ///< [B, L, heads, D] ([B, L, K, D_v] for dv)
+  std::vector<double> dsinks{};    ///< [H]: -sum over the rows of exp(sink_h - L) (dO . O); empty without sinks
 };
+
+/// The sinks' gradient from rows [rows, heads] of dO and O ([rows, heads, D_v]) with their
+/// final LSE: d sink_h = -sum_rows exp(sink_h - L) (dO . O).
+inline std::vector<double> sink_grads(const std::vector<double>& dout, const std::vector<double>& out,
+                                      const std::vector<double>& lse, const std::vector<float>& sinks,
+                                      std::int64_t heads, std::int64_t dim_v) {
+  std::vector<double> d(sinks.size(), 0.0);
+  for (std::size_t r = 0; r < lse.size(); ++r) {
+    const auto h = static_cast<std::size_t>(static_cast<std::int64_t>(r) % heads);
+    const double* o = out.data() + r * static_cast<std::size_t>(dim_v);
+    const double* d_o = dout.data() + r * static_cast<std::size_t>(dim_v);
+    d[h] -= std::exp(double(sinks[h]) - lse[r]) * detail::dot_in_double(d_o, o, dim_v);
+  }
+  return d;
+}
 
 /// The exact gradients (ReferenceKernel::backward, double) of the rows at `qpos` and `kvpos`
 /// for upstream gradient g.dout. dK/dV of a key need every query row's output and LSE, so the
 /// whole forward reference runs here; the backward work is this rank's share only.
 inline ReferenceGrads reference_grads(const GlobalInputs& g, const PositionMap& qpos, const PositionMap& kvpos) {
   const GlobalShape& s = g.shape;
-  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim, Sq = s.seq_q, Sk = s.kv_len();
+  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim, Dv = s.value_dim(), Sq = s.seq_q,
+             Sk = s.kv_len();
   const PositionMap all_q = PositionMap::run(Sq, 0), all_k = PositionMap::run(Sk, 0);
   const MaskTables tables = s.mask_tables();
   std::vector<double> lse;
@@ -220,23 +266,25 @@ inline ReferenceGrads reference_grads(const GlobalInputs& g, const PositionMap& 
   const std::int64_t lq = qpos.size(), lk = kvpos.size();
   r.dq.assign(static_cast<std::size_t>(B * lq * H * D), 0.0);
   r.dk.assign(static_cast<std::size_t>(B * lk * K * D), 0.0);
-  r.dv.assign(r.dk.size(), 0.0);
+  r.dv.assign(static_cast<std::size_t>(B * lk * K * Dv), 0.0);
   std::vector<double> unused_q(g.q.size(), 0.0), unused_k(g.k.size(), 0.0), unused_v(g.v.size(), 0.0);
-  // dq of my rows: my query rows against every key.
-  const auto q_mine = take_rows<double>(g.q, B, Sq, H, D, qpos), do_mine = take_rows<double>(g.dout, B, Sq, H, D, qpos);
-  const auto o_mine = take_rows<double>(out, B, Sq, H, D, qpos), l_mine = take_rows<double>(lse, B, Sq, H, 1, qpos);
-  ReferenceKernel{}.backward(CV::bshd(do_mine.data(), B, lq, H, D), CV::bshd(q_mine.data(), B, lq, H, D),
-                             CV::bshd(g.k.data(), B, Sk, K, D), CV::bshd(g.v.data(), B, Sk, K, D),
-                             CV::bshd(o_mine.data(), B, lq, H, D), CV::bshd(l_mine.data(), B, lq, H, 1),
+  // dq of my rows: my query rows against every key. With sinks the final O and LSE already
+  // hold them: the gradients of Q, K and V follow from those as without sinks.
+  const auto q_mine = take_rows<double>(g.q, B, Sq, H, D, qpos), do_mine = take_rows<double>(g.dout, B, Sq, H, Dv, qpos);
+  const auto o_mine = take_rows<double>(out, B, Sq, H, Dv, qpos), l_mine = take_rows<double>(lse, B, Sq, H, 1, qpos);
+  ReferenceKernel{}.backward(CV::bshd(do_mine.data(), B, lq, H, Dv), CV::bshd(q_mine.data(), B, lq, H, D),
+                             CV::bshd(g.k.data(), B, Sk, K, D), CV::bshd(g.v.data(), B, Sk, K, Dv),
+                             CV::bshd(o_mine.data(), B, lq, H, Dv), CV::bshd(l_mine.data(), B, lq, H, 1),
                              V::bshd(r.dq.data(), B, lq, H, D), V::bshd(unused_k.data(), B, Sk, K, D),
-                             V::bshd(unused_v.data(), B, Sk, K, D), reference_params(s, tables, qpos, all_k));
+                             V::bshd(unused_v.data(), B, Sk, K, Dv), reference_params(s, tables, qpos, all_k));
+  if (!s.sinks.empty()) r.dsinks = sink_grads(do_mine, o_mine, l_mine, s.sinks, H, Dv);
   // dk, dv of my K/V rows: every query row against my keys.
-  const auto k_mine = take_rows<double>(g.k, B, Sk, K, D, kvpos), v_mine = take_rows<double>(g.v, B, Sk, K, D, kvpos);
-  ReferenceKernel{}.backward(CV::bshd(g.dout.data(), B, Sq, H, D), CV::bshd(g.q.data(), B, Sq, H, D),
-                             CV::bshd(k_mine.data(), B, lk, K, D), CV::bshd(v_mine.data(), B, lk, K, D),
-                             CV::bshd(out.data(), B, Sq, H, D), CV::bshd(lse.data(), B, Sq, H, 1),
+  const auto k_mine = take_rows<double>(g.k, B, Sk, K, D, kvpos), v_mine = take_rows<double>(g.v, B, Sk, K, Dv, kvpos);
+  ReferenceKernel{}.backward(CV::bshd(g.dout.data(), B, Sq, H, Dv), CV::bshd(g.q.data(), B, Sq, H, D),
+                             CV::bshd(k_mine.data(), B, lk, K, D), CV::bshd(v_mine.data(), B, lk, K, Dv),
+                             CV::bshd(out.data(), B, Sq, H, Dv), CV::bshd(lse.data(), B, Sq, H, 1),
                              V::bshd(unused_q.data(), B, Sq, H, D), V::bshd(r.dk.data(), B, lk, K, D),
-                             V::bshd(r.dv.data(), B, lk, K, D), reference_params(s, tables, all_q, kvpos));
+                             V::bshd(r.dv.data(), B, lk, K, Dv), reference_params(s, tables, all_q, kvpos));
   return r;
 }
 
@@ -309,8 +357,8 @@ ErrorStats forward_error(Attention& attn, const Plan& plan, const GlobalInputs& 
   using CV = TensorView<const T>;
   attn.template forward<T>(plan, CV::bshd(l.q.data(), s.batch, l.lq, s.heads, s.head_dim),
                            CV::bshd(l.k.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
-                           CV::bshd(l.v.data(), s.batch, l.lkv, s.kv_head_count(), s.head_dim),
-                           TensorView<T>::bshd(l.out.data(), s.batch, l.lq, s.heads, s.head_dim), workspace);
+                           CV::bshd(l.v.data(), s.batch, l.lkv, s.kv_head_count(), s.value_dim()),
+                           TensorView<T>::bshd(l.out.data(), s.batch, l.lq, s.heads, s.value_dim()), workspace);
   return compare(l.out, reference_rows(g, qpos));
 }
 

@@ -56,7 +56,7 @@ inline constexpr bool sanitized_build = true;
 inline constexpr bool sanitized_build = false;
 #endif
 
-/// A global output [B, S, H, D] and its LSE [B, S, H], in double.
+/// A global output [B, S, H, D_v] and its LSE [B, S, H], in double.
 struct GlobalOutput {
   std::vector<double> out, lse;
 };
@@ -64,8 +64,9 @@ struct GlobalOutput {
 /// Global inputs and the exact answer on them over the whole sequence.
 struct GlobalData : GlobalInputs, GlobalOutput {};
 
-/// A global problem's inputs in double, Q [B, S_q, H, D] and K, V [B, S_kv, K, D], with the
-/// problem that gives their shape and mask (all held by reference).
+/// A global problem's inputs in double, Q [B, S_q, H, D], K [B, S_kv, K, D] and V
+/// [B, S_kv, K, D_v], with the problem that gives their shape, mask and features (all held by
+/// reference).
 struct BruteProblem {
   const AttentionProblem& pr;       ///< shape, scale and mask
   std::int64_t sq, skv;             ///< S_q and S_kv
@@ -77,15 +78,24 @@ struct BruteProblem {
   }
 };
 
-/// The exact output [B, S_q, H, D] and LSE [B, S_q, H] of every query row by brute force: the
-/// visible pairs straight from the mask's definitions (DefinitionMask), scores and softmax in
-/// double. A row that sees no key gets O = 0 and LSE = -inf; a NaN score makes its row NaN.
+/// Score of query q against key k by the definitions: scaled, then soft-capped when the
+/// problem has a cap (c tanh(s / c)).
+inline double brute_score(const AttentionProblem& pr, const double* q, const double* k) {
+  const double s = pr.softmax_scale() * detail::dot_in_double(q, k, pr.head_dim);
+  return pr.softcap > 0 ? pr.softcap * std::tanh(s / pr.softcap) : s;
+}
+
+/// The exact output [B, S_q, H, D_v] and LSE [B, S_q, H] of every query row by brute force:
+/// the visible pairs straight from the mask's definitions (DefinitionMask), scores (soft-capped
+/// when asked) and softmax in double, a sink joining the denominator as one more term with no
+/// value. A row that sees no key gets O = 0 and LSE = -inf (its sink's logit with a sink); a
+/// NaN score makes its row NaN.
 inline GlobalOutput brute_force_forward(const BruteProblem& x) {
   const AttentionProblem& pr = x.pr;
-  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_head_count(), D = pr.head_dim;
-  const double scale = pr.softmax_scale(), inf = std::numeric_limits<double>::infinity();
+  const std::int64_t B = pr.batch, H = pr.heads, K = pr.kv_head_count(), D = pr.head_dim, Dv = pr.value_dim();
+  const double inf = std::numeric_limits<double>::infinity();
   const DefinitionMask mask(pr, x.sq, x.skv);
-  GlobalOutput r{std::vector<double>(static_cast<std::size_t>(B * x.sq * H * D), 0.0),
+  GlobalOutput r{std::vector<double>(static_cast<std::size_t>(B * x.sq * H * Dv), 0.0),
                  std::vector<double>(static_cast<std::size_t>(B * x.sq * H), -inf)};
   std::vector<double> score(static_cast<std::size_t>(x.skv));
   for (std::int64_t b = 0; b < B; ++b)
@@ -96,21 +106,22 @@ inline GlobalOutput brute_force_forward(const BruteProblem& x) {
         double top = -inf;
         for (std::int64_t j = 0; j < x.skv; ++j) {
           double& sc = score[static_cast<std::size_t>(j)];
-          sc = mask.visible(b, i, j) ? scale * detail::dot_in_double(q, BruteProblem::row(x.k, x.skv, K, D, b, j, kh), D)
-                                     : -inf;
+          sc = mask.visible(b, i, j) ? brute_score(pr, q, BruteProblem::row(x.k, x.skv, K, D, b, j, kh)) : -inf;
           if (!(sc <= top)) top = std::isnan(top) ? top : sc;  // NaN wins and stays
         }
-        if (top == -inf) continue;  // no visible key
-        double sum = 0;
-        double* o = r.out.data() + ((b * x.sq + i) * H + h) * D;
+        const double sink = pr.sinks ? double(pr.sinks[h]) : -inf;
+        if (sink > top) top = sink;
+        if (top == -inf) continue;  // no visible key, no sink
+        double sum = pr.sinks ? std::exp(sink - top) : 0.0;
+        double* o = r.out.data() + ((b * x.sq + i) * H + h) * Dv;
         for (std::int64_t j = 0; j < x.skv; ++j) {
           if (score[static_cast<std::size_t>(j)] == -inf) continue;
           const double w = std::exp(score[static_cast<std::size_t>(j)] - top);
           sum += w;
-          const double* v = BruteProblem::row(x.v, x.skv, K, D, b, j, kh);
-          for (std::int64_t e = 0; e < D; ++e) o[e] += w * v[e];
+          const double* v = BruteProblem::row(x.v, x.skv, K, Dv, b, j, kh);
+          for (std::int64_t e = 0; e < Dv; ++e) o[e] += w * v[e];
         }
-        for (std::int64_t e = 0; e < D; ++e) o[e] /= sum;
+        for (std::int64_t e = 0; e < Dv; ++e) o[e] /= sum;
         r.lse[static_cast<std::size_t>((b * x.sq + i) * H + h)] = top + std::log(sum);
       }
   return r;
@@ -158,13 +169,13 @@ struct Errors : ErrorStats {
   bool within(double tol) const { return !nan && rel() <= tol && lse_rel() <= tol; }
 };
 
-/// One rank's output rows ([B, L, H, D]) and, unless `lse` is empty, its LSE ([B, H, L], as
+/// One rank's output rows ([B, L, H, D_v]) and, unless `lse` is empty, its LSE ([B, H, L], as
 /// TensorView::lse_bhs) against the exact answer in `g` at query positions `qpos`.
 template <class O, class A>
 Errors compare_rows(const std::vector<O>& out, const std::vector<A>& lse, const GlobalData& g, const PositionMap& qpos) {
   const GlobalShape& s = g.shape;
   Errors e;
-  e.merge(compare(out, take_rows<double>(g.out, s.batch, s.seq_q, s.heads, s.head_dim, qpos)));
+  e.merge(compare(out, take_rows<double>(g.out, s.batch, s.seq_q, s.heads, s.value_dim(), qpos)));
   if (lse.empty()) return e;
   std::vector<double> want(lse.size());
   scatter_sequence(TensorView<const double>::bshd(g.lse.data(), s.batch, s.seq_q, s.heads, 1), qpos,
@@ -229,7 +240,7 @@ template <class T>
 struct RankRun {
   Plan plan;
   LocalLengths lengths;            ///< what the rank gave to plan()
-  std::vector<T> out;              ///< [B, L, H, D], from the last call
+  std::vector<T> out;              ///< [B, L, H, D_v], from the last call
   std::vector<acc_t<T>> lse;       ///< [B, H, L] from the last call; empty without the LSE
   CommStats stats;                 ///< traffic of the last call
   std::uint64_t host_gathers = 0;  ///< metadata all-gathers over every call
@@ -261,8 +272,8 @@ std::vector<RankRun<T>> run_forward_ranks(int ranks, Policy policy, const Global
         r.lengths = {opt.lengths_q[w], opt.lengths_kv[w]};
         r.plan = attn.plan(s.problem<T>(opt.with_lse), r.lengths);
         const LocalSlices<T> x = local_slices<T>(g, r.plan.q_positions(w), r.plan.kv_positions(w));
-        const std::int64_t B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim;
-        r.out.resize(x.q.size());
+        const std::int64_t B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim, Dv = s.value_dim();
+        r.out.resize(x.out.size());
         r.lse.resize(opt.with_lse ? static_cast<std::size_t>(B * x.lq * H) : 0);
         std::vector<std::byte> ws(r.plan.workspace_bytes());
         using CV = TensorView<const T>;
@@ -271,8 +282,8 @@ std::vector<RankRun<T>> run_forward_ranks(int ranks, Policy policy, const Global
           std::fill(r.lse.begin(), r.lse.end(), acc_t<T>(12345));
           comm.stats().reset();
           attn.template forward<T>(r.plan, CV::bshd(x.q.data(), B, x.lq, H, D), CV::bshd(x.k.data(), B, x.lkv, K, D),
-                                   CV::bshd(x.v.data(), B, x.lkv, K, D),
-                                   TensorView<T>::bshd(r.out.data(), B, x.lq, H, D),
+                                   CV::bshd(x.v.data(), B, x.lkv, K, Dv),
+                                   TensorView<T>::bshd(r.out.data(), B, x.lq, H, Dv),
                                    opt.with_lse ? TensorView<acc_t<T>>::lse_bhs(r.lse.data(), B, x.lq, H)
                                                 : TensorView<acc_t<T>>{},
                                    ws);
@@ -291,11 +302,11 @@ std::vector<RankRun<T>> run_forward_ranks(int ranks, Policy policy, const Global
 template <class T>
 GlobalOutput gather_output(const std::vector<RankRun<T>>& runs, const GlobalShape& s) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  GlobalOutput g{std::vector<double>(static_cast<std::size_t>(s.batch * s.seq_q * s.heads * s.head_dim), nan),
+  GlobalOutput g{std::vector<double>(static_cast<std::size_t>(s.batch * s.seq_q * s.heads * s.value_dim()), nan),
                  std::vector<double>(static_cast<std::size_t>(s.batch * s.seq_q * s.heads), nan)};
   for (const RankRun<T>& r : runs) {
     const PositionMap qpos = r.plan.q_positions(r.plan.world_rank());
-    place_rows(r.out, s.batch, s.seq_q, s.heads, s.head_dim, qpos, g.out);
+    place_rows(r.out, s.batch, s.seq_q, s.heads, s.value_dim(), qpos, g.out);
     if (!r.lse.empty())
       gather_sequence(TensorView<const acc_t<T>>::lse_bhs(r.lse.data(), s.batch, qpos.size(), s.heads), qpos,
                       TensorView<double>::bshd(g.lse.data(), s.batch, s.seq_q, s.heads, 1));
@@ -366,7 +377,7 @@ struct MeshShape {
 /// (h / (H / K)). Ulysses (U > 1): my tokens of the other members' query heads and of the
 /// K/V heads they need go out; the other members' tokens of my heads come back as O (and
 /// the LSE). Ring (R > 1): R - 1 steps forward every K/V block but the one of ring rank
-/// r + 1, with the K/V heads this member needs.
+/// r + 1, with the K/V heads this member needs. Q and K rows have D elements, V and O rows D_v.
 inline std::vector<std::uint64_t> analytic_forward_bytes(const GlobalShape& c, const MeshShape& m,
                                                          const std::vector<std::int64_t>& lengths_q,
                                                          const std::vector<std::int64_t>& lengths_kv,
@@ -388,7 +399,8 @@ inline std::vector<std::uint64_t> analytic_forward_bytes(const GlobalShape& c, c
     block_kv[m.ring_rank(w)] += lengths_kv[w];
     total_kv += lengths_kv[w];
   }
-  const auto B = static_cast<std::uint64_t>(c.batch), D = static_cast<std::uint64_t>(c.head_dim);
+  const auto B = static_cast<std::uint64_t>(c.batch), D = static_cast<std::uint64_t>(c.head_dim),
+             Dv = static_cast<std::uint64_t>(c.value_dim());
   std::vector<std::uint64_t> out(static_cast<std::size_t>(P), 0);
   for (int w = 0; w < P; ++w) {
     const int r = m.ring_rank(w), u = m.ulysses_rank(w);
@@ -398,12 +410,12 @@ inline std::vector<std::uint64_t> analytic_forward_bytes(const GlobalShape& c, c
       for (int v = 0; v < U; ++v) kv_others += v == u ? 0 : kv_need[v];
       const auto others_q = static_cast<std::uint64_t>(block_q[r] - lengths_q[w]);  // O and LSE back
       bytes += static_cast<std::uint64_t>(lengths_q[w] * (H - hq[u])) * B * D * elem;
-      bytes += 2 * static_cast<std::uint64_t>(lengths_kv[w] * kv_others) * B * D * elem;
-      bytes += others_q * static_cast<std::uint64_t>(hq[u]) * B * D * elem;
+      bytes += static_cast<std::uint64_t>(lengths_kv[w] * kv_others) * B * (D + Dv) * elem;
+      bytes += others_q * static_cast<std::uint64_t>(hq[u]) * B * Dv * elem;
       if (with_lse) bytes += others_q * static_cast<std::uint64_t>(hq[u]) * B * acc;
     }
     if (R > 1)
-      bytes += 2 * static_cast<std::uint64_t>((total_kv - block_kv[(r + 1) % R]) * kv_need[u]) * B * D * elem;
+      bytes += static_cast<std::uint64_t>((total_kv - block_kv[(r + 1) % R]) * kv_need[u]) * B * (D + Dv) * elem;
     out[w] = bytes;
   }
   return out;

@@ -18,6 +18,9 @@ namespace seqpar {
 /// to local K/V heads.
 struct KernelParams {
   double scale = 1.0;          ///< multiplies Q K^T
+  /// Soft-cap of the scaled scores: s = softcap * tanh(s / softcap) before the mask and the
+  /// softmax (0: off). Only kernels with kernel_supports_softcap are given one.
+  double softcap = 0.0;
   bool causal = false;         ///< key j is visible to query i only if k_positions(j) <= q_positions(i)
   PositionMap q_positions;     ///< diagonal position of each query row (its global position, shifted by
                                ///< S_kv - S_q for bottom-right alignment)
@@ -85,7 +88,7 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 /// - `K` is move-constructible (the engine owns its copy), and default-constructible when
 ///   SequenceParallelAttention is not given one;
 /// - `k.forward(q, k, v, out, lse, params)` with q, k, v `TensorView<const T, Space>`
-///   ([B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]), out `TensorView<T, Space>` [B, Sq, H, D]
+///   ([B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D_v]), out `TensorView<T, Space>` [B, Sq, H, D_v]
 ///   and lse `TensorView<A, Space>` [B, Sq, H, 1] (may be absent: then not written). It writes
 ///   out = softmax(q k^T * scale + mask) v and lse = natural-log sum of exp of the visible
 ///   scores, per row; a row that sees no key gets out = 0 and lse = -inf, never NaN, and a NaN
@@ -96,10 +99,11 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   (a kernel may stop at the first key tile a causal mask hides);
 /// - backward (only for SequenceParallelAttention::backward, see kernel_has_backward):
 ///   `k.backward(dout, q, k, v, out, lse, dq, dk, dv, params)` with dout, out
-///   `TensorView<const T, Space>` [B, Sq, H, D], lse `TensorView<const A, Space>` [B, Sq, H, 1]
-///   (the LSE of the *whole* attention, not of this block), and dq [B, Sq, H, D], dk, dv
-///   [B, Sk, Hkv, D] as `TensorView<A, Space>`: it ADDS this key block's contribution to dq, dk
-///   and dv (so ring steps and the query heads sharing a K/V head accumulate). It recomputes
+///   `TensorView<const T, Space>` [B, Sq, H, D_v], lse `TensorView<const A, Space>` [B, Sq, H, 1]
+///   (the LSE of the *whole* attention, not of this block), and dq [B, Sq, H, D], dk
+///   [B, Sk, Hkv, D], dv [B, Sk, Hkv, D_v] as `TensorView<A, Space>`: it ADDS this key
+///   block's contribution to dq, dk and dv (so ring steps and the query heads sharing a K/V
+///   head accumulate). It recomputes
 ///   the probabilities as exp(q k^T * scale - lse); rows with lse = -inf contribute nothing;
 /// - masks: key j is visible to query i iff params.visible(b, q_positions(i), k_positions(j));
 ///   the visible keys of a row are one contiguous range (params.keys), one run of local key
@@ -108,6 +112,12 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   (kernel_supports_masks); without it, plans with those masks are refused (causal, of
 ///   either alignment, needs nothing: q_positions already carry the alignment). Hidden keys
 ///   must never be read into a row: a NaN stored there stays out;
+/// - features of today's models, each declared by the kernel that has it, refused by plan
+///   (naming it) for one that does not: `supports_softcap` (params.softcap > 0: every visible
+///   score s becomes softcap * tanh(s / softcap) after the scale, and backward multiplies dS
+///   by 1 - (s / softcap)^2 of the capped s) and `supports_value_dim` (v, out, dout have head
+///   dim D_v = v.dim(), which may differ from q's and k's D; dq and dk keep D). Attention sinks
+///   need nothing from a kernel: the engine applies them after the merge;
 /// - optional: `k.prepare(max_head_dim)` (and `k.prepare_backward(max_head_dim)`) is called when
 ///   a plan is made, so that forward (backward) allocates nothing, and so is
 ///   `k.reserve(const KernelCallBounds&)`, with the largest call the plan will make, for
@@ -137,6 +147,14 @@ inline constexpr bool kernel_has_backward =
 /// True when kernel K handles windows, documents and key padding (not only causal masks).
 template <class K>
 inline constexpr bool kernel_supports_masks = requires { requires K::supports_masks; };
+
+/// True when kernel K applies KernelParams::softcap, forward and backward.
+template <class K>
+inline constexpr bool kernel_supports_softcap = requires { requires K::supports_softcap; };
+
+/// True when kernel K takes V (and writes O) with a head dimension other than Q's and K's.
+template <class K>
+inline constexpr bool kernel_supports_value_dim = requires { requires K::supports_value_dim; };
 
 /// True when kernel K can write its output directly in the accumulation type.
 template <class K, class T>

@@ -31,22 +31,27 @@ double dot_in_double(const A* a, const B* b, std::int64_t n) {
   return (s0 + s1) + (s2 + s3);
 }
 
+/// A scaled score `s` soft-capped by `cap` (0: unchanged): cap * tanh(s / cap).
+inline double softcapped(double s, double cap) { return cap > 0 ? cap * std::tanh(s / cap) : s; }
+
 }  // namespace detail
 
 /// Exact local attention: scores, softmax and output in double, one query row at a time.
 /// It allocates a row of scores per call; it is the yardstick, not a fast path.
 struct ReferenceKernel {
-  static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
-  static constexpr bool supports_masks = true;    ///< windows, documents, key padding
-  using memory_space = HostSpace;                 ///< host tensors
+  static constexpr bool is_seqpar_kernel = true;    ///< opts in to LocalAttentionKernel
+  static constexpr bool supports_masks = true;      ///< windows, documents, key padding
+  static constexpr bool supports_softcap = true;    ///< logit soft-capping
+  static constexpr bool supports_value_dim = true;  ///< D_v != D
+  using memory_space = HostSpace;                   ///< host tensors
 
   /// See LocalAttentionKernel. Accepts any output and LSE element types.
   template <class T, class O, class L>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<L> lse, const KernelParams& p) const {
-    const std::int64_t sk = k.seq(), dim = q.dim();
+    const std::int64_t sk = k.seq(), dim = q.dim(), dim_v = v.dim();
     std::vector<double> score(static_cast<std::size_t>(sk));
-    std::vector<double> acc(static_cast<std::size_t>(dim));
+    std::vector<double> acc(static_cast<std::size_t>(dim_v));
     for (std::int64_t b = 0; b < q.batch(); ++b)
       for (std::int64_t h = 0; h < q.heads(); ++h) {
         const std::int64_t kh = p.kv_head(h);
@@ -58,7 +63,7 @@ struct ReferenceKernel {
               score[j] = -std::numeric_limits<double>::infinity();
               continue;
             }
-            score[j] = detail::dot_in_double(q.row(b, i, h), k.row(b, j, kh), dim) * p.scale;
+            score[j] = detail::softcapped(detail::dot_in_double(q.row(b, i, h), k.row(b, j, kh), dim) * p.scale, p.softcap);
             // A NaN score must make the row NaN, not vanish in max (the row is not masked).
             mx = std::isnan(mx) || score[j] <= mx ? mx : score[j];
           }
@@ -70,11 +75,11 @@ struct ReferenceKernel {
               const double w = std::exp(score[j] - mx);
               sum += w;
               const T* vr = v.row(b, j, kh);
-              for (std::int64_t d = 0; d < dim; ++d) acc[d] += w * double(vr[d]);
+              for (std::int64_t d = 0; d < dim_v; ++d) acc[d] += w * double(vr[d]);
             }
           }
           O* o = out.row(b, i, h);
-          for (std::int64_t d = 0; d < dim; ++d) o[d] = static_cast<O>(sum != 0 ? acc[d] / sum : 0.0);
+          for (std::int64_t d = 0; d < dim_v; ++d) o[d] = static_cast<O>(sum != 0 ? acc[d] / sum : 0.0);
           if (!lse.absent())
             lse(b, i, h) = static_cast<L>(sum != 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity());
         }
@@ -82,13 +87,14 @@ struct ReferenceKernel {
   }
 
   /// See LocalAttentionKernel: adds this key block's gradients to dq, dk, dv. Each term is
-  /// formed in double: P = exp(s - lse), dS = P (dO.v - dO.o), dQ += scale dS k,
+  /// formed in double: with s the scaled (and soft-capped) score, P = exp(s - lse),
+  /// dS = P (dO.v - dO.o) (times 1 - (s / softcap)^2 with a soft-cap), dQ += scale dS k,
   /// dK += scale dS q, dV += P dO.
   template <class T, class L, class G>
   void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                 TensorView<const T> out, TensorView<const L> lse, TensorView<G> dq, TensorView<G> dk,
                 TensorView<G> dv, const KernelParams& p) const {
-    const std::int64_t dim = q.dim();
+    const std::int64_t dim = q.dim(), dim_v = v.dim();
     std::vector<double> dq_row(static_cast<std::size_t>(dim));
     for (std::int64_t b = 0; b < q.batch(); ++b)
       for (std::int64_t h = 0; h < q.heads(); ++h) {
@@ -99,23 +105,25 @@ struct ReferenceKernel {
           const T* qr = q.row(b, i, h);
           const T* dor = dout.row(b, i, h);
           const T* orow = out.row(b, i, h);
-          const double delta = detail::dot_in_double(dor, orow, dim);
+          const double delta = detail::dot_in_double(dor, orow, dim_v);
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
           const KeySpan seen = p.row_span(b, i, k.seq());
           for (std::int64_t j = 0; j < k.seq(); ++j) {
             if (!seen.sees(j)) continue;
             const T* kr = k.row(b, j, kh);
             const T* vr = v.row(b, j, kh);
-            const double s = detail::dot_in_double(qr, kr, dim), dp = detail::dot_in_double(dor, vr, dim);
-            const double pr = std::exp(s * p.scale - l);
-            const double ds = pr * (dp - delta) * p.scale;
+            const double s = detail::softcapped(detail::dot_in_double(qr, kr, dim) * p.scale, p.softcap);
+            const double dp = detail::dot_in_double(dor, vr, dim_v);
+            const double pr = std::exp(s - l);
+            const double cap = p.softcap > 0 ? 1 - (s / p.softcap) * (s / p.softcap) : 1.0;
+            const double ds = pr * (dp - delta) * cap * p.scale;
             G* dkr = dk.row(b, j, kh);
             G* dvr = dv.row(b, j, kh);
             for (std::int64_t d = 0; d < dim; ++d) {
               dq_row[d] += ds * double(kr[d]);
               dkr[d] = static_cast<G>(double(dkr[d]) + ds * double(qr[d]));
-              dvr[d] = static_cast<G>(double(dvr[d]) + pr * double(dor[d]));
             }
+            for (std::int64_t d = 0; d < dim_v; ++d) dvr[d] = static_cast<G>(double(dvr[d]) + pr * double(dor[d]));
           }
           G* dqr = dq.row(b, i, h);
           for (std::int64_t d = 0; d < dim; ++d) dqr[d] = static_cast<G>(double(dqr[d]) + dq_row[d]);
