@@ -38,4 +38,28 @@ SEQPAR_HOST_DEVICE constexpr void merge_row(A* o1, A& l1, const P* o2, A l2, std
   l1 = hi + std::log1p(std::exp(lo - hi));
 }
 
+/// Joins an attention sink to one row's merged result: the sink is one more term of the
+/// softmax's denominator, exp(sink), with no value, so L' = log(exp(L) + exp(sink)) and
+/// O' = O exp(L - L'). It runs once per row, after every partial over the keys has been merged
+/// (joined to each partial, a ring of R steps would count it R times). A row that saw no key
+/// (L = -inf) keeps O = 0 and gets L' = sink; a NaN row stays NaN. `o` may be of the element
+/// type O; the arithmetic is in A.
+template <class A, class O>
+SEQPAR_HOST_DEVICE constexpr void join_sink(O* o, A& l, A sink, std::int64_t dim) {
+  const A hi = l > sink ? l : sink, lo = l > sink ? sink : l;
+  const A joined = l != l ? l : hi + std::log1p(std::exp(lo - hi));
+  const A factor = std::exp(l - joined);  // exp(-inf) = 0 for a row that saw no key
+  for (std::int64_t d = 0; d < dim; ++d) o[d] = static_cast<O>(static_cast<A>(o[d]) * factor);
+  l = joined;
+}
+
+/// One row's share of a sink's gradient: d sink = -exp(sink - L) (dO . O), with L the row's
+/// final LSE (sink included) and dO . O over its D_v elements, in A.
+template <class A, class T>
+SEQPAR_HOST_DEVICE constexpr A sink_grad_row(const T* dout, const T* out, A l, A sink, std::int64_t dim) {
+  A dot = 0;
+  for (std::int64_t d = 0; d < dim; ++d) dot += static_cast<A>(dout[d]) * static_cast<A>(out[d]);
+  return l == -std::numeric_limits<A>::infinity() ? A(0) : -std::exp(sink - l) * dot;
+}
+
 }  // namespace seqpar

@@ -1,8 +1,9 @@
 #pragma once
 /// \file
 /// Host tensor operations the policies need between kernel calls: strided copy with type
-/// conversion (all-to-all packing), filling empty rows, and the LSE merge of partial results
-/// (the rule itself is merge_row, kernel/merge_state.hpp).
+/// conversion (all-to-all packing), filling empty rows, the LSE merge of partial results and
+/// the attention sinks (the rules themselves are merge_row, join_sink and sink_grad_row,
+/// kernel/merge_state.hpp).
 
 #include <cmath>
 #include <cstdint>
@@ -60,6 +61,27 @@ struct TensorOps<HostSpace> {
       for (std::int64_t s = 0; s < o1.seq(); ++s)
         for (std::int64_t h = 0; h < o1.heads(); ++h)
           merge_row(o1.row(b, s, h), l1(b, s, h), o2.row(b, s, h), l2(b, s, h), o1.dim());
+  }
+  /// Joins head h's sink, sinks[h] (h counted from the view's first head), to every row of
+  /// (o, l) with join_sink. `sinks` is in host memory.
+  template <class O, class A>
+  static void join_sinks(TensorView<O, HostSpace> o, TensorView<A, HostSpace> l, const float* sinks) {
+    for (std::int64_t b = 0; b < o.batch(); ++b)
+      for (std::int64_t s = 0; s < o.seq(); ++s)
+        for (std::int64_t h = 0; h < o.heads(); ++h) join_sink(o.row(b, s, h), l(b, s, h), static_cast<A>(sinks[h]), o.dim());
+  }
+  /// d_sinks[h] = the sum over every row of head h of sink_grad_row (overwrites; h counted
+  /// from the views' first head). Host memory.
+  template <class T, class A>
+  static void sink_grads(TensorView<const T, HostSpace> dout, TensorView<const T, HostSpace> out,
+                         TensorView<const A, HostSpace> l, const float* sinks, float* d_sinks) {
+    for (std::int64_t h = 0; h < out.heads(); ++h) {
+      A sum = 0;
+      for (std::int64_t b = 0; b < out.batch(); ++b)
+        for (std::int64_t s = 0; s < out.seq(); ++s)
+          sum += sink_grad_row(dout.row(b, s, h), out.row(b, s, h), l(b, s, h), static_cast<A>(sinks[h]), out.dim());
+      d_sinks[h] = static_cast<float>(sum);
+    }
   }
 };
 
