@@ -39,6 +39,7 @@
 #include "seqpar/core/plan.hpp"
 #include "seqpar/core/problem.hpp"
 #include "seqpar/core/tensor_view.hpp"
+#include "seqpar/core/types.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/policy/engine_context.hpp"
