@@ -4,8 +4,10 @@
 // declared aliasing.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,6 +25,11 @@ static_assert(policy_traits<UlyssesPolicy>::ulysses && !policy_traits<UlyssesPol
 static_assert(!policy_traits<RingPolicy<Zigzag>>::ulysses && policy_traits<RingPolicy<Zigzag>>::ring);
 static_assert(policy_traits<UnifiedPolicy<>>::ulysses && policy_traits<UnifiedPolicy<>>::ring);
 static_assert(policy_traits<AnythingPolicy<RingPolicy<>>>::ring && policy_traits<AnythingPolicy<RingPolicy<>>>::anything);
+// Unified lists the exchange around the ring loop; layouts and Anything share one engine.
+static_assert(std::is_same_v<policy_phases_of<UnifiedPolicy<Zigzag>>,
+                             detail::PhaseList<detail::UlyssesExchange, detail::RingLoop, detail::LocalCompute>>);
+static_assert(
+    std::is_same_v<policy_phases_of<RingPolicy<Zigzag>>, policy_phases_of<AnythingPolicy<RingPolicy<Stripe>>>>);
 // The user kernel writes only T: for bf16 it cannot write the ring's float partials.
 static_assert(LocalAttentionKernel<::examples::PlainKernel, ::test::bf16>);
 static_assert(!kernel_writes_acc<::examples::PlainKernel, ::test::bf16>);
@@ -48,6 +55,15 @@ struct Inputs {
     }
   }
 };
+
+/// The rows at `rows` of a global [B, S, h, D] tensor, as this rank's local tensor.
+template <class T>
+std::vector<T> local_rows(const std::vector<T>& x, std::int64_t S, std::int64_t h, const PositionMap& rows) {
+  std::vector<T> local(static_cast<std::size_t>(B * rows.size() * h * D));
+  scatter_sequence(TensorView<const T>::bshd(x.data(), B, S, h, D), rows,
+                   TensorView<T>::bshd(local.data(), B, rows.size(), h, D));
+  return local;
+}
 
 /// Runs PlainKernel with element type T under `policy` on `lengths.size()` thread ranks;
 /// returns the errors of O and of the LSE (normwise relative, an LSE of -inf matched exactly)
@@ -75,13 +91,7 @@ seqpar::test::Errors run_plain(Policy policy, const std::vector<std::int64_t>& l
     const AttentionProblem problem{.batch = B, .heads = H, .kv_heads = K, .head_dim = D, .causal = causal, .with_lse = true};
     const Plan plan = attn.template plan<T>(problem, {lengths[static_cast<std::size_t>(me)]});
     const PositionMap qp = plan.q_positions(me), kp = plan.kv_positions(me);
-    auto take = [&](const std::vector<T>& x, std::int64_t h, const PositionMap& rows) {
-      std::vector<T> local(static_cast<std::size_t>(B * rows.size() * h * D));
-      scatter_sequence(TensorView<const T>::bshd(x.data(), B, S, h, D), rows,
-                       TensorView<T>::bshd(local.data(), B, rows.size(), h, D));
-      return local;
-    };
-    const std::vector<T> q = take(g.q, H, qp), k = take(g.k, K, kp), v = take(g.v, K, kp);
+    const std::vector<T> q = local_rows(g.q, S, H, qp), k = local_rows(g.k, S, K, kp), v = local_rows(g.v, S, K, kp);
     std::vector<T> out(q.size());
     std::vector<float> lse(static_cast<std::size_t>(B * qp.size() * H));
     std::vector<std::byte> ws(plan.workspace_bytes());
@@ -120,6 +130,57 @@ void check_plain(const char* name, Policy policy, const std::vector<std::int64_t
     CHECK(b.lse_rel() <= seqpar::test::tolerance<float>);
   }
 }
+
+/// A phase as a user would add one, in one place: an exchange that runs outside the others and
+/// moves Q into a buffer of its own on the way in and O out of one on the way back (what an
+/// exchange does, without the communication). It claims 64 bytes per forward, refuses batch 3,
+/// and passes backward's operands through.
+struct StagingExchange {
+  static constexpr const char* name = "StagingExchange";
+  static constexpr detail::PhaseKind kind = detail::PhaseKind::exchange;
+  static constexpr Slot q_stage{"q_stage"}, o_stage{"o_stage"};
+  struct State {
+    std::int64_t rows = 0;  // this rank's query tokens
+  };
+  static bool runs(const Plan&) { return true; }
+  static std::string reason(const MeshConfig&, const AttentionProblem& pr, std::span<const std::int64_t>,
+                            std::span<const std::int64_t>) {
+    return pr.batch == 3 ? "plan: StagingExchange refuses batch 3" : "";
+  }
+  static std::string divisibility_reason(const MeshConfig&, const AttentionProblem&, std::span<const std::int64_t>,
+                                         std::span<const std::int64_t>) {
+    return "";
+  }
+  static State schedule(const Plan& p) { return {p.local_q()}; }
+  static void declare(const Plan& p, WorkspaceLayout& forward, WorkspaceLayout&) {
+    const AttentionProblem& pr = p.problem();
+    const auto bytes = static_cast<std::size_t>(pr.batch * p.local_q() * pr.heads * pr.head_dim) * p.elem_bytes();
+    forward.declare(q_stage, bytes);
+    forward.declare(o_stage, bytes);
+  }
+  static std::size_t forward_bytes(const Plan&, int) { return 64; }
+  template <class Call, class T, class Space>
+  static detail::ForwardOperands<T, Space> in(Call& call, const detail::ForwardOperands<T, Space>& x) {
+    const AttentionProblem& pr = call.plan.problem();
+    const std::int64_t rows = detail::PlanAccess::state<StagingExchange>(call.plan).rows;
+    T* q = call.ws.template get<T>(q_stage);
+    call.cx.ops.copy(x.q, TensorView<T, Space>::bshd(q, pr.batch, rows, pr.heads, pr.head_dim));
+    detail::ForwardOperands<T, Space> in = x;
+    in.q = TensorView<const T, Space>::bshd(q, pr.batch, rows, pr.heads, pr.head_dim);
+    in.out = TensorView<T, Space>::bshd(call.ws.template get<T>(o_stage), pr.batch, rows, pr.heads, pr.head_dim);
+    return in;
+  }
+  template <class Call, class T, class Space>
+  static void out(Call& call, const detail::ForwardOperands<T, Space>& inner, const detail::ForwardOperands<T, Space>& x) {
+    call.cx.ops.copy(TensorView<const T, Space>(inner.out), x.out);
+  }
+  template <class Call, class T, class Space>
+  static detail::BackwardOperands<T, Space> in(Call&, const detail::BackwardOperands<T, Space>& x) {
+    return x;
+  }
+  template <class Call, class T, class Space>
+  static void out(Call&, const detail::BackwardOperands<T, Space>&, const detail::BackwardOperands<T, Space>&) {}
+};
 
 }  // namespace
 
@@ -166,21 +227,76 @@ TEST_CASE("composition: can_implement answers without communicating, in plan's w
 }
 
 TEST_CASE("composition: workspace slots alias only as their lifetimes declare; a short workspace names the slot") {
-  const WorkspaceLayout<4> layout({{{"kept", 100, SlotLife::whole_call, true},
-                                    {"packing", 1000, SlotLife::exchange_in, true},
-                                    {"unused", 5000, SlotLife::whole_call, false},
-                                    {"returned", 600, SlotLife::exchange_out, true}}});
+  static constexpr Slot kept{"kept"}, packing{"packing", SlotLife::exchange_in},
+      returned{"returned", SlotLife::exchange_out}, undeclared{"undeclared"};
+  WorkspaceLayout layout;
+  layout.declare(kept, 100);
+  layout.declare(packing, 1000);
+  layout.declare(returned, 600);
+  layout.declare(kept, 40);  // declared again (a buffer two phases share): one buffer, the larger size
+  layout.place();
   std::vector<std::byte> bytes(layout.bytes());
-  auto* kept = layout.get<std::byte>(bytes, 0);
-  auto* packing = layout.get<std::byte>(bytes, 1);
-  auto* returned = layout.get<std::byte>(bytes, 3);
-  CHECK(layout.get<std::byte>(bytes, 2) == nullptr);
-  CHECK(packing == returned);       // never live together: they share bytes
-  CHECK(packing >= kept + 100);     // the whole-call slot is never overlapped
+  auto* kept_at = layout.get<std::byte>(bytes, kept);
+  auto* packing_at = layout.get<std::byte>(bytes, packing);
+  auto* returned_at = layout.get<std::byte>(bytes, returned);
+  CHECK_THROWS_WITH_AS(layout.get<std::byte>(bytes, undeclared), doctest::Contains("slot undeclared was not declared"),
+                       Error);
+  CHECK(packing_at == returned_at);    // never live together: they share bytes
+  CHECK(packing_at >= kept_at + 100);  // the whole-call slot is never overlapped
   CHECK(layout.bytes() == 256 + 1000 + workspace_alignment);  // kept (aligned) + the larger group + slack
   std::vector<std::byte> small(700);
-  CHECK_THROWS_WITH_AS(layout.get<std::byte>(small, 1), doctest::Contains("workspace: slot packing needs bytes"),
+  CHECK_THROWS_WITH_AS(layout.get<std::byte>(small, packing), doctest::Contains("workspace: slot packing needs bytes"),
                        ConfigError);
+}
+
+TEST_CASE("composition: a slot declared by two phases is one buffer of the larger size, where it was first declared") {
+  static constexpr Slot first{"first"}, shared{"shared"}, last{"last"};
+  WorkspaceLayout layout;
+  layout.declare(first, 10);
+  layout.declare(shared, 300);
+  layout.declare(last, 10);
+  layout.declare(shared, 600);
+  layout.place();
+  std::vector<std::byte> bytes(layout.bytes());
+  CHECK(layout.get<std::byte>(bytes, shared) == layout.get<std::byte>(bytes, first) + 256);
+  CHECK(layout.get<std::byte>(bytes, last) == layout.get<std::byte>(bytes, shared) + 768);  // 600, aligned
+  CHECK(layout.bytes() == 256 + 768 + 256 + workspace_alignment);  // the last slot too ends aligned
+}
+
+TEST_CASE("composition: a phase added in one place runs with the others: its rules, buffers, traffic and steps") {
+  // The one line that adds it: its name in a list of phases.
+  using Staged = detail::PhaseList<StagingExchange, detail::UlyssesExchange, detail::RingLoop, detail::LocalCompute>;
+  const UnifiedPolicy<Zigzag> policy{2, 2};
+  constexpr std::int64_t S = 32, L = S / 4;
+  const Inputs<double> g(S);
+  run_ranks(4, [&](ThreadCommunicator& world) {
+    SequenceParallelAttention<UnifiedPolicy<Zigzag>, ThreadCommunicator, ReferenceKernel> plain(world, policy);
+    detail::MeshEngine<Staged, ThreadCommunicator, ReferenceKernel> staged(world, mesh_request(policy), {});
+    AttentionProblem pr{.batch = B, .heads = H, .kv_heads = K, .head_dim = D, .causal = true, .dtype = DType::f64};
+    const Plan a = plain.plan(pr, {L}), b = staged.plan(pr, {L});
+    for (int w = 0; w < 4; ++w) {  // the traffic is the sum of the phases'
+      CHECK(b.forward_bytes(w) == a.forward_bytes(w) + 64);
+      CHECK(b.backward_bytes(w) == a.backward_bytes(w));
+    }
+    CHECK(b.workspace_bytes() > a.workspace_bytes());  // its two buffers, besides the others'
+    CHECK(b.backward_workspace_bytes() == a.backward_workspace_bytes());
+
+    const PositionMap qp = a.q_positions(world.rank()), kp = a.kv_positions(world.rank());
+    const std::vector<double> q = local_rows(g.q, S, H, qp), k = local_rows(g.k, S, K, kp),
+                              v = local_rows(g.v, S, K, kp);
+    std::vector<double> out_a(q.size()), out_b(q.size());
+    std::vector<std::byte> ws(std::max(a.workspace_bytes(), b.workspace_bytes()));
+    using In = TensorView<const double>;
+    plain.forward<double>(a, In::bshd(q.data(), B, L, H, D), In::bshd(k.data(), B, L, K, D),
+                          In::bshd(v.data(), B, L, K, D), TensorView<double>::bshd(out_a.data(), B, L, H, D), ws);
+    staged.forward<double>(b, In::bshd(q.data(), B, L, H, D), In::bshd(k.data(), B, L, K, D),
+                           In::bshd(v.data(), B, L, K, D), TensorView<double>::bshd(out_b.data(), B, L, H, D), {}, ws);
+    CHECK(out_b == out_a);  // staging copies: the same bits
+
+    pr.batch = 3;  // its rule, with the others', on every rank alike
+    CHECK_THROWS_WITH_AS((void)staged.plan(pr, {L}), doctest::Contains("plan: StagingExchange refuses batch 3"),
+                         ConfigError);
+  });
 }
 
 TEST_CASE("composition: plan<T> takes the dtype from T; scatter_sequence takes mutable views") {

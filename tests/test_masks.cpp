@@ -222,7 +222,7 @@ TEST_CASE("masks: a ring step whose keys no local query sees is skipped") {
   run_ranks(4, [&](ThreadCommunicator& world) {
     SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> attn(world);
     const Plan plan = attn.plan<double>({.heads = 2, .head_dim = 4, .documents = {{8, 8, 8, 8}}}, {8});
-    const auto& steps = detail::PlanAccess::schedule(plan).ring_step_computes;
+    const auto& steps = detail::PlanAccess::state<detail::RingLoop>(plan).step_computes;
     CHECK(steps == std::vector<unsigned char>{1, 0, 0, 0});
     CHECK(plan.work(world.rank()) == 8 * 8 * 2);
   });

@@ -49,6 +49,21 @@ class SequenceParallelAttention {
   using policy_type = Policy;                          ///< the policy
   using memory_space = typename Comm::memory_space;    ///< where tensors and workspace live
 
+  /// A tensor a call reads (q, k, v; backward's dout and out): elements T in memory_space.
+  /// T is never deduced from it: forward and backward take T from `out` and `dq`, or from
+  /// forward<T>, so these arguments convert as the declared type allows.
+  template <class T>
+  using Input = std::type_identity_t<TensorView<const T, memory_space>>;
+  /// A tensor backward writes besides dq (dk, dv); T is not deduced from it either.
+  template <class T>
+  using Output = std::type_identity_t<TensorView<T, memory_space>>;
+  /// The LSE forward writes, [B, Lq, H, 1] in the accumulation type acc_t<T> (not deduced).
+  template <class T>
+  using Lse = std::type_identity_t<TensorView<acc_t<T>, memory_space>>;
+  /// The LSE backward reads: the one forward wrote (not deduced).
+  template <class T>
+  using LseInput = std::type_identity_t<TensorView<const acc_t<T>, memory_space>>;
+
   /// Collective over `world`: checks that every rank has the same policy and degrees, then
   /// builds the mesh. `world` must outlive this object.
   explicit SequenceParallelAttention(Comm& world, Policy policy = {}, Kernel kernel = {})
@@ -77,40 +92,31 @@ class SequenceParallelAttention {
   }
 
   /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).
-  /// q [B, Lq, H, D], k and v [B, Lkv, K, D], out [B, Lq, H, D], lse [B, Lq, H, 1] or absent.
+  /// q [B, Lq, H, D], k and v [B, Lkv, K, D], out [B, Lq, H, D] (T is deduced from it), lse
+  /// [B, Lq, H, 1] or absent.
   /// Every argument is checked before the first message: a ConfigError from those checks
   /// leaves this object (and out, lse) untouched and usable. A failure after communication
   /// began leaves out and lse unspecified (see the README's "Failures and time-outs").
   template <class T>
-  void forward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> q,
-               std::type_identity_t<TensorView<const T, memory_space>> k,
-               std::type_identity_t<TensorView<const T, memory_space>> v, TensorView<T, memory_space> out,
-               std::type_identity_t<TensorView<acc_t<T>, memory_space>> lse, std::span<std::byte> workspace) {
+  void forward(const Plan& plan, Input<T> q, Input<T> k, Input<T> v, TensorView<T, memory_space> out, Lse<T> lse,
+               std::span<std::byte> workspace) {
     engine_.template forward<T>(plan, q, k, v, out, lse, workspace);
   }
 
   /// Forward without LSE.
   template <class T>
-  void forward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> q,
-               std::type_identity_t<TensorView<const T, memory_space>> k,
-               std::type_identity_t<TensorView<const T, memory_space>> v, TensorView<T, memory_space> out,
+  void forward(const Plan& plan, Input<T> q, Input<T> k, Input<T> v, TensorView<T, memory_space> out,
                std::span<std::byte> workspace) {
     engine_.template forward<T>(plan, q, k, v, out, {}, workspace);
   }
 
-  /// Gradients of this rank's slices: dq [B, Lq, H, D], dk and dv [B, Lkv, K, D], from dout
-  /// and the forward's q, k, v, out and lse (the plan's problem needs with_lse). Overwrites
-  /// dq, dk, dv. Workspace: plan.backward_workspace_bytes(). Allocates nothing. Arguments are
-  /// checked before the first message, as in forward.
+  /// Gradients of this rank's slices: dq [B, Lq, H, D] (T is deduced from it), dk and dv
+  /// [B, Lkv, K, D], from dout and the forward's q, k, v, out and lse (the plan's problem
+  /// needs with_lse). Overwrites dq, dk, dv. Workspace: plan.backward_workspace_bytes().
+  /// Allocates nothing. Arguments are checked before the first message, as in forward.
   template <class T>
-  void backward(const Plan& plan, std::type_identity_t<TensorView<const T, memory_space>> dout,
-                std::type_identity_t<TensorView<const T, memory_space>> q,
-                std::type_identity_t<TensorView<const T, memory_space>> k,
-                std::type_identity_t<TensorView<const T, memory_space>> v,
-                std::type_identity_t<TensorView<const T, memory_space>> out,
-                std::type_identity_t<TensorView<const acc_t<T>, memory_space>> lse, TensorView<T, memory_space> dq,
-                std::type_identity_t<TensorView<T, memory_space>> dk,
-                std::type_identity_t<TensorView<T, memory_space>> dv, std::span<std::byte> workspace) {
+  void backward(const Plan& plan, Input<T> dout, Input<T> q, Input<T> k, Input<T> v, Input<T> out, LseInput<T> lse,
+                TensorView<T, memory_space> dq, Output<T> dk, Output<T> dv, std::span<std::byte> workspace) {
     engine_.template backward<T>(plan, dout, q, k, v, out, lse, dq, dk, dv, workspace);
   }
 

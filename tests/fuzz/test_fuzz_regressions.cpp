@@ -273,7 +273,7 @@ TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and no
   good.free_verdict = can_implement(policy, p, std::span<const LocalLengths>(c.lengths));
   for (int w = 0; w < 2; ++w) {
     RankResult r;
-    r.plan = detail::build_plan(all, p, mesh, w, 1);
+    r.plan = detail::build_plan<policy_phases_of<RingPolicy<Contiguous>>>(all, p, mesh, w, 1);
     r.member_asked = true;
     r.member = good.free_verdict;
     r.planned = r.forwarded = r.backwarded = true;

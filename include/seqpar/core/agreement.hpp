@@ -60,12 +60,18 @@ inline std::vector<std::vector<std::int64_t>> unflatten_lists(std::span<const st
   return lists;
 }
 
+/// What a list field holds, which decides how its entries are named in messages.
+enum class ListField : std::uint8_t {
+  one_list,  ///< one list (kv_valid): entries named name[i]
+  lists,     ///< a list of lists (documents): entries named name[l][i]
+};
+
 /// Where `theirs` first differs from `ours`, in the words of field `name` ("kv_valid[1] = 77",
-/// "3 lists", "documents[0] with 2 entries"); `single`: the field is one list, not a list of
-/// lists. Empty when they are equal.
+/// "3 lists", "documents[0] with 2 entries"). Empty when they are equal.
 inline std::string first_difference(const std::vector<std::vector<std::int64_t>>& ours,
                                     const std::vector<std::vector<std::int64_t>>& theirs, const char* name,
-                                    bool single, std::string& what_ours) {
+                                    ListField field, std::string& what_ours) {
+  const bool single = field == ListField::one_list;
   auto entry = [&](std::size_t l, std::size_t i) {
     return std::string(name) + (single ? "" : "[" + std::to_string(l) + "]") + "[" + std::to_string(i) + "] = ";
   };
@@ -91,13 +97,13 @@ inline std::string first_difference(const std::vector<std::vector<std::int64_t>>
 }
 
 /// Collective, after every rank found that the hashes of field `name` differ: gathers every
-/// rank's `lists` (`single`: a field of one list, shown as name[i]) and says, for each rank that
+/// rank's `lists` (of a field that is one list or several, `field`) and says, for each rank that
 /// differs from rank 0, its first differing entry and rank 0's value there, e.g.
 /// "ranks disagree on kv_valid: rank 2 has kv_valid[1] = 77 (rank 0: 120)". Two host
 /// all-gathers: the sizes, then the lists padded to the longest.
 template <class Comm>
 std::string list_disagreement(Comm& comm, const char* prefix, const char* name,
-                              const std::vector<std::vector<std::int64_t>>& lists, bool single) {
+                              const std::vector<std::vector<std::int64_t>>& lists, ListField field) {
   const int world = comm.size();
   std::vector<std::int64_t> flat = flatten_lists(lists);
   const std::int64_t mine[1] = {static_cast<std::int64_t>(flat.size())};
@@ -115,7 +121,7 @@ std::string list_disagreement(Comm& comm, const char* prefix, const char* name,
   bool any = false;
   for (int w = 1; w < world; ++w) {
     std::string at_rank0;
-    const std::string theirs = first_difference(rank0, lists_of(w), name, single, at_rank0);
+    const std::string theirs = first_difference(rank0, lists_of(w), name, field, at_rank0);
     if (theirs.empty()) continue;
     why += std::string(any ? ";" : "") + " rank " + std::to_string(w) + " has " + theirs + " (rank 0: " + at_rank0 + ")";
     any = true;

@@ -3,18 +3,21 @@
 /// Plan: everything a forward or backward call needs, decided once, collectively, so that the
 /// call does no metadata exchange, no host-device sync and no allocation. Users read it
 /// (positions, lengths, bytes, workspace sizes, work per rank); the engine's schedule inside
-/// it (all-to-all tables, ring steps, workspace slots) is private to the engine.
+/// it (what each phase decided, the workspace slots, the traffic formulas) is private to it.
 ///
-/// One traffic model: the bytes a plan reports are summed from the same all-to-all tables and
-/// ring block sizes the engine sends with (exchange_tables, ring_block_elems); the tests hold
-/// them against an independent closed form.
+/// A plan knows no phase: the engine adds up the phases its policy selects (policy/phase.hpp)
+/// and the plan holds the result. One traffic model: the bytes a plan reports are each phase's
+/// formula over the same all-to-all tables and ring block sizes the engine sends with; the
+/// tests hold them against an independent closed form.
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "seqpar/core/error.hpp"
 #include "seqpar/core/key_span.hpp"
 #include "seqpar/core/mask.hpp"
 #include "seqpar/core/mesh.hpp"
@@ -51,25 +54,29 @@ struct AllToAllTable {
   }
 };
 
+class Plan;
+
 namespace detail {
 
-/// The Ulysses all-to-all tables of one mesh rank: Q (and O back, reversed), K and V, and the
-/// LSE (back with O, or out in backward).
-struct ExchangeTables {
-  AllToAllTable q, kv, lse;
+/// The address that names phase `Ph` among the states a plan keeps (PlanAccess::state).
+template <class Ph>
+inline constexpr char phase_id = 0;
+
+/// One phase's own plan-time decisions (its all-to-all tables, which ring steps compute), kept
+/// without this header knowing their type: the phase reads them back through PlanAccess::state.
+struct PhaseState {
+  const void* phase = nullptr;        ///< &phase_id<Ph>
+  std::shared_ptr<const void> state;  ///< its Ph::State (immutable, so copies of a plan share it)
 };
 
-/// Named workspace slots of forward and backward (policy/workspace_layout.hpp fills them).
-inline constexpr std::size_t forward_slot_count = 14;
-inline constexpr std::size_t backward_slot_count = 24;
-
-/// The engine's private schedule: what it sends, which ring steps compute, where buffers live.
+/// The engine's private schedule: the sum of the phases its policy selects. Which phases those
+/// are is the engine's business (policy/phase.hpp); a plan only holds what they added up to.
 struct PlanSchedule {
-  ExchangeTables tables;                          ///< this rank's all-to-all tables
-  std::vector<unsigned char> ring_step_computes;  ///< per ring step: does any query see a key?
-  std::int64_t max_kv_block = 0;                  ///< longest K/V ring block
-  WorkspaceLayout<forward_slot_count> forward;    ///< forward's buffers
-  WorkspaceLayout<backward_slot_count> backward;  ///< backward's buffers
+  WorkspaceLayout forward;                                     ///< every phase's forward buffers
+  WorkspaceLayout backward;                                    ///< every phase's backward buffers
+  std::size_t (*forward_bytes)(const Plan&, int w) = nullptr;  ///< the phases' forward traffic, summed
+  std::size_t (*backward_bytes)(const Plan&, int w) = nullptr; ///< the phases' backward traffic, summed
+  std::vector<PhaseState> phases;                              ///< each phase's own decisions
 };
 
 struct PlanAccess;
@@ -156,70 +163,18 @@ class Plan {
     return pairs * (per_batch ? 1 : problem_.batch) * q_heads(u).count;
   }
 
-  /// Bytes world rank w sends to other ranks in one forward: Q, K, V out and O (and the LSE)
-  /// back over the Ulysses tables, K/V blocks R-1 hops round the ring.
-  std::size_t forward_bytes(int w) const {
-    const int u = mesh_.ulysses_rank(w);
-    const detail::ExchangeTables t = exchange_tables(mesh_.ring_rank(w), u);
-    const std::size_t lse = problem_.with_lse ? t.lse.bytes_returned(u) : 0;
-    return t.q.bytes_sent(u) + 2 * t.kv.bytes_sent(u) + t.q.bytes_returned(u) + lse +
-           ring_bytes(w, mesh_.ring - 1, elem_bytes_);
-  }
+  /// Bytes world rank w sends to other ranks in one forward: the sum of what each phase of the
+  /// policy sends (the Ulysses exchange: Q, K, V out and O, with the LSE, back; the ring loop:
+  /// K/V blocks R-1 hops), from the same tables and block sizes the engine sends with.
+  std::size_t forward_bytes(int w) const { return schedule_.forward_bytes ? schedule_.forward_bytes(*this, w) : 0; }
 
-  /// Bytes world rank w sends in one backward: Q, O, dO, the LSE, K and V out and dQ, dK, dV
-  /// back over the Ulysses tables; the ring passes K/V R-1 hops and every block's dK/dV (in
-  /// the accumulation type) R hops, the last one home.
-  std::size_t backward_bytes(int w) const {
-    const int u = mesh_.ulysses_rank(w);
-    const detail::ExchangeTables t = exchange_tables(mesh_.ring_rank(w), u);
-    return 3 * t.q.bytes_sent(u) + t.lse.bytes_sent(u) + 2 * t.kv.bytes_sent(u) + t.q.bytes_returned(u) +
-           2 * t.kv.bytes_returned(u) + ring_bytes(w, mesh_.ring - 1, elem_bytes_) +
-           ring_bytes(w, mesh_.ring, acc_bytes_);
-  }
+  /// Bytes world rank w sends in one backward: the sum of what each phase sends (the Ulysses
+  /// exchange: Q, O, dO, the LSE, K and V out, dQ, dK, dV back; the ring loop: K/V R-1 hops
+  /// and every block's dK/dV, in the accumulation type, R hops, the last one home).
+  std::size_t backward_bytes(int w) const { return schedule_.backward_bytes ? schedule_.backward_bytes(*this, w) : 0; }
 
  private:
   friend struct detail::PlanAccess;
-
-  /// The all-to-all tables of mesh rank (r, u): it sends member v v's heads of its tokens and
-  /// receives its heads of v's tokens; pieces back to back in member order.
-  detail::ExchangeTables exchange_tables(int r, int u) const {
-    const int U = mesh_.ulysses;
-    const auto B = static_cast<std::size_t>(problem_.batch), D = static_cast<std::size_t>(problem_.head_dim);
-    auto table = [&](const SequenceLayout& l, const std::vector<HeadRange>& heads, std::size_t per_row) {
-      AllToAllTable t;
-      std::size_t so = 0, ro = 0;
-      for (int v = 0; v < U; ++v) {
-        const std::size_t s = static_cast<std::size_t>(l.length(r, u)) * B *
-                              static_cast<std::size_t>(heads[static_cast<std::size_t>(v)].count) * per_row;
-        const std::size_t rc = static_cast<std::size_t>(l.length(r, v)) * B *
-                               static_cast<std::size_t>(heads[static_cast<std::size_t>(u)].count) * per_row;
-        t.send_counts.push_back(s);
-        t.send_displs.push_back(so);
-        t.recv_counts.push_back(rc);
-        t.recv_displs.push_back(ro);
-        so += s;
-        ro += rc;
-      }
-      return t;
-    };
-    return {table(q_layout_, q_heads_, D * elem_bytes_), table(kv_layout_, kv_heads_, D * elem_bytes_),
-            table(q_layout_, q_heads_, acc_bytes_)};
-  }
-
-  /// Elements of one [K | V] ring block from ring rank `src` for Ulysses rank u's K/V heads.
-  std::size_t ring_block_elems(int src, int u) const {
-    return 2 * static_cast<std::size_t>(kv_layout_.block(src).size()) * static_cast<std::size_t>(problem_.batch) *
-           static_cast<std::size_t>(kv_heads(u).count) * static_cast<std::size_t>(problem_.head_dim);
-  }
-
-  /// Bytes world rank w sends in the first `hops` ring hops (step s sends block r - s).
-  std::size_t ring_bytes(int w, int hops, std::size_t bytes_per_elem) const {
-    const int R = mesh_.ring, r = mesh_.ring_rank(w), u = mesh_.ulysses_rank(w);
-    std::size_t n = 0;
-    if (R > 1)
-      for (int s = 0; s < hops; ++s) n += ring_block_elems((r - s + R) % R, u) * bytes_per_elem;
-    return n;
-  }
 
   AttentionProblem problem_;
   MeshConfig mesh_;
@@ -238,8 +193,13 @@ namespace detail {
 struct PlanAccess {
   static const PlanSchedule& schedule(const Plan& p) { return p.schedule_; }
   static std::uint64_t owner(const Plan& p) { return p.owner_; }
-  static std::size_t ring_block_elems(const Plan& p, int src) { return p.ring_block_elems(src, p.ulysses_rank()); }
-  static ExchangeTables exchange_tables(const Plan& p) { return p.exchange_tables(p.ring_rank(), p.ulysses_rank()); }
+  /// The state phase `Ph` kept in plan p (Ph::State); p must come from an engine with that phase.
+  template <class Ph>
+  static const typename Ph::State& state(const Plan& p) {
+    for (const PhaseState& s : p.schedule_.phases)
+      if (s.phase == &phase_id<Ph>) return *static_cast<const typename Ph::State*>(s.state.get());
+    SEQPAR_THROW(Error, "seqpar internal error: the plan holds no state of phase ", Ph::name);
+  }
   /// Sets every field of a plan (plan building, policy/plan_builder.hpp).
   static void fill(Plan& p, const AttentionProblem& problem, const MeshConfig& mesh, int world_rank, std::uint64_t owner,
                    SequenceLayout q, SequenceLayout kv, std::vector<HeadRange> q_heads, std::vector<HeadRange> kv_heads,

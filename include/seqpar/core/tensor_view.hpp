@@ -83,12 +83,18 @@ struct TensorView {
   }
 };
 
+/// What a call does with a tensor it is given, for check_view.
+enum class ViewUse : std::uint8_t {
+  read,   ///< an input
+  write,  ///< an output: its elements must not overlap each other
+};
+
 /// Checks that `view` has the expected extents, a contiguous head_dim, non-negative strides and
 /// a non-null pointer when it holds elements; throws ConfigError naming `name` otherwise.
-/// Output views (`writable`) must also not overlap themselves.
+/// Output views (ViewUse::write) must also not overlap themselves.
 template <class T, class Space>
 void check_view(const TensorView<T, Space>& view, std::string_view name, std::int64_t batch,
-                std::int64_t seq, std::int64_t heads, std::int64_t dim, bool writable) {
+                std::int64_t seq, std::int64_t heads, std::int64_t dim, ViewUse use) {
   static constexpr const char* dims[4] = {"batch", "seq", "heads", "head_dim"};
   const std::array<std::int64_t, 4> want{batch, seq, heads, dim};
   for (int i = 0; i < 4; ++i)
@@ -101,7 +107,7 @@ void check_view(const TensorView<T, Space>& view, std::string_view name, std::in
                ".stride[3] (head_dim): expected 1, got ", view.stride[3]);
   SEQPAR_CHECK(view.numel() == 0 || view.data != nullptr, ConfigError, name,
                ": null data pointer for a non-empty tensor");
-  if (!writable || view.numel() == 0) return;
+  if (use == ViewUse::read || view.numel() == 0) return;
   // Non-overlap: sorted by stride, each dimension must step past the whole previous one.
   std::array<int, 4> order{0, 1, 2, 3};
   for (int i = 1; i < 4; ++i)

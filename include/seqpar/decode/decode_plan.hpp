@@ -109,25 +109,7 @@ class CacheLayout {
 namespace detail {
 template <class Comm, class Kernel>
 class DecodeEngine;
-
-/// The named workspace slots of a decode step.
-enum DecodeSlot : std::size_t {
-  s_q_send, s_q_recv, s_q_full, s_part_o, s_part_l, s_part_t, s_send, s_recv, s_tags, s_count
-};
-
-/// Byte sizes of every piece of a step's all-to-alls, indexed by rank; fixed by the plan.
-struct DecodePieces {
-  std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;  // partials
-  std::vector<std::size_t> q, q_displs, q_send_counts, zero;                    // queries (heads exchange)
-  std::size_t send_total = 0, recv_total = 0, q_total = 0;
-  /// Bytes rank `me` sends to other ranks.
-  std::size_t bytes_sent(int me) const {
-    std::size_t n = 0;
-    for (std::size_t v = 0; v < send_counts.size(); ++v)
-      if (static_cast<int>(v) != me) n += send_counts[v] + (q_send_counts.empty() ? 0 : q_send_counts[v]);
-    return n;
-  }
-};
+struct StepExchange;
 }  // namespace detail
 
 /// The plan of SequenceParallelDecode: made once per cache layout (collective), reused every
@@ -168,7 +150,7 @@ class DecodePlan {
   /// Bytes this rank sends per step: partial O and LSE (accumulation type) to the ranks that
   /// merge them, the gathered queries in the heads exchange, and an 8-byte step tag per
   /// message that lets every rank detect a step whose lengths disagree.
-  std::size_t step_bytes() const { return pieces_.bytes_sent(rank_); }
+  std::size_t step_bytes() const { return step_bytes_; }
   /// Workspace bytes of a step.
   std::size_t workspace_bytes() const { return slots_.bytes(); }
   /// Moves every sequence on by `tokens` (after a step: its T tokens are now cache). Local:
@@ -190,6 +172,7 @@ class DecodePlan {
  private:
   template <class Comm, class Kernel>
   friend class detail::DecodeEngine;
+  friend struct detail::StepExchange;
 
   /// b as an index of the batch; ConfigError naming `call` otherwise.
   std::size_t checked_sequence(std::int64_t b, const char* call) const {
@@ -213,8 +196,9 @@ class DecodePlan {
   std::int64_t shard_capacity_ = 0;
   HeadRange out_heads_;
   std::vector<HeadRange> heads_of_;  // heads each rank merges (heads exchange)
-  detail::DecodePieces pieces_;                          // message sizes of every step
-  WorkspaceLayout<detail::s_count> slots_;               // where a step's buffers live
+  AllToAllTable partials_, queries_;  // message sizes of every step (decode/step_exchange.hpp)
+  std::size_t step_bytes_ = 0;        // what those send
+  WorkspaceLayout slots_;             // where a step's buffers live
   std::vector<std::int64_t> row_key_end_;  // [B x T] per step, filled without allocating
   std::vector<std::int64_t> tags_;         // the step tags received, read back to the host
 };

@@ -4,7 +4,9 @@
 /// must agree on (PlanField) in one host all-gather, and every rank then runs the same checks
 /// on the same gathered copy, so all reach the same verdict and throw the same message (none
 /// hangs waiting for a rank that threw). The shape rules themselves are `shape_reason`, a pure
-/// function: `can_implement` asks it without communicating, and `plan` throws its answer.
+/// function: `can_implement` asks it without communicating, and `plan` throws its answer. The
+/// rules every policy shares are here; each phase brings its own (policy/phase.hpp), and the
+/// plan's schedule is the sum of the phases the policy lists.
 
 #include <algorithm>
 #include <array>
@@ -24,8 +26,8 @@
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/plan.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/policy/phase.hpp"
 #include "seqpar/policy/policies.hpp"
-#include "seqpar/policy/workspace_layout.hpp"
 
 namespace seqpar {
 
@@ -174,32 +176,13 @@ inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::
   return "";
 }
 
-/// The stripe layout's rule: token t lives on ring rank t mod R, so the lengths follow from
-/// the total (ring rank r's block holds ceil((S - r) / R) tokens). "" when `len` (per world
-/// rank, sums checked already) does, or the layout is another.
-inline std::string stripe_reason(const MeshConfig& mesh, std::span<const std::int64_t> len, const char* which) {
-  if (mesh.layout != LayoutKind::stripe || mesh.ring <= 1) return "";
-  std::vector<std::int64_t> block(static_cast<std::size_t>(mesh.ring), 0);
-  std::int64_t total = 0;
-  for (std::size_t w = 0; w < len.size(); ++w) {
-    block[static_cast<std::size_t>(mesh.ring_rank(static_cast<int>(w)))] += len[w];
-    total += len[w];
-  }
-  for (int r = 0; r < mesh.ring; ++r) {
-    const std::int64_t want = total > r ? (total - r + mesh.ring - 1) / mesh.ring : 0;
-    if (block[static_cast<std::size_t>(r)] != want)
-      return "plan: stripe layout: ring rank " + std::to_string(r) + " must hold " + std::to_string(want) + " of the " +
-             std::to_string(total) + " tokens of the " + which + " (token t lives on ring rank t mod " +
-             std::to_string(mesh.ring) + "), got " + std::to_string(block[static_cast<std::size_t>(r)]) +
-             "; use split_sequence() for the lengths, or the contiguous or zigzag layout";
-  }
-  return "";
-}
-
-/// The shape rules of a resolved mesh: "" when `problem` with these per-rank lengths (indexed
-/// by world rank) runs, else the reason (naming the rule and the fix).
-inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem,
-                                std::span<const std::int64_t> q_len, std::span<const std::int64_t> kv_len) {
+/// The shape rules of a resolved mesh under the phases `Phases`: "" when `problem` with these
+/// per-rank lengths (indexed by world rank) runs, else the reason (naming the rule and the fix).
+/// The rules every policy shares come first, then each phase's, in list order; AnythingPolicy
+/// lifts the divisibility rules, the shared ones and the phases'.
+template <class Phases>
+std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem, std::span<const std::int64_t> q_len,
+                         std::span<const std::int64_t> kv_len) {
   const std::int64_t B = problem.batch, H = problem.heads, K = problem.kv_head_count(), D = problem.head_dim;
   const int world = static_cast<int>(q_len.size());
   std::ostringstream why;
@@ -222,10 +205,9 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
   if (!size.empty()) return size;
   const std::string mask = mask_reason(problem, q_len, kv_len);
   if (!mask.empty()) return mask;
-  if (const std::string stripe = stripe_reason(mesh, q_len, "queries"); !stripe.empty()) return stripe;
-  if (const std::string stripe = stripe_reason(mesh, kv_len, "keys and values"); !stripe.empty()) return stripe;
+  if (std::string phases = Phases::reason(mesh, problem, q_len, kv_len); !phases.empty()) return phases;
   if (mesh.anything) return "";
-  const std::string fix = std::string("; use AnythingPolicy<") + mesh.policy + "> for any shape";
+  const std::string fix = anything_fix(mesh);
   for (int w = 0; w < world; ++w) {
     if (q_len[w] != q_len[0])
       return std::string("plan: ") + mesh.policy + " needs the same local length on every rank (global length " +
@@ -236,13 +218,7 @@ inline std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& 
              std::to_string(q_len[w]) + " kv " + std::to_string(kv_len[w]) +
              " (joint and cross attention need AnythingPolicy)" + fix;
   }
-  if (H % mesh.ulysses != 0)
-    return std::string("plan: ") + mesh.policy + " needs heads divisible by the Ulysses degree: heads " +
-           std::to_string(H) + ", ulysses_degree " + std::to_string(mesh.ulysses) + fix;
-  if (mesh.layout == LayoutKind::zigzag && world > 0 && (q_len[0] * mesh.ulysses) % 2 != 0)
-    return std::string("plan: ") + mesh.policy + " with the zigzag layout needs an even ring block length, got " +
-           std::to_string(q_len[0] * mesh.ulysses) + fix;
-  return "";
+  return Phases::divisibility_reason(mesh, problem, q_len, kv_len);
 }
 
 /// The kernel's share of the shape rules: "" when kernel K can take `problem`'s mask, else the
@@ -256,9 +232,11 @@ std::string kernel_reason(const AttentionProblem& problem) {
   return "";
 }
 
-/// Builds this rank's plan from the gathered fields (validated already).
-inline Plan build_plan(const std::vector<std::int64_t>& all, const AttentionProblem& problem, const MeshConfig& mesh,
-                       int me, std::uint64_t owner) {
+/// Builds this rank's plan from the gathered fields (validated already): its layouts and heads,
+/// then the schedule, the sum of the phases `Phases` that take part.
+template <class Phases>
+Plan build_plan(const std::vector<std::int64_t>& all, const AttentionProblem& problem, const MeshConfig& mesh, int me,
+                std::uint64_t owner) {
   const int world = mesh.world(), U = mesh.ulysses, R = mesh.ring;
   std::vector<std::int64_t> qlen(static_cast<std::size_t>(world)), kvlen(static_cast<std::size_t>(world));
   for (int w = 0; w < world; ++w) {
@@ -282,24 +260,7 @@ inline Plan build_plan(const std::vector<std::int64_t>& all, const AttentionProb
                    SequenceLayout(mesh.layout, R, U, kvlen), std::move(q_heads), std::move(kv_heads),
                    dtype_bytes(problem.dtype), acc_bytes(problem.dtype));
 
-  PlanSchedule& s = PlanAccess::schedule(p);
-  s.tables = PlanAccess::exchange_tables(p);
-  // A ring step computes only if some query of this rank's block sees some key of the block
-  // arriving (under every mask family), in some batch element.
-  const int r = p.ring_rank();
-  const PositionMap qd = p.q_diagonals(r);
-  const MaskView mask = p.mask();
-  const std::int64_t batches = mask.kv_valid != nullptr || mask.doc_batch_stride > 0 ? problem.batch : 1;
-  for (int step = 0; step < R; ++step) {
-    const PositionMap& kb = p.kv_layout().block((r - step + R) % R);
-    s.max_kv_block = std::max(s.max_kv_block, kb.size());
-    bool any = false;
-    if (p.q_heads(p.ulysses_rank()).count > 0 && problem.batch > 0)
-      for (std::int64_t b = 0; b < batches && !any; ++b) any = any_visible(mask, b, qd, kb);
-    s.ring_step_computes.push_back(any);
-  }
-  s.forward = forward_layout(p);
-  s.backward = backward_layout(p);
+  Phases::schedule(p);
   return p;
 }
 
@@ -319,7 +280,7 @@ Implementable can_implement(const Policy& policy, const AttentionProblem& proble
       q.push_back(l.q);
       kv.push_back(l.kv_count());
     }
-    why = detail::shape_reason(mesh, problem, q, kv);
+    why = detail::shape_reason<policy_phases_of<Policy>>(mesh, problem, q, kv);
   }
   return {why.empty(), why};
 }

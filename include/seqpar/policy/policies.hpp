@@ -1,8 +1,8 @@
 #pragma once
 /// \file
 /// The policies: small config types that say how the work and the communication are
-/// arranged, and policy_traits: which engine phases each one instantiates. All of them run on
-/// one engine (policy/mesh_engine.hpp) as a U x R mesh.
+/// arranged, and policy_traits: the phases each one is made of (policy/phase.hpp), listed here
+/// and nowhere else. All of them run on one engine (policy/mesh_engine.hpp) as a U x R mesh.
 
 #include <cstdint>
 #include <sstream>
@@ -12,6 +12,10 @@
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/sequence_layout.hpp"
+#include "seqpar/policy/local_compute.hpp"
+#include "seqpar/policy/phase.hpp"
+#include "seqpar/policy/ring_loop.hpp"
+#include "seqpar/policy/ulysses_exchange.hpp"
 
 namespace seqpar {
 
@@ -63,39 +67,44 @@ inline constexpr bool is_policy_v = detail::base_policy<P>::value;
 template <class Inner>
 inline constexpr bool is_policy_v<AnythingPolicy<Inner>> = detail::base_policy<Inner>::value;
 
-/// What a policy is made of, at compile time: which phases of the engine it instantiates
-/// (`ulysses`: the all-to-all exchange; `ring`: the ring loop), whether the divisibility rules
-/// are lifted, and its name as C++ (for messages that suggest code). The primary template
-/// fails with a message for anything that is not a policy.
+/// What a policy is made of, at compile time: its phases in order (`phases`, a PhaseList:
+/// the engine instantiates those and no others), whether the divisibility rules are lifted,
+/// and its name as C++ (for messages that suggest code). The primary template fails with a
+/// message for anything that is not a policy. A new phase joins a policy by its name in that
+/// policy's list below.
 template <class P>
 struct policy_traits {
   static_assert(sizeof(P) == 0,
                 "seqpar: not a policy; use UlyssesPolicy, RingPolicy<Layout>, UnifiedPolicy<Layout> or "
                 "AnythingPolicy<one of those>");
 };
-/// The phases a base policy instantiates: `ulysses` (the all-to-all exchange) and `ring` (the
-/// ring loop); `anything` says whether the divisibility rules are lifted.
-template <bool Ulysses, bool Ring>
+
+/// What follows from a policy's phase list: whether it has the Ulysses exchange and the ring
+/// loop (a shorthand for `phases::has<...>`), and that the divisibility rules hold.
+template <class Phases>
 struct policy_phases {
-  static constexpr bool ulysses = Ulysses;  ///< instantiates the Ulysses exchange
-  static constexpr bool ring = Ring;        ///< instantiates the ring loop
-  static constexpr bool anything = false;   ///< divisibility rules lifted
+  using phases = Phases;                                                          ///< the phases, in order
+  static constexpr bool ulysses = Phases::template has<detail::UlyssesExchange>;  ///< has the Ulysses exchange
+  static constexpr bool ring = Phases::template has<detail::RingLoop>;            ///< has the ring loop
+  static constexpr bool anything = false;                                         ///< divisibility rules lifted
 };
-/// Ulysses: the all-to-all only.
+/// Ulysses: the all-to-all, then the local kernel.
 template <>
-struct policy_traits<UlyssesPolicy> : policy_phases<true, false> {
+struct policy_traits<UlyssesPolicy>
+    : policy_phases<detail::PhaseList<detail::UlyssesExchange, detail::LocalCompute>> {
   static constexpr const char* name = "UlyssesPolicy";  ///< C++ spelling
 };
-/// Ring: the ring loop only.
+/// Ring: the ring loop (the local kernel on a ring of one).
 template <class L>
-struct policy_traits<RingPolicy<L>> : policy_phases<false, true> {
+struct policy_traits<RingPolicy<L>> : policy_phases<detail::PhaseList<detail::RingLoop, detail::LocalCompute>> {
   static constexpr const char* name = std::is_same_v<L, Zigzag>   ? "RingPolicy<Zigzag>"
                                       : std::is_same_v<L, Stripe> ? "RingPolicy<Stripe>"
                                                                   : "RingPolicy<Contiguous>";  ///< C++ spelling
 };
-/// Unified: both phases (a degree of 1 skips one at run time).
+/// Unified: the all-to-all around the ring loop (a degree of 1 skips its phase at run time).
 template <class L>
-struct policy_traits<UnifiedPolicy<L>> : policy_phases<true, true> {
+struct policy_traits<UnifiedPolicy<L>>
+    : policy_phases<detail::PhaseList<detail::UlyssesExchange, detail::RingLoop, detail::LocalCompute>> {
   static constexpr const char* name = std::is_same_v<L, Zigzag>   ? "UnifiedPolicy<Zigzag>"
                                       : std::is_same_v<L, Stripe> ? "UnifiedPolicy<Stripe>"
                                                                   : "UnifiedPolicy<Contiguous>";  ///< C++ spelling
@@ -106,16 +115,17 @@ struct policy_traits<AnythingPolicy<Inner>> {
   static_assert(detail::base_policy<Inner>::value,
                 "seqpar: AnythingPolicy<P> needs P = UlyssesPolicy, RingPolicy<Layout> or UnifiedPolicy<Layout> "
                 "(AnythingPolicy does not nest)");
-  static constexpr bool ulysses = policy_traits<Inner>::ulysses;  ///< instantiates the Ulysses exchange
-  static constexpr bool ring = policy_traits<Inner>::ring;        ///< instantiates the ring loop
+  using phases = typename policy_traits<Inner>::phases;           ///< the inner policy's phases
+  static constexpr bool ulysses = policy_traits<Inner>::ulysses;  ///< has the Ulysses exchange
+  static constexpr bool ring = policy_traits<Inner>::ring;        ///< has the ring loop
   static constexpr bool anything = true;                          ///< divisibility rules lifted
-  static constexpr const char* name = "AnythingPolicy";           ///< C++ spelling (of the outer template)
+  static constexpr const char* name = "AnythingPolicy";  ///< C++ spelling (of the outer template)
 };
 
-/// The engine phases of policy P alone (policy_phases<ulysses, ring>): the engine is keyed on
-/// them, so policies that differ only in layout or in Anything share one compiled engine.
+/// The phases of policy P alone: the engine is keyed on them, so policies that differ only in
+/// layout or in Anything share one compiled engine.
 template <class P>
-using policy_phases_of = policy_phases<policy_traits<P>::ulysses, policy_traits<P>::ring>;
+using policy_phases_of = typename policy_traits<P>::phases;
 
 /// The mesh a policy asks for, before the world size is known: a degree of 0 means "derive
 /// it from the world size" (Ulysses asks for U = world, Ring for R = world). Nothing is

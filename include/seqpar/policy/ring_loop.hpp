@@ -1,10 +1,11 @@
 #pragma once
 /// \file
-/// The ring loop, forward and backward: K/V blocks travel the ring in a double buffer while the
-/// current block computes; each step's partial output merges into the running output by the
-/// LSE rule (kernel/merge_state.hpp); steps whose keys no local query sees are skipped (the
-/// plan's ring_step_computes). Only policies with a ring phase (policy_traits<P>::ring)
-/// instantiate it, and it runs only when the ring degree is above 1.
+/// The ring loop, a phase (policy/phase.hpp) that computes: K/V blocks travel the ring in a
+/// double buffer while the current block computes; each step's partial output merges into the
+/// running output by the LSE rule (kernel/merge_state.hpp); steps whose keys no local query
+/// sees are skipped (the phase's State). Only policies that list it instantiate it, and it
+/// runs when the ring degree is above 1 (otherwise the next compute phase, the local kernel,
+/// computes).
 ///
 /// On a communicator that can poll (test(), e.g. MPI), the kernel runs in chunks of heads with
 /// a progress poll after each while a hop is in flight, since such a communicator may move a
@@ -16,18 +17,216 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "seqpar/core/mesh.hpp"
 #include "seqpar/core/plan.hpp"
+#include "seqpar/core/problem.hpp"
 #include "seqpar/core/tensor_view.hpp"
+#include "seqpar/core/workspace.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/policy/engine_context.hpp"
+#include "seqpar/policy/phase.hpp"
 
 namespace seqpar::detail {
 
-/// The ring phase of one engine: its context and its kernel.
+/// Elements of one [K | V] ring block from ring rank `src` for Ulysses rank u's K/V heads.
+inline std::size_t ring_block_elems(const Plan& p, int src, int u) {
+  return 2 * static_cast<std::size_t>(p.kv_layout().block(src).size()) * static_cast<std::size_t>(p.problem().batch) *
+         static_cast<std::size_t>(p.kv_heads(u).count) * static_cast<std::size_t>(p.problem().head_dim);
+}
+
+/// The stripe layout's rule: token t lives on ring rank t mod R, so the lengths follow from
+/// the total (ring rank r's block holds ceil((S - r) / R) tokens). "" when `len` (per world
+/// rank, sums checked already) does, or the layout is another.
+inline std::string stripe_reason(const MeshConfig& mesh, std::span<const std::int64_t> len, const char* which) {
+  if (mesh.layout != LayoutKind::stripe || mesh.ring <= 1) return "";
+  std::vector<std::int64_t> block(static_cast<std::size_t>(mesh.ring), 0);
+  std::int64_t total = 0;
+  for (std::size_t w = 0; w < len.size(); ++w) {
+    block[static_cast<std::size_t>(mesh.ring_rank(static_cast<int>(w)))] += len[w];
+    total += len[w];
+  }
+  for (int r = 0; r < mesh.ring; ++r) {
+    const std::int64_t want = total > r ? (total - r + mesh.ring - 1) / mesh.ring : 0;
+    if (block[static_cast<std::size_t>(r)] != want)
+      return "plan: stripe layout: ring rank " + std::to_string(r) + " must hold " + std::to_string(want) + " of the " +
+             std::to_string(total) + " tokens of the " + which + " (token t lives on ring rank t mod " +
+             std::to_string(mesh.ring) + "), got " + std::to_string(block[static_cast<std::size_t>(r)]) +
+             "; use split_sequence() for the lengths, or the contiguous or zigzag layout";
+  }
+  return "";
+}
+
 template <class Comm, class Kernel>
+struct RingSteps;
+
+/// The ring loop as a phase: it computes this rank's queries against every ring rank's K/V
+/// block, one ring step each, the block in hand travelling on while it computes.
 struct RingLoop {
+  static constexpr const char* name = "RingLoop";        ///< for messages
+  static constexpr PhaseKind kind = PhaseKind::compute;  ///< computes; ends the list when it runs
+
+  /// Which ring steps compute: step s (the block of ring rank r - s) only if some query of this
+  /// rank's block sees some key of it.
+  struct State {
+    std::vector<unsigned char> step_computes;  ///< per ring step: does any query see a key?
+  };
+
+  /// A ring of one rank has no hops: the phase runs when the ring degree is above 1.
+  static bool runs(const Plan& p) { return p.mesh().ring > 1; }
+
+  /// Which steps compute, decided once per plan.
+  static State schedule(const Plan& p) {
+    const int R = p.mesh().ring, r = p.ring_rank();
+    State s;
+    for (int step = 0; step < R; ++step) s.step_computes.push_back(keys_visible(p, (r - step + R) % R));
+    return s;
+  }
+
+  /// The rule the layout puts on every shape: stripe lengths follow from the total.
+  static std::string reason(const MeshConfig& mesh, const AttentionProblem&, std::span<const std::int64_t> q_len,
+                            std::span<const std::int64_t> kv_len) {
+    if (std::string why = stripe_reason(mesh, q_len, "queries"); !why.empty()) return why;
+    return stripe_reason(mesh, kv_len, "keys and values");
+  }
+
+  /// The divisibility rule of the plain policies: a zigzag block splits into two equal chunks.
+  static std::string divisibility_reason(const MeshConfig& mesh, const AttentionProblem&,
+                                         std::span<const std::int64_t> q_len, std::span<const std::int64_t>) {
+    if (mesh.layout != LayoutKind::zigzag || q_len.empty() || (q_len[0] * mesh.ulysses) % 2 == 0) return "";
+    return std::string("plan: ") + mesh.policy + " with the zigzag layout needs an even ring block length, got " +
+           std::to_string(q_len[0] * mesh.ulysses) + anything_fix(mesh);
+  }
+
+  /// Bytes world rank w sends in the first `hops` ring hops (step s sends block r - s).
+  static std::size_t hop_bytes(const Plan& p, int w, int hops, std::size_t bytes_per_elem) {
+    const int R = p.mesh().ring, r = p.mesh().ring_rank(w), u = p.mesh().ulysses_rank(w);
+    std::size_t n = 0;
+    for (int s = 0; s < hops; ++s) n += ring_block_elems(p, (r - s + R) % R, u) * bytes_per_elem;
+    return n;
+  }
+
+  /// Bytes world rank w sends in one forward: K/V blocks R-1 hops.
+  static std::size_t forward_bytes(const Plan& p, int w) { return hop_bytes(p, w, p.mesh().ring - 1, p.elem_bytes()); }
+
+  /// Bytes world rank w sends in one backward: K/V R-1 hops, and every block's dK/dV (in the
+  /// accumulation type) R hops, the last one home.
+  static std::size_t backward_bytes(const Plan& p, int w) {
+    return hop_bytes(p, w, p.mesh().ring - 1, p.elem_bytes()) + hop_bytes(p, w, p.mesh().ring, p.acc_bytes());
+  }
+
+  /// Forward's buffers besides SharedSlots::kv (the block in hand). With T == A the running
+  /// output lives in the output block itself, so o_acc is declared only when T != A.
+  struct ForwardSlots {
+    static constexpr Slot kv_next{"kv_next"};  ///< [K | V] block arriving
+    static constexpr Slot o_acc{"o_acc"};      ///< running output in A
+    static constexpr Slot o_part{"o_part"};    ///< one ring step's output in A
+    static constexpr Slot l_acc{"l_acc"};      ///< running LSE
+    static constexpr Slot l_part{"l_part"};    ///< one ring step's LSE
+  };
+
+  /// Backward's buffers besides the shared ones. dK/dV accumulators travel the ring with
+  /// K/V, in A: SharedSlots::grad is the one in hand.
+  struct BackwardSlots {
+    static constexpr Slot kv_next{"kv_next"};      ///< [K | V] block arriving
+    static constexpr Slot grad_next{"grad_next"};  ///< [dK | dV] accumulator arriving
+    static constexpr Slot grad_part{"grad_part"};  ///< this step's contribution
+  };
+
+  /// Declares the phase's buffers for plan p: ring buffers sized for the longest block.
+  static void declare(const Plan& p, WorkspaceLayout& forward, WorkspaceLayout& backward) {
+    const LocalShape n(p);
+    const std::size_t e = p.elem_bytes(), a = p.acc_bytes(), ring = 2 * n.kv_block(n.kv_max);
+    using F = ForwardSlots;
+    forward.declare(SharedSlots::kv, ring * e);
+    forward.declare(F::kv_next, ring * e);
+    if (e != a) forward.declare(F::o_acc, n.q_block() * a);
+    forward.declare(F::o_part, n.q_block() * a);
+    forward.declare(F::l_acc, n.q_rows() * a);
+    forward.declare(F::l_part, n.q_rows() * a);
+    using Bw = BackwardSlots;
+    backward.declare(SharedSlots::kv, ring * e);
+    backward.declare(Bw::kv_next, ring * e);
+    backward.declare(SharedSlots::grad, ring * a);
+    backward.declare(Bw::grad_next, ring * a);
+    backward.declare(Bw::grad_part, ring * a);
+    backward.declare(SharedSlots::dq_acc, n.q_block() * a);
+  }
+
+  /// Forward over the R ring steps into x's output and LSE. With T == A the running output
+  /// (and the LSE, when asked for) live where they end: no copy at the end.
+  template <class Call, class T, class Space>
+  static void compute(Call& call, const ForwardOperands<T, Space>& x) {
+    using A = acc_t<T>;
+    using AView = TensorView<A, Space>;
+    using F = ForwardSlots;
+    const Plan& p = call.plan;
+    const auto s = LocalShape(p).extents();
+    const auto& ws = call.ws;
+    T* const kv = take_in_hand(call, x);
+    RingSteps<typename Call::Comm, typename Call::Kernel> ring{call.cx, call.kernel};
+    const KernelParams params = kernel_params(p, x.k_positions);
+    A* const l_acc = ws.template get<A>(F::l_acc);
+    auto run = [&](AView o_acc, AView l_out) {
+      ring.template forward<T>(p, x.q, kv, ws.template get<T>(F::kv_next), ws.template get<A>(F::o_part),
+                               ws.template get<A>(F::l_part), params, o_acc, l_out);
+    };
+    if constexpr (std::is_same_v<T, A>) {
+      run(x.out, x.lse.absent() ? AView::sbhd(l_acc, s.B, s.qr, s.hq, 1) : x.lse);
+    } else {
+      const AView o_acc = AView::sbhd(ws.template get<A>(F::o_acc), s.B, s.qr, s.hq, s.D);
+      const AView l_all = AView::sbhd(l_acc, s.B, s.qr, s.hq, 1);
+      run(o_acc, l_all);
+      call.cx.ops.copy(TensorView<const A, Space>(o_acc), x.out);
+      if (!x.lse.absent()) call.cx.ops.copy(TensorView<const A, Space>(l_all), x.lse);
+      call.cx.lap(Phase::finish);
+    }
+  }
+
+  /// Backward over the R ring steps into x's gradients: each block's dK/dV accumulator follows
+  /// the block round the ring and comes home to the rank that owns it.
+  template <class Call, class T, class Space>
+  static void compute(Call& call, const BackwardOperands<T, Space>& x) {
+    using A = acc_t<T>;
+    using Bw = BackwardSlots;
+    const Plan& p = call.plan;
+    const auto& ws = call.ws;
+    T* const kv = take_in_hand(call, x);
+    const auto acc = zero_accumulators<A>(call, LocalShape(p).extents().kr);
+    T* const ring[2] = {kv, ws.template get<T>(Bw::kv_next)};
+    A* const grad[2] = {acc.grad, ws.template get<A>(Bw::grad_next)};
+    const A* own = RingSteps<typename Call::Comm, typename Call::Kernel>{call.cx, call.kernel}.template backward<T>(
+        p, x.q, x.dout, x.out, x.lse, ring, grad, ws.template get<A>(Bw::grad_part), kernel_params(p, x.k_positions),
+        acc.dq);
+    deliver_gradients(call, acc.dq, own, x);
+  }
+
+ private:
+  /// The block in hand ([K | V] in SharedSlots::kv), where the hops start from: K and V are
+  /// copied there unless an exchange before this phase gathered them there.
+  template <class Call, class X>
+  static auto* take_in_hand(Call& call, const X& x) {
+    using T = typename X::value_type;
+    using Space = typename X::memory_space;
+    T* const kv = call.ws.template get<T>(SharedSlots::kv);
+    if (x.k.data == kv) return kv;
+    const LocalShape n(call.plan);
+    const auto s = n.extents();
+    call.cx.ops.copy(x.k, TensorView<T, Space>::sbhd(kv, s.B, s.kr, s.hk, s.D));
+    call.cx.ops.copy(x.v, TensorView<T, Space>::sbhd(kv + n.kv_block(n.kr), s.B, s.kr, s.hk, s.D));
+    call.cx.lap(Phase::pack);
+    return kv;
+  }
+};
+
+/// The loop itself, over one engine's context and kernel.
+template <class Comm, class Kernel>
+struct RingSteps {
   using Space = typename Comm::memory_space;  ///< where tensors live
   EngineContext<Comm>& cx;                    ///< communicators, ops, clock
   Kernel& kernel;                             ///< the local kernel
@@ -91,12 +290,11 @@ struct RingLoop {
   /// refused rather than taken for this one's, even when its size fits.
   template <class E>
   typename Comm::request_type start_hop(const Plan& p, const E* from, int src, E* into) {
-    const int R = p.mesh().ring, r = p.ring_rank();
+    const int R = p.mesh().ring, r = p.ring_rank(), u = p.ulysses_rank();
     return detail::start_exchange(cx.ring, reinterpret_cast<const std::byte*>(from),
-                                  sizeof(E) * PlanAccess::ring_block_elems(p, src), (r + 1) % R,
+                                  sizeof(E) * ring_block_elems(p, src, u), (r + 1) % R,
                                   reinterpret_cast<std::byte*>(into),
-                                  sizeof(E) * PlanAccess::ring_block_elems(p, (src - 1 + R) % R), (r - 1 + R) % R,
-                                  cx.tag);
+                                  sizeof(E) * ring_block_elems(p, (src - 1 + R) % R, u), (r - 1 + R) % R, cx.tag);
   }
 
   /// kernel.forward over query heads with progress polls.
@@ -129,6 +327,7 @@ struct RingLoop {
     using Part = std::conditional_t<writes_acc, A, T>;
     const auto o_part = TensorView<Part, Space>::sbhd(reinterpret_cast<Part*>(o_part_bytes), B, Q, hq, D);
     const auto l_part = TensorView<A, Space>::sbhd(l_part_bytes, B, Q, hq, 1);
+    const auto& computes = PlanAccess::state<RingLoop>(p).step_computes;
     T* cur = ring0;
     T* nxt = ring1;
     bool empty = true;  // no step has written o_acc yet
@@ -137,7 +336,7 @@ struct RingLoop {
       const std::int64_t kb = p.kv_layout().block(src).size();
       Hop hop;
       if (s + 1 < R) hop.start(cx, start_hop(p, cur, src, nxt), s);
-      if (PlanAccess::schedule(p).ring_step_computes[static_cast<std::size_t>(s)]) {
+      if (computes[static_cast<std::size_t>(s)]) {
         params.k_positions = p.kv_layout().block(src);
         const auto k = TensorView<const T, Space>::sbhd(cur, B, kb, hk, D);
         const auto v = TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, D);
@@ -205,7 +404,7 @@ struct RingLoop {
     using AView = TensorView<A, Space>;
     const int R = p.mesh().ring, r = p.ring_rank();
     const auto B = p.problem().batch, D = p.problem().head_dim, hk = p.kv_heads(p.ulysses_rank()).count;
-    const auto& computes = PlanAccess::schedule(p).ring_step_computes;
+    const auto& computes = PlanAccess::state<RingLoop>(p).step_computes;
     auto grad_view = [&](A* g, std::int64_t kb) { return AView::sbhd(g, B, 2 * kb, hk, D); };
     auto compute = [&](const T* kv, std::int64_t kb, int src, A* g, Hop& a, Hop* b) {
       const std::int64_t k_elems = kb * B * hk * D;
