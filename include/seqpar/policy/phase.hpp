@@ -223,10 +223,10 @@ void deliver_gradients(Call& call, const TensorView<acc_t<T>, Space>& dq, const 
 }
 
 /// What every phase provides besides its steps (see the file comment; the steps are checked
-/// where a call instantiates them).
+/// where a call instantiates them). Not named Phase: that is the profile's enum of phases.
 template <class P>
-concept Phase = requires(const Plan& p, WorkspaceLayout& ws, const MeshConfig& mesh, const AttentionProblem& problem,
-                         std::span<const std::int64_t> lengths) {
+concept PhaseComponent = requires(const Plan& p, WorkspaceLayout& ws, const MeshConfig& mesh,
+                                  const AttentionProblem& problem, std::span<const std::int64_t> lengths) {
   { P::name } -> std::convertible_to<const char*>;
   { P::kind } -> std::convertible_to<PhaseKind>;
   { P::runs(p) } -> std::convertible_to<bool>;
@@ -240,7 +240,8 @@ concept Phase = requires(const Plan& p, WorkspaceLayout& ws, const MeshConfig& m
 template <class... Ph>
 struct PhaseList {
   static_assert(sizeof...(Ph) > 0, "seqpar: a phase list needs a compute phase");
-  static_assert((Phase<Ph> && ...), "seqpar: every entry of a PhaseList must model Phase (policy/phase.hpp)");
+  static_assert((PhaseComponent<Ph> && ...),
+                "seqpar: every entry of a PhaseList must model PhaseComponent (policy/phase.hpp)");
 
   /// True when phase X is in the list.
   template <class X>
