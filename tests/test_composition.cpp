@@ -25,9 +25,11 @@ static_assert(policy_traits<UlyssesPolicy>::ulysses && !policy_traits<UlyssesPol
 static_assert(!policy_traits<RingPolicy<Zigzag>>::ulysses && policy_traits<RingPolicy<Zigzag>>::ring);
 static_assert(policy_traits<UnifiedPolicy<>>::ulysses && policy_traits<UnifiedPolicy<>>::ring);
 static_assert(policy_traits<AnythingPolicy<RingPolicy<>>>::ring && policy_traits<AnythingPolicy<RingPolicy<>>>::anything);
-// Unified lists the exchange around the ring loop; layouts and Anything share one engine.
+// Unified lists the exchange around the sinks and the ring loop; layouts and Anything share one
+// engine.
 static_assert(std::is_same_v<policy_phases_of<UnifiedPolicy<Zigzag>>,
-                             detail::PhaseList<detail::UlyssesExchange, detail::RingLoop, detail::LocalCompute>>);
+                             detail::PhaseList<detail::UlyssesExchange, detail::JoinSinks, detail::RingLoop,
+                                               detail::LocalCompute>>);
 static_assert(
     std::is_same_v<policy_phases_of<RingPolicy<Zigzag>>, policy_phases_of<AnythingPolicy<RingPolicy<Stripe>>>>);
 // The user kernel writes only T: for bf16 it cannot write the ring's float partials.
@@ -265,7 +267,8 @@ TEST_CASE("composition: a slot declared by two phases is one buffer of the large
 
 TEST_CASE("composition: a phase added in one place runs with the others: its rules, buffers, traffic and steps") {
   // The one line that adds it: its name in a list of phases.
-  using Staged = detail::PhaseList<StagingExchange, detail::UlyssesExchange, detail::RingLoop, detail::LocalCompute>;
+  using Staged = detail::PhaseList<StagingExchange, detail::UlyssesExchange, detail::JoinSinks, detail::RingLoop,
+                                   detail::LocalCompute>;
   const UnifiedPolicy<Zigzag> policy{2, 2};
   constexpr std::int64_t S = 32, L = S / 4;
   const Inputs<double> g(S);

@@ -60,7 +60,19 @@ TEST_CASE("misuse: a head_dim the kernel cannot allocate for is a ConfigError, n
     SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CpuFlashKernel> a(c);
     (void)a.plan({.heads = 1, .head_dim = std::int64_t{1} << 40}, {2});
   });
-  CHECK(all_same_config_error(out, "plan: the kernel could not allocate its scratch for head_dim 1099511627776"));
+  CHECK(all_same_config_error(out, "plan: the kernel could not allocate its scratch on rank(s) 0, 1 (std::bad_alloc)"));
+}
+
+TEST_CASE("misuse: when only some ranks cannot allocate their scratch, every rank refuses the plan alike") {
+  // One query head over a Ulysses group of two: rank 0 computes it for a batch of 2^50 and
+  // cannot have the scratch of its threaded backward; rank 1 computes no head and needs none. Both
+  // must refuse, or rank 1 would wait for rank 0 in its first call.
+  auto out = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<AnythingPolicy<UlyssesPolicy>, ThreadCommunicator, CpuFlashKernel> a(c, {}, CpuFlashKernel(2));
+    (void)a.plan({.batch = std::int64_t{1} << 50, .heads = 1, .head_dim = 8, .with_lse = true}, {1});
+  });
+  INFO(describe(out));
+  CHECK(all_same_config_error(out, "plan: the kernel could not allocate its scratch on rank(s) 0"));
 }
 
 namespace {

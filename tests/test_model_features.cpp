@@ -166,3 +166,212 @@ TEST_CASE("model features: ReferenceKernel with soft-cap and D_v != D equals the
   CHECK(compare(rg.dk, bg.dk).rel() < 1e-13);
   CHECK(compare(rg.dv, bg.dv).rel() < 1e-13);
 }
+
+namespace {
+
+/// The features a case turns on.
+struct Features {
+  bool sinks = false, softcap = false, value_dim = false;
+  const char* name() const {
+    return sinks && softcap && value_dim ? "all three" : sinks ? "sinks" : softcap ? "soft-cap" : "D_v != D";
+  }
+};
+
+/// `base` with the features of `f`: sinks large enough to move the output (+-8 would drown a
+/// short row; +-2.5 keeps both terms), a cap the scores reach, D_v above or below D.
+GlobalShape with_features(GlobalShape s, Features f, bool wide_v) {
+  if (f.sinks) {
+    s.sinks.clear();
+    for (std::int64_t h = 0; h < s.heads; ++h) s.sinks.push_back(h % 2 ? -2.5f : 2.5f);
+  }
+  if (f.softcap) {
+    s.softcap = 2.0;
+    s.scale = 1.0;  // scores of ~1-3 at head dims 8-24: the cap bends them
+  }
+  if (f.value_dim) s.head_dim_v = wide_v ? s.head_dim + 16 : s.head_dim / 2;
+  return s;
+}
+
+constexpr Features feature_sets[] = {{true, false, false}, {false, true, false}, {false, false, true}, {true, true, true}};
+
+/// Forward (with LSE) and backward (with d_sinks) of `policy` on `ranks` threads against the
+/// brute force, exactly (double, ReferenceKernel); the forward's bytes are the plan's.
+template <class Kernel = ReferenceKernel, class T = double, class Policy>
+void expect_exact_features(int ranks, Policy policy, const GlobalShape& shape, RunOptions opt = {}) {
+  const GlobalData g = make_global_as<T>(shape);
+  const auto r = run_policy<T, Policy, Kernel>(ranks, policy, g, opt);
+  CHECK(!r.err.nan);
+  CHECK(r.err.rel() <= tolerance<T>);
+  CHECK(r.err.lse_rel() <= tolerance<T>);
+  for (int w = 0; w < ranks; ++w) CHECK(r.bytes_sent[w] == r.expected_bytes[w]);
+  const ReferenceGrads want = make_global_grads(g);
+  const BackwardResult b = run_backward<T, Policy, Kernel>(ranks, policy, g, want, opt);
+  CHECK(!b.err.nan());
+  CHECK(b.err.worst() <= (std::is_same_v<T, double> ? 1e-10 : 1e-4));
+  // d_sinks is float, the sinks' type, whatever T: a sum of float-rounded terms.
+  if (!shape.sinks.empty()) CHECK(b.dsinks.rel() <= (std::is_same_v<T, double> ? 1e-6 : 1e-4));
+  for (int w = 0; w < ranks; ++w) CHECK(b.bytes_sent[w] == b.expected_bytes[w]);
+}
+
+}  // namespace
+
+TEST_CASE("model features under every policy and layout, 1..8 ranks, forward and backward, exact") {
+  for (int P = 1; P <= 8; ++P)
+    for (const Features f : feature_sets)
+      for (const bool causal : {false, true}) {
+        const bool wide_v = (P + causal) % 2 == 0;
+        CAPTURE(P);
+        const std::string feature = f.name();
+        CAPTURE(feature);
+        CAPTURE(causal);
+        // Ulysses: heads divisible by P, GQA groups of two.
+        expect_exact_features(P, UlyssesPolicy{}, with_features(make_case(3 * P, 2 * P, P, 8, causal, 40 + P), f, wide_v));
+        // Ring, every layout: an even local length (zigzag's two chunks).
+        const GlobalShape ring = with_features(make_case(4 * P, 4, 2, 8, causal, 50 + P), f, wide_v);
+        expect_exact_features(P, RingPolicy<Contiguous>{}, ring);
+        expect_exact_features(P, RingPolicy<Zigzag>{}, ring);
+        expect_exact_features(P, RingPolicy<Stripe>{}, ring);
+      }
+}
+
+TEST_CASE("model features under Unified meshes and Anything (odd lengths, heads that do not divide)") {
+  for (const Features f : feature_sets)
+    for (const bool causal : {false, true}) {
+      const std::string feature = f.name();
+      CAPTURE(feature);
+      CAPTURE(causal);
+      const GlobalShape even = with_features(make_case(16, 4, 2, 8, causal, 61), f, causal);
+      expect_exact_features(4, UnifiedPolicy<Zigzag>{2, 2}, even);
+      expect_exact_features(6, UnifiedPolicy<Stripe>{3, 2}, with_features(make_case(24, 6, 3, 8, causal, 62), f, !causal));
+      // Anything: 3 heads over a Unified 2 x 3 mesh, 29 tokens, a rank with none.
+      GlobalShape odd = with_features(make_case(29, 3, 1, 8, causal, 63), f, causal);
+      RunOptions opt;
+      opt.lengths_q = {9, 0, 5, 4, 6, 5};
+      opt.lengths_kv = opt.lengths_q;
+      expect_exact_features(6, AnythingPolicy<UnifiedPolicy<Contiguous>>{2, 3}, odd, opt);
+    }
+}
+
+TEST_CASE("model features with masks: bottom-right causal, a window, packed documents, key padding") {
+  for (const Features f : feature_sets) {
+    const std::string feature = f.name();
+    CAPTURE(feature);
+    GlobalShape s = with_features(make_case(24, 4, 2, 8, true, 71, 2), f, true);
+    s.window = {5, -1};
+    s.documents = {{10, 14}, {7, 17}};
+    expect_exact_features(4, RingPolicy<Stripe>{}, s);
+    GlobalShape padded = with_features(make_case(20, 4, 4, 8, false, 72, 2), f, false);
+    padded.kv_valid = {13, 0};  // a batch element with no key: O = 0, LSE = the sink (or -inf)
+    expect_exact_features(2, UlyssesPolicy{}, padded);
+    GlobalShape cross = with_features(make_case(12, 2, 1, 8, true, 73), f, false);
+    cross.seq_kv = 20;
+    cross.causal_align = CausalAlign::bottom_right;
+    RunOptions opt;
+    opt.lengths_q = {5, 7};
+    opt.lengths_kv = {11, 9};
+    expect_exact_features(2, AnythingPolicy<RingPolicy<Contiguous>>{}, cross, opt);
+  }
+}
+
+TEST_CASE("a sink counts exactly once per row, whatever the ring degree (2..7)") {
+  // Large sinks (+-8 on a short row) dominate the denominator: counting one twice, or on one
+  // rank only, moves every output far past the tolerance.
+  for (int R = 2; R <= 7; ++R) {
+    CAPTURE(R);
+    GlobalShape s = make_case(4 * R, 2, 1, 8, R % 2 == 0, 80 + R);
+    s.sinks = {8.0f, -8.0f};
+    const GlobalData g = make_global_as<double>(s);
+    const auto r = run_policy<double, RingPolicy<Zigzag>, ReferenceKernel>(R, RingPolicy<Zigzag>{}, g);
+    CHECK(r.err.rel() <= tolerance<double>);
+    CHECK(r.err.lse_rel() <= tolerance<double>);
+    const auto u = run_policy<double, UnifiedPolicy<Stripe>, ReferenceKernel>(2 * R, UnifiedPolicy<Stripe>{2, R}, g);
+    CHECK(u.err.rel() <= tolerance<double>);
+  }
+}
+
+namespace {
+/// A kernel with masks but neither soft-capping nor a D_v of its own.
+struct PlainKernel : ReferenceKernel {
+  static constexpr bool supports_softcap = false;
+  static constexpr bool supports_value_dim = false;
+};
+}  // namespace
+
+TEST_CASE("a kernel that lacks a feature is refused by name; a sink needs nothing of it") {
+  AttentionProblem p;
+  p.heads = 2;
+  p.head_dim = 8;
+  const LocalLengths lengths[] = {{4}, {4}};
+  run_ranks(2, [&](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, PlainKernel> a(c);
+    AttentionProblem capped = p;
+    capped.softcap = 30.0;
+    CHECK_THROWS_WITH_AS(a.plan(capped, {4}), doctest::Contains("this kernel does not soft-cap logits"), ConfigError);
+    CHECK(!a.can_implement(capped, lengths));
+    AttentionProblem mla = p;
+    mla.head_dim_v = 4;
+    CHECK_THROWS_WITH_AS(a.plan(mla, {4}), doctest::Contains("head_dim_v 4"), ConfigError);
+    const float sinks[2] = {1.0f, 2.0f};
+    AttentionProblem sunk = p;
+    sunk.sinks = sinks;
+    CHECK_NOTHROW(a.plan(sunk, {4}));
+  });
+}
+
+TEST_CASE("bad feature values are refused on every rank: a negative head_dim_v, a non-finite or negative soft-cap") {
+  AttentionProblem p;
+  p.heads = 2;
+  p.head_dim = 8;
+  const LocalLengths lengths[] = {{4}, {4}};
+  AttentionProblem bad_dim = p;
+  bad_dim.head_dim_v = -1;
+  CHECK(can_implement(RingPolicy<>{}, bad_dim, lengths).reason == "plan: head_dim_v: expected >= 1, or 0 for head_dim, got -1");
+  for (const double cap : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    AttentionProblem bad_cap = p;
+    bad_cap.softcap = cap;
+    CHECK(can_implement(RingPolicy<>{}, bad_cap, lengths).reason.find("plan: softcap: expected 0 (off)") == 0);
+  }
+  // Ranks that disagree on a feature are told which.
+  run_ranks(2, [&](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> a(c);
+    AttentionProblem mine = p;
+    if (c.rank() == 1) mine.softcap = 50.0;
+    CHECK_THROWS_WITH_AS(a.plan(mine, {4}), doctest::Contains("ranks disagree on softcap"), ConfigError);
+    const float sinks[2] = {0.0f, 0.0f};
+    AttentionProblem sunk = p;
+    if (c.rank() == 0) sunk.sinks = sinks;
+    CHECK_THROWS_WITH_AS(a.plan(sunk, {4}), doctest::Contains("ranks disagree on sinks"), ConfigError);
+  });
+}
+
+TEST_CASE("layers with different masks share one token placement: two plans on one object") {
+  // GPT-OSS alternates a 128-token window with full causal attention, Llama 4 chunked (packed
+  // documents of 8192) with global layers: every layer's plan must place the tokens alike, so
+  // that activations never move between layers. The placement is the layout's and the
+  // lengths', never the mask's.
+  for (int P : {2, 3, 4}) {
+    run_ranks(P, [&](ThreadCommunicator& c) {
+      SequenceParallelAttention<AnythingPolicy<UnifiedPolicy<Zigzag>>, ThreadCommunicator, ReferenceKernel> a(
+          c, AnythingPolicy<UnifiedPolicy<Zigzag>>{1, P});
+      const LocalLengths mine{10 + c.rank()};
+      AttentionProblem global;
+      global.heads = 2;
+      global.head_dim = 8;
+      global.causal = true;
+      AttentionProblem local = global;
+      local.window = {4, 0};
+      AttentionProblem chunked = global;
+      std::int64_t total = 0;
+      for (int w = 0; w < P; ++w) total += 10 + w;
+      chunked.documents = {{total / 2, total - total / 2}};
+      const Plan a_plan = a.plan(global, mine), b_plan = a.plan(local, mine), c_plan = a.plan(chunked, mine);
+      for (int w = 0; w < P; ++w) {
+        for (const Plan* other : {&b_plan, &c_plan}) {
+          const PositionMap x = a_plan.q_positions(w), y = other->q_positions(w);
+          REQUIRE(x.size() == y.size());
+          for (std::int64_t i = 0; i < x.size(); ++i) CHECK(x(i) == y(i));
+        }
+      }
+    });
+  }
+}

@@ -92,8 +92,8 @@ class SequenceParallelAttention {
   }
 
   /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).
-  /// q [B, Lq, H, D], k and v [B, Lkv, K, D], out [B, Lq, H, D] (T is deduced from it), lse
-  /// [B, Lq, H, 1] or absent.
+  /// q [B, Lq, H, D], k [B, Lkv, K, D], v [B, Lkv, K, D_v], out [B, Lq, H, D_v] (T is deduced
+  /// from it), lse [B, Lq, H, 1] or absent (with sinks: the LSE with each row's sink joined).
   /// Every argument is checked before the first message: a ConfigError from those checks
   /// leaves this object (and out, lse) untouched and usable. A failure after communication
   /// began leaves out and lse unspecified (see the README's "Failures and time-outs").
@@ -110,14 +110,27 @@ class SequenceParallelAttention {
     engine_.template forward<T>(plan, q, k, v, out, {}, workspace);
   }
 
-  /// Gradients of this rank's slices: dq [B, Lq, H, D] (T is deduced from it), dk and dv
-  /// [B, Lkv, K, D], from dout and the forward's q, k, v, out and lse (the plan's problem
-  /// needs with_lse). Overwrites dq, dk, dv. Workspace: plan.backward_workspace_bytes().
-  /// Allocates nothing. Arguments are checked before the first message, as in forward.
+  /// Gradients of this rank's slices: dq [B, Lq, H, D] (T is deduced from it), dk
+  /// [B, Lkv, K, D] and dv [B, Lkv, K, D_v], from dout [B, Lq, H, D_v] and the forward's q, k,
+  /// v, out and lse (the plan's problem needs with_lse). Overwrites dq, dk, dv. Workspace:
+  /// plan.backward_workspace_bytes(). Allocates nothing. Arguments are checked before the
+  /// first message, as in forward. With sinks, the overload with d_sinks also gives theirs.
   template <class T>
   void backward(const Plan& plan, Input<T> dout, Input<T> q, Input<T> k, Input<T> v, Input<T> out, LseInput<T> lse,
                 TensorView<T, memory_space> dq, Output<T> dk, Output<T> dv, std::span<std::byte> workspace) {
-    engine_.template backward<T>(plan, dout, q, k, v, out, lse, dq, dk, dv, workspace);
+    engine_.template backward<T>(plan, dout, q, k, v, out, lse, dq, dk, dv, nullptr, workspace);
+  }
+
+  /// Backward of a problem with sinks, also writing their gradient: d_sinks, `heads` floats
+  /// in memory_space, is overwritten with d sink_h = -sum over this rank's query rows of
+  /// exp(sink_h - L) (dO . O). Like any parameter's gradient under sequence parallelism it is
+  /// this rank's share: sum it over the ranks of the attention (an all-reduce, as for the
+  /// weights' gradients). It needs no communication of its own.
+  template <class T>
+  void backward(const Plan& plan, Input<T> dout, Input<T> q, Input<T> k, Input<T> v, Input<T> out, LseInput<T> lse,
+                TensorView<T, memory_space> dq, Output<T> dk, Output<T> dv, float* d_sinks,
+                std::span<std::byte> workspace) {
+    engine_.template backward<T>(plan, dout, q, k, v, out, lse, dq, dk, dv, d_sinks, workspace);
   }
 
   /// The resolved mesh (degrees, placement, layout).

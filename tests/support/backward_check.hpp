@@ -91,10 +91,13 @@ GradErrors compare_grads(const std::vector<G>& dq, const std::vector<G>& dk, con
 struct BackwardResult {
   GradErrors err;
   std::vector<std::uint64_t> bytes_sent, expected_bytes;
+  ErrorStats dsinks;  ///< with sinks: the sum of every rank's d_sinks against the exact one
 };
 
 /// Runs forward then backward of `Policy` on `ranks` threads with g's inputs and g.dout (as
 /// T); every rank's gradients are compared with `want`. Lengths from opt, as in run_policy.
+/// With sinks, backward also gives d_sinks, summed over the ranks as a user would (an
+/// all-reduce) and compared with want.dsinks.
 template <class T, class Policy, class Kernel = CpuFlashKernel>
 BackwardResult run_backward(int ranks, Policy policy, const GlobalInputs& g, const ReferenceGrads& want,
                             RunOptions opt = {}) {
@@ -104,6 +107,7 @@ BackwardResult run_backward(int ranks, Policy policy, const GlobalInputs& g, con
   res.bytes_sent.resize(ranks);
   res.expected_bytes.resize(ranks);
   std::mutex mu;
+  std::vector<double> dsinks(s.sinks.size(), 0.0);
   run_ranks(ranks, [&](ThreadCommunicator& comm) {
     const int w = comm.rank();
     SequenceParallelAttention<Policy, ThreadCommunicator, Kernel> attn(comm, policy);
@@ -123,15 +127,23 @@ BackwardResult run_backward(int ranks, Policy policy, const GlobalInputs& g, con
                v = CV::bshd(x.v.data(), B, lk, K, Dv);
     attn.template forward<T>(plan, q, k, v, MV::bshd(x.out.data(), B, lq, H, Dv), lse_view, ws);
     comm.stats().reset();
-    attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, Dv), q, k, v, CV::bshd(x.out.data(), B, lq, H, Dv),
-                              lse_view, MV::bshd(dq.data(), B, lq, H, D), MV::bshd(dk.data(), B, lk, K, D),
-                              MV::bshd(dv.data(), B, lk, K, Dv), ws);
+    std::vector<float> my_dsinks(s.sinks.size(), 12345.0f);  // a sentinel: backward must overwrite it
+    if (s.sinks.empty())
+      attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, Dv), q, k, v, CV::bshd(x.out.data(), B, lq, H, Dv),
+                                lse_view, MV::bshd(dq.data(), B, lq, H, D), MV::bshd(dk.data(), B, lk, K, D),
+                                MV::bshd(dv.data(), B, lk, K, Dv), ws);
+    else
+      attn.template backward<T>(plan, CV::bshd(dout.data(), B, lq, H, Dv), q, k, v, CV::bshd(x.out.data(), B, lq, H, Dv),
+                                lse_view, MV::bshd(dq.data(), B, lq, H, D), MV::bshd(dk.data(), B, lk, K, D),
+                                MV::bshd(dv.data(), B, lk, K, Dv), my_dsinks.data(), ws);
     const GradErrors e = compare_grads(dq, dk, dv, want, s, qp, kp);
     std::lock_guard lock(mu);
+    for (std::size_t h = 0; h < dsinks.size(); ++h) dsinks[h] += my_dsinks[h];
     res.err.merge(e);
     res.bytes_sent[w] = comm.stats().bytes_sent;
     res.expected_bytes[w] = plan.backward_bytes(w);
   });
+  if (!dsinks.empty()) res.dsinks = compare(dsinks, want.dsinks);
   return res;
 }
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -127,6 +128,29 @@ std::string list_disagreement(Comm& comm, const char* prefix, const char* name,
     any = true;
   }
   return any ? why : why + " the lists hash differently but are equal (a hash of another field?)";
+}
+
+/// Runs `allocate` (a kernel's plan-time scratch) on every rank and agrees on the outcome: the
+/// scratch a rank needs depends on its share of the work (a rank with no tokens or no heads
+/// needs none), so one rank's std::bad_alloc is not every rank's. One host all-gather of a
+/// flag; if any rank failed, every rank returns the same reason naming the ranks (empty when
+/// none did), so all refuse the plan together and none is left waiting in its first call.
+template <class Comm, class Allocate>
+std::string allocation_disagreement(Comm& comm, const char* prefix, Allocate&& allocate) {
+  std::int64_t failed[1] = {0};
+  try {
+    allocate();
+  } catch (const std::bad_alloc&) {
+    failed[0] = 1;
+  }
+  std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather_host(std::span<const std::int64_t>(failed), all);
+  std::string ranks;
+  for (std::size_t w = 0; w < all.size(); ++w)
+    if (all[w] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
+  if (ranks.empty()) return "";
+  return std::string(prefix) + "the kernel could not allocate its scratch on rank(s) " + ranks +
+         " (std::bad_alloc): the shape needs more memory than those ranks have";
 }
 
 }  // namespace seqpar::detail

@@ -110,10 +110,15 @@ class DecodeEngine {
     declare_partials(p);
     StepExchange::declare(p, p.slots_);
     p.slots_.place();
-    if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(pr.head_dim);
-    if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })  // every step: T rows against the shard
-      kernel_.reserve({pr.batch, pr.new_tokens, pr.heads, p.shard_capacity_, p.problem_.kv_heads,
-                       pr.heads / p.problem_.kv_heads, pr.head_dim, false});
+    if constexpr (kernel_has_scratch<Kernel>) {
+      const std::string why = allocation_disagreement(world_, "decode plan: ", [&] {
+        if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(pr.head_dim);
+        if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })  // every step: T rows against the shard
+          kernel_.reserve({pr.batch, pr.new_tokens, pr.heads, p.shard_capacity_, p.problem_.kv_heads,
+                           pr.heads / p.problem_.kv_heads, pr.head_dim, false});
+      });
+      SEQPAR_CHECK(why.empty(), ConfigError, why);
+    }
     return p;
   }
 

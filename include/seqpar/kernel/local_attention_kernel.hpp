@@ -73,6 +73,7 @@ struct KernelCallBounds {
   std::int64_t group_size = 1;  ///< query heads per K/V head in the problem (H / K)
   std::int64_t head_dim = 0;    ///< D
   bool backward = false;        ///< backward calls too (the plan has with_lse)
+  std::int64_t value_dim = 0;   ///< D_v (0: head_dim)
 };
 
 /// Opt-in for LocalAttentionKernel: true when the type declares
@@ -147,6 +148,13 @@ inline constexpr bool kernel_has_backward =
 /// True when kernel K handles windows, documents and key padding (not only causal masks).
 template <class K>
 inline constexpr bool kernel_supports_masks = requires { requires K::supports_masks; };
+
+/// True when kernel K sizes scratch when a plan is made (prepare, prepare_backward or
+/// reserve): plans then agree on whether every rank could allocate it.
+template <class K>
+inline constexpr bool kernel_has_scratch = requires(K& k) { k.prepare(std::int64_t{}); } ||
+                                           requires(K& k) { k.prepare_backward(std::int64_t{}); } ||
+                                           requires(K& k) { k.reserve(KernelCallBounds{}); };
 
 /// True when kernel K applies KernelParams::softcap, forward and backward.
 template <class K>

@@ -22,7 +22,7 @@
 namespace seqpar::detail {
 
 /// The local kernel as a phase: the compute of last resort.
-struct LocalCompute {
+struct LocalCompute : NoShapeRules {
   static constexpr const char* name = "LocalCompute";     ///< for messages
   static constexpr PhaseKind kind = PhaseKind::compute;  ///< computes; ends the list
 
@@ -34,16 +34,7 @@ struct LocalCompute {
   /// It computes whenever it is reached (no compute phase before it ran).
   static bool runs(const Plan&) { return true; }
 
-  /// No shape rules of its own: the kernel's are asked separately (kernel_reason).
-  static std::string reason(const MeshConfig&, const AttentionProblem&, std::span<const std::int64_t>,
-                            std::span<const std::int64_t>) {
-    return "";
-  }
-  /// No divisibility rules either.
-  static std::string divisibility_reason(const MeshConfig&, const AttentionProblem&, std::span<const std::int64_t>,
-                                         std::span<const std::int64_t>) {
-    return "";
-  }
+  // No shape rules of its own (NoShapeRules): the kernel's are asked separately (kernel_reason).
 
   /// Whether any key is visible, decided once per plan.
   static State schedule(const Plan& p) { return {keys_visible(p, p.ring_rank())}; }
@@ -51,7 +42,7 @@ struct LocalCompute {
   /// Backward's accumulators; forward writes straight into its outputs.
   static void declare(const Plan& p, WorkspaceLayout&, WorkspaceLayout& backward) {
     const LocalShape n(p);
-    backward.declare(SharedSlots::grad, 2 * n.kv_block(n.kr) * p.acc_bytes());
+    backward.declare(SharedSlots::grad, n.kv_pair(n.kr) * p.acc_bytes());
     backward.declare(SharedSlots::dq_acc, n.q_block() * p.acc_bytes());
   }
 
@@ -73,7 +64,7 @@ struct LocalCompute {
     const auto acc = zero_accumulators<A>(call, s.kr);
     if (PlanAccess::state<LocalCompute>(call.plan).keys_visible)
       call.kernel.backward(x.dout, x.q, x.k, x.v, x.out, x.lse, acc.dq, AView::sbhd(acc.grad, s.B, s.kr, s.hk, s.D),
-                           AView::sbhd(acc.grad + n.kv_block(n.kr), s.B, s.kr, s.hk, s.D),
+                           AView::sbhd(acc.grad + n.kv_block(n.kr), s.B, s.kr, s.hk, s.Dv),
                            kernel_params(call.plan, x.k_positions));
     call.cx.lap(Phase::compute);
     deliver_gradients(call, acc.dq, acc.grad, x);

@@ -103,13 +103,14 @@ class MeshEngine {
     if (why.empty()) why = kernel_reason<Kernel>(problem);
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan<Phases>(all, problem, cx_.mesh, cx_.world.rank(), id_);
-    try {  // every rank has the same head_dim, so every rank fails alike
-      if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(problem.head_dim);
-      if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(problem.head_dim);
-      if constexpr (requires { kernel_.reserve(KernelCallBounds{}); }) kernel_.reserve(call_bounds(p));
-    } catch (const std::bad_alloc&) {
-      SEQPAR_THROW(ConfigError, "plan: the kernel could not allocate its scratch for head_dim ", problem.head_dim,
-                   " (std::bad_alloc)");
+    if constexpr (kernel_has_scratch<Kernel>) {
+      why = allocation_disagreement(cx_.world, "plan: ", [&] {
+        const std::int64_t dim = std::max(problem.head_dim, problem.value_dim());  // the widest row
+        if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(dim);
+        if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(dim);
+        if constexpr (requires { kernel_.reserve(KernelCallBounds{}); }) kernel_.reserve(call_bounds(p));
+      });
+      SEQPAR_CHECK(why.empty(), ConfigError, why);
     }
     return p;
   }
@@ -126,7 +127,7 @@ class MeshEngine {
     const BusyFlag::Hold hold(busy_, "forward");
     check_call(p, dtype_v<T>, "forward", workspace, p.workspace_bytes());
     check_inputs(p, q, k, v, "forward");
-    check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().head_dim,
+    check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().value_dim(),
                ViewUse::write);
     check_lse_view(p, lse, "forward");
     const auto guard = cx_.start_call(Pass::forward);
@@ -146,7 +147,7 @@ class MeshEngine {
   void backward(const Plan& p, TensorView<const T, Space> dout, TensorView<const T, Space> q,
                 TensorView<const T, Space> k, TensorView<const T, Space> v, TensorView<const T, Space> out,
                 TensorView<const acc_t<T>, Space> lse, TensorView<T, Space> dq, TensorView<T, Space> dk,
-                TensorView<T, Space> dv, std::span<std::byte> workspace) {
+                TensorView<T, Space> dv, float* d_sinks, std::span<std::byte> workspace) {
     static_assert(LocalAttentionKernel<Kernel, T> && kernel_has_backward<Kernel, T>,
                   "seqpar: the kernel has no backward for this element type (see the backward requirement in "
                   "kernel/local_attention_kernel.hpp)");
@@ -156,13 +157,20 @@ class MeshEngine {
                  "backward: needs the forward's LSE, but the plan's problem has with_lse = false");
     const auto& pr = p.problem();
     check_inputs(p, q, k, v, "backward");
-    check_view(dout, "backward: dout", pr.batch, p.local_q(), pr.heads, pr.head_dim, ViewUse::read);
-    check_view(out, "backward: out", pr.batch, p.local_q(), pr.heads, pr.head_dim, ViewUse::read);
+    check_view(dout, "backward: dout", pr.batch, p.local_q(), pr.heads, pr.value_dim(), ViewUse::read);
+    check_view(out, "backward: out", pr.batch, p.local_q(), pr.heads, pr.value_dim(), ViewUse::read);
     check_lse_view(p, lse, "backward");
     check_view(dq, "backward: dq", pr.batch, p.local_q(), pr.heads, pr.head_dim, ViewUse::write);
     check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, ViewUse::write);
-    check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, ViewUse::write);
+    check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.value_dim(), ViewUse::write);
+    SEQPAR_CHECK(!d_sinks || pr.sinks, ConfigError,
+                 "backward: d_sinks given, but the plan's problem has no sinks (problem.sinks is null)");
     const auto guard = cx_.start_call(Pass::backward);
+    // The sinks' gradient needs only this rank's rows (and no message): it comes first.
+    if (d_sinks) {
+      cx_.ops.sink_grads(dout, out, lse, pr.sinks, d_sinks);
+      cx_.lap(Phase::finish);
+    }
     PhaseCall<Comm, Kernel> call{cx_, kernel_, p, {PlanAccess::schedule(p).backward, workspace}};
     const PositionMap keys = p.kv_layout().block(p.ring_rank());
     Phases::run(call, BackwardOperands<T, Space>{dout, q, k, v, out, lse, keys, dq, dk, dv});
@@ -210,7 +218,7 @@ class MeshEngine {
     const LocalShape n(p);
     const auto s = n.extents();
     return {p.problem().batch, s.qr, s.hq, static_cast<std::int64_t>(n.kv_max), s.hk,
-            p.problem().heads / p.problem().kv_heads, p.problem().head_dim, p.problem().with_lse};
+            p.problem().heads / p.problem().kv_heads, p.problem().head_dim, p.problem().with_lse, s.Dv};
   }
 
   void check_call(const Plan& p, DType dtype, const char* call, std::span<std::byte> workspace,
@@ -249,7 +257,7 @@ class MeshEngine {
     const auto& pr = p.problem();
     check_view(q, call + ": q", pr.batch, p.local_q(), pr.heads, pr.head_dim, ViewUse::read);
     check_view(k, call + ": k", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, ViewUse::read);
-    check_view(v, call + ": v", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, ViewUse::read);
+    check_view(v, call + ": v", pr.batch, p.local_kv(), pr.kv_heads, pr.value_dim(), ViewUse::read);
   }
 
   EngineContext<Comm> cx_;

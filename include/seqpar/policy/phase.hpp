@@ -52,9 +52,10 @@ enum class PhaseKind : std::uint8_t {
   compute,   ///< computes the attention of its operands; the first that runs ends the list
 };
 
-/// Sizes of this rank's tensors under a plan, in elements.
+/// Sizes of this rank's tensors under a plan, in elements. Q and K rows hold D elements, V and
+/// O rows (and their gradients) Dv.
 struct LocalShape {
-  std::size_t B, D, H, K;  // batch, head_dim, heads, kv_heads
+  std::size_t B, D, Dv, H, K;  // batch, head_dim of Q/K, head_dim of V/O, heads, kv_heads
   std::size_t lq, lk;      // local tokens
   std::size_t qr, kr;      // tokens of this rank's ring block (what the Ulysses group holds)
   std::size_t hq, hk;      // heads this rank computes (query, K/V)
@@ -66,6 +67,7 @@ struct LocalShape {
     auto z = [](std::int64_t x) { return static_cast<std::size_t>(x); };
     B = z(p.problem().batch);
     D = z(p.problem().head_dim);
+    Dv = z(p.problem().value_dim());
     H = z(p.problem().heads);
     K = z(p.problem().kv_heads);
     lq = z(p.local_q());
@@ -80,21 +82,27 @@ struct LocalShape {
     for (int src = 0; src < p.mesh().ring; ++src) max_block = std::max(max_block, p.kv_layout().block(src).size());
     kv_max = z(max_block);
   }
-  /// Elements of this rank's heads over its ring block (a gathered Q, O or dO).
+  /// Elements of this rank's heads over its ring block of a Q-shaped tensor (Q, dQ).
   std::size_t q_block() const { return qr * B * hq * D; }
+  /// Elements of the same of an O-shaped tensor (O, dO).
+  std::size_t o_block() const { return qr * B * hq * Dv; }
   /// Rows (LSE elements) of the same.
   std::size_t q_rows() const { return qr * B * hq; }
-  /// Elements of K (or V) of this rank's K/V heads over `tokens` tokens.
+  /// Elements of K (or dK) of this rank's K/V heads over `tokens` tokens.
   std::size_t kv_block(std::size_t tokens) const { return tokens * B * hk * D; }
+  /// Elements of V (or dV) of the same.
+  std::size_t v_block(std::size_t tokens) const { return tokens * B * hk * Dv; }
+  /// Elements of a [K | V] (or [dK | dV]) block of `tokens` tokens: V starts at kv_block(tokens).
+  std::size_t kv_pair(std::size_t tokens) const { return kv_block(tokens) + v_block(tokens); }
 
-  /// The sizes views take (batch, head_dim, ring block tokens, heads), as view extents.
+  /// The sizes views take (batch, head dims, ring block tokens, heads), as view extents.
   struct Extents {
-    std::int64_t B, D, qr, kr, hq, hk;  ///< as in LocalShape
+    std::int64_t B, D, Dv, qr, kr, hq, hk;  ///< as in LocalShape
   };
   /// This shape's view extents.
   Extents extents() const {
     auto i = [](std::size_t x) { return static_cast<std::int64_t>(x); };
-    return {i(B), i(D), i(qr), i(kr), i(hq), i(hk)};
+    return {i(B), i(D), i(Dv), i(qr), i(kr), i(hq), i(hk)};
   }
 };
 
@@ -160,6 +168,7 @@ struct BackwardOperands {
 inline KernelParams kernel_params(const Plan& p, const PositionMap& k_positions) {
   KernelParams params;
   params.scale = p.problem().softmax_scale();
+  params.softcap = p.problem().softcap;
   params.causal = p.problem().causal;
   params.q_positions = p.q_diagonals(p.ring_rank());  // bottom-right alignment shifts them
   params.k_positions = k_positions;
@@ -187,6 +196,14 @@ inline std::string anything_fix(const MeshConfig& mesh) {
   return std::string("; use AnythingPolicy<") + mesh.policy + "> for any shape";
 }
 
+/// [dK | dV] of `kv_rows` keys as one view (for fills and sums: any view of its elements will
+/// do, and rows of D + Dv cover them whatever the two dims).
+template <class A, class Space>
+TensorView<A, Space> kv_pair_view(A* g, const LocalShape& n, std::int64_t kv_rows) {
+  const auto s = n.extents();
+  return TensorView<A, Space>::sbhd(g, s.B, kv_rows, s.hk, s.D + s.Dv);
+}
+
 /// Backward's accumulators (SharedSlots::dq_acc, SharedSlots::grad) for a block of `kv_rows`
 /// keys, zeroed: what a compute phase adds the kernel's gradients into.
 template <class A, class Space>
@@ -203,7 +220,7 @@ GradientAccumulators<A, typename Call::Space> zero_accumulators(Call& call, std:
   const AView dq = AView::sbhd(call.ws.template get<A>(SharedSlots::dq_acc), s.B, s.qr, s.hq, s.D);
   call.cx.ops.fill(dq, A(0));
   A* grad = call.ws.template get<A>(SharedSlots::grad);
-  call.cx.ops.fill(AView::sbhd(grad, s.B, 2 * kv_rows, s.hk, s.D), A(0));
+  call.cx.ops.fill(kv_pair_view<A, typename Call::Space>(grad, LocalShape(call.plan), kv_rows), A(0));
   call.cx.lap(Phase::pack);
   return {dq, grad};
 }
@@ -218,9 +235,24 @@ void deliver_gradients(Call& call, const TensorView<acc_t<T>, Space>& dq, const 
   const auto s = n.extents();
   call.cx.ops.copy(CView(dq), x.dq);
   call.cx.ops.copy(CView::sbhd(own, s.B, s.kr, s.hk, s.D), x.dk);
-  call.cx.ops.copy(CView::sbhd(own + n.kv_block(n.kr), s.B, s.kr, s.hk, s.D), x.dv);
+  call.cx.ops.copy(CView::sbhd(own + n.kv_block(n.kr), s.B, s.kr, s.hk, s.Dv), x.dv);
   call.cx.lap(Phase::finish);
 }
+
+/// The shape rules of a phase that adds none: a phase derives from it instead of spelling two
+/// functions that return "".
+struct NoShapeRules {
+  /// No shape rules: any shape passes.
+  static std::string reason(const MeshConfig&, const AttentionProblem&, std::span<const std::int64_t>,
+                            std::span<const std::int64_t>) {
+    return "";
+  }
+  /// No divisibility rules either.
+  static std::string divisibility_reason(const MeshConfig&, const AttentionProblem&, std::span<const std::int64_t>,
+                                         std::span<const std::int64_t>) {
+    return "";
+  }
+};
 
 /// What every phase provides besides its steps (see the file comment; the steps are checked
 /// where a call instantiates them). Not named Phase: that is the profile's enum of phases.

@@ -44,13 +44,14 @@ namespace detail {
 /// Every field ranks must agree on, gathered once per plan.
 enum PlanField : int {
   f_batch, f_heads, f_kv_heads, f_head_dim, f_causal, f_dtype, f_scale, f_with_lse,
-  f_causal_align, f_window_left, f_window_right, f_documents, f_kv_valid,
+  f_causal_align, f_window_left, f_window_right, f_documents, f_kv_valid, f_head_dim_v, f_softcap, f_sinks,
   f_ulysses, f_ring, f_placement, f_layout, f_anything, f_q_len, f_kv_len, f_count
 };
 inline constexpr const char* plan_field_names[f_count] = {
     "batch", "heads", "kv_heads", "head_dim", "causal", "dtype", "scale", "with_lse",
-    "causal_align", "window.left", "window.right", "documents", "kv_valid",
-    "ulysses_degree", "ring_degree", "placement", "layout", "anything (AnythingPolicy)", "q_len", "kv_len"};
+    "causal_align", "window.left", "window.right", "documents", "kv_valid", "head_dim_v", "softcap",
+    "sinks (given or not)", "ulysses_degree", "ring_degree", "placement", "layout", "anything (AnythingPolicy)",
+    "q_len", "kv_len"};
 
 inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one must match
 
@@ -58,7 +59,8 @@ inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one mu
 inline std::array<std::int64_t, f_count> plan_fields(const AttentionProblem& pr, const MeshConfig& m, LocalLengths l) {
   return {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim, pr.causal, static_cast<std::int64_t>(pr.dtype),
           std::bit_cast<std::int64_t>(pr.softmax_scale()), pr.with_lse, static_cast<std::int64_t>(pr.causal_align),
-          pr.window.left, pr.window.right, hash_lists(pr.documents), hash_lists({pr.kv_valid}), m.ulysses, m.ring,
+          pr.window.left, pr.window.right, hash_lists(pr.documents), hash_lists({pr.kv_valid}), pr.value_dim(),
+          std::bit_cast<std::int64_t>(pr.softcap), pr.sinks != nullptr, m.ulysses, m.ring,
           static_cast<std::int64_t>(m.placement), static_cast<std::int64_t>(m.layout), m.anything, l.q, l.kv_count()};
 }
 
@@ -66,12 +68,12 @@ inline std::array<std::int64_t, f_count> plan_fields(const AttentionProblem& pr,
 inline std::string field_value(int field, std::int64_t v) {
   std::ostringstream os;
   switch (field) {
-    case f_scale: os << std::bit_cast<double>(v); break;
+    case f_scale: case f_softcap: os << std::bit_cast<double>(v); break;
     case f_dtype: os << dtype_name(static_cast<DType>(v)); break;
     case f_layout: os << layout_name(static_cast<LayoutKind>(v)); break;
     case f_placement: os << (v == 0 ? "ulysses_adjacent" : "ring_adjacent"); break;
     case f_causal_align: os << (v == 0 ? "top_left" : "bottom_right"); break;
-    case f_causal: case f_with_lse: case f_anything: os << (v ? "true" : "false"); break;
+    case f_causal: case f_with_lse: case f_anything: case f_sinks: os << (v ? "true" : "false"); break;
     default: os << v;
   }
   return os.str();
@@ -101,9 +103,11 @@ inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int
 }
 
 /// Every buffer of a call (tensors, all-to-all pieces, ring blocks, workspace slots) holds at
-/// most batch x global length x heads x head_dim elements of at most 8 bytes, and a workspace
-/// has fewer than 32 slots. Requiring that product below 2^58 bytes keeps every size the plan
-/// computes inside 64 bits; the reason names the fields, so a size never wraps silently.
+/// most twice batch x global length x heads x max(head_dim, head_dim_v) elements of at most 8
+/// bytes (a [K | V] block). Requiring the product below 2^58 bytes leaves a factor of 32 for
+/// the sums of such sizes a plan forms (a workspace adds a few dozen slots, most of them a
+/// rank's share), so every size stays inside 64 bits; the reason names the fields, so a size
+/// never wraps silently.
 inline std::string size_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
                                std::span<const std::int64_t> kv_len) {
   constexpr std::int64_t limit = std::int64_t{1} << 58;
@@ -112,20 +116,23 @@ inline std::string size_reason(const AttentionProblem& pr, std::span<const std::
     return std::string("plan: size overflow: the ranks' local ") + (sq ? "kv" : "q") +
            " lengths sum past 2^63 tokens";
   const std::int64_t heads = std::max(pr.heads, pr.kv_head_count());
+  // The widest row of any tensor (V and O have head_dim_v); the name says which it is.
+  const std::int64_t dim = std::max(pr.head_dim, pr.value_dim());
+  const std::string dim_name = (pr.value_dim() > pr.head_dim ? " x head_dim_v " : " x head_dim ") + std::to_string(dim);
   // One token's rows first: loops over the batch and the heads must stay bounded even when
   // the sequence is empty (and every tensor with it).
-  const std::int64_t per_token[] = {8, pr.batch, heads, pr.head_dim};
+  const std::int64_t per_token[] = {8, pr.batch, heads, dim};
   const std::optional<std::int64_t> token_bytes = checked_product(per_token);
   std::ostringstream why;
   if (!token_bytes || *token_bytes > limit) {
-    why << "plan: size overflow: batch " << pr.batch << " x heads " << heads << " x head_dim " << pr.head_dim
+    why << "plan: size overflow: batch " << pr.batch << " x heads " << heads << dim_name
         << " x 8 bytes (one token's rows) exceeds the 2^58-byte limit on one tensor, whatever the length";
     return why.str();
   }
   const std::optional<std::int64_t> bytes = checked_mul(*token_bytes, std::max(*sq, *skv));
   if (bytes && *bytes <= limit) return "";
   why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(*sq, *skv) << " x heads "
-      << heads << " x head_dim " << pr.head_dim << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
+      << heads << dim_name << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
   return why.str();
 }
 
@@ -191,6 +198,9 @@ std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem
   else if (H < 1) why << "plan: heads: expected >= 1, got " << H;
   else if (K < 1 || H % K != 0) why << "plan: kv_heads: expected a divisor of heads " << H << ", got " << K;
   else if (D < 1) why << "plan: head_dim: expected >= 1, got " << D;
+  else if (problem.head_dim_v < 0) why << "plan: head_dim_v: expected >= 1, or 0 for head_dim, got " << problem.head_dim_v;
+  else if (!(problem.softcap >= 0) || !std::isfinite(problem.softcap))
+    why << "plan: softcap: expected 0 (off) or a finite number > 0, got " << problem.softcap;
   else if (!std::isfinite(scale) || std::abs(scale) > scale_limit)
     why << "plan: scale: expected a finite number with |scale| <= 2^32 (or 0 for 1/sqrt(head_dim)), got "
         << problem.scale;
@@ -221,14 +231,25 @@ std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem
   return Phases::divisibility_reason(mesh, problem, q_len, kv_len);
 }
 
-/// The kernel's share of the shape rules: "" when kernel K can take `problem`'s mask, else the
-/// reason. Windows, documents and key padding need `supports_masks`; causal (of either
-/// alignment) needs nothing.
+/// The kernel's share of the shape rules: "" when kernel K can take `problem`'s mask and
+/// features, else the reason, naming what the kernel lacks. Windows, documents and key padding
+/// need `supports_masks`; causal (of either alignment) needs nothing; soft-capping needs
+/// `supports_softcap`, a head_dim_v other than head_dim `supports_value_dim`; sinks need
+/// nothing (the engine joins them after the merge).
 template <class Kernel>
 std::string kernel_reason(const AttentionProblem& problem) {
   if (problem.has_extra_mask() && !kernel_supports_masks<Kernel>)
     return "plan: this kernel handles causal masks only, not windows, documents or key padding (a kernel "
            "declares supports_masks = true when it does; ReferenceKernel does)";
+  if (problem.softcap > 0 && !kernel_supports_softcap<Kernel>)
+    return "plan: this kernel does not soft-cap logits (softcap " + std::to_string(problem.softcap) +
+           "): a kernel declares supports_softcap = true when it does; ReferenceKernel, CpuFlashKernel and "
+           "CudaFlashKernel do";
+  if (problem.value_dim() != problem.head_dim && !kernel_supports_value_dim<Kernel>)
+    return "plan: this kernel needs V's head dim equal to Q's and K's (head_dim " + std::to_string(problem.head_dim) +
+           ", head_dim_v " + std::to_string(problem.value_dim()) +
+           "): a kernel declares supports_value_dim = true when it takes another; ReferenceKernel, CpuFlashKernel "
+           "and CudaFlashKernel do";
   return "";
 }
 

@@ -12,6 +12,7 @@
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/sequence_layout.hpp"
+#include "seqpar/policy/join_sinks.hpp"
 #include "seqpar/policy/local_compute.hpp"
 #include "seqpar/policy/phase.hpp"
 #include "seqpar/policy/ring_loop.hpp"
@@ -88,23 +89,25 @@ struct policy_phases {
   static constexpr bool ring = Phases::template has<detail::RingLoop>;            ///< has the ring loop
   static constexpr bool anything = false;                                         ///< divisibility rules lifted
 };
-/// Ulysses: the all-to-all, then the local kernel.
+/// Ulysses: the all-to-all, then the local kernel (the sinks joined to its result).
 template <>
 struct policy_traits<UlyssesPolicy>
-    : policy_phases<detail::PhaseList<detail::UlyssesExchange, detail::LocalCompute>> {
+    : policy_phases<detail::PhaseList<detail::UlyssesExchange, detail::JoinSinks, detail::LocalCompute>> {
   static constexpr const char* name = "UlyssesPolicy";  ///< C++ spelling
 };
-/// Ring: the ring loop (the local kernel on a ring of one).
+/// Ring: the ring loop (the local kernel on a ring of one), the sinks joined to the merge.
 template <class L>
-struct policy_traits<RingPolicy<L>> : policy_phases<detail::PhaseList<detail::RingLoop, detail::LocalCompute>> {
+struct policy_traits<RingPolicy<L>>
+    : policy_phases<detail::PhaseList<detail::JoinSinks, detail::RingLoop, detail::LocalCompute>> {
   static constexpr const char* name = std::is_same_v<L, Zigzag>   ? "RingPolicy<Zigzag>"
                                       : std::is_same_v<L, Stripe> ? "RingPolicy<Stripe>"
                                                                   : "RingPolicy<Contiguous>";  ///< C++ spelling
 };
-/// Unified: the all-to-all around the ring loop (a degree of 1 skips its phase at run time).
+/// Unified: the all-to-all around the ring loop (a degree of 1 skips its phase at run time),
+/// the sinks joined inside the all-to-all.
 template <class L>
-struct policy_traits<UnifiedPolicy<L>>
-    : policy_phases<detail::PhaseList<detail::UlyssesExchange, detail::RingLoop, detail::LocalCompute>> {
+struct policy_traits<UnifiedPolicy<L>> : policy_phases<detail::PhaseList<detail::UlyssesExchange, detail::JoinSinks,
+                                                                         detail::RingLoop, detail::LocalCompute>> {
   static constexpr const char* name = std::is_same_v<L, Zigzag>   ? "UnifiedPolicy<Zigzag>"
                                       : std::is_same_v<L, Stripe> ? "UnifiedPolicy<Stripe>"
                                                                   : "UnifiedPolicy<Contiguous>";  ///< C++ spelling

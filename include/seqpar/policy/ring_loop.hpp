@@ -34,10 +34,12 @@
 
 namespace seqpar::detail {
 
-/// Elements of one [K | V] ring block from ring rank `src` for Ulysses rank u's K/V heads.
+/// Elements of one [K | V] ring block from ring rank `src` for Ulysses rank u's K/V heads (K
+/// rows of D elements, V rows of Dv).
 inline std::size_t ring_block_elems(const Plan& p, int src, int u) {
-  return 2 * static_cast<std::size_t>(p.kv_layout().block(src).size()) * static_cast<std::size_t>(p.problem().batch) *
-         static_cast<std::size_t>(p.kv_heads(u).count) * static_cast<std::size_t>(p.problem().head_dim);
+  return static_cast<std::size_t>(p.kv_layout().block(src).size()) * static_cast<std::size_t>(p.problem().batch) *
+         static_cast<std::size_t>(p.kv_heads(u).count) *
+         static_cast<std::size_t>(p.problem().head_dim + p.problem().value_dim());
 }
 
 /// The stripe layout's rule: token t lives on ring rank t mod R, so the lengths follow from
@@ -141,12 +143,12 @@ struct RingLoop {
   /// Declares the phase's buffers for plan p: ring buffers sized for the longest block.
   static void declare(const Plan& p, WorkspaceLayout& forward, WorkspaceLayout& backward) {
     const LocalShape n(p);
-    const std::size_t e = p.elem_bytes(), a = p.acc_bytes(), ring = 2 * n.kv_block(n.kv_max);
+    const std::size_t e = p.elem_bytes(), a = p.acc_bytes(), ring = n.kv_pair(n.kv_max);
     using F = ForwardSlots;
     forward.declare(SharedSlots::kv, ring * e);
     forward.declare(F::kv_next, ring * e);
-    if (e != a) forward.declare(F::o_acc, n.q_block() * a);
-    forward.declare(F::o_part, n.q_block() * a);
+    if (e != a) forward.declare(F::o_acc, n.o_block() * a);
+    forward.declare(F::o_part, n.o_block() * a);
     forward.declare(F::l_acc, n.q_rows() * a);
     forward.declare(F::l_part, n.q_rows() * a);
     using Bw = BackwardSlots;
@@ -179,7 +181,7 @@ struct RingLoop {
     if constexpr (std::is_same_v<T, A>) {
       run(x.out, x.lse.absent() ? AView::sbhd(l_acc, s.B, s.qr, s.hq, 1) : x.lse);
     } else {
-      const AView o_acc = AView::sbhd(ws.template get<A>(F::o_acc), s.B, s.qr, s.hq, s.D);
+      const AView o_acc = AView::sbhd(ws.template get<A>(F::o_acc), s.B, s.qr, s.hq, s.Dv);
       const AView l_all = AView::sbhd(l_acc, s.B, s.qr, s.hq, 1);
       run(o_acc, l_all);
       call.cx.ops.copy(TensorView<const A, Space>(o_acc), x.out);
@@ -218,7 +220,7 @@ struct RingLoop {
     const LocalShape n(call.plan);
     const auto s = n.extents();
     call.cx.ops.copy(x.k, TensorView<T, Space>::sbhd(kv, s.B, s.kr, s.hk, s.D));
-    call.cx.ops.copy(x.v, TensorView<T, Space>::sbhd(kv + n.kv_block(n.kr), s.B, s.kr, s.hk, s.D));
+    call.cx.ops.copy(x.v, TensorView<T, Space>::sbhd(kv + n.kv_block(n.kr), s.B, s.kr, s.hk, s.Dv));
     call.cx.lap(Phase::pack);
     return kv;
   }
@@ -321,11 +323,11 @@ struct RingSteps {
                TensorView<acc_t<T>, Space> l_acc) {
     using A = acc_t<T>;
     const int R = p.mesh().ring, r = p.ring_rank();
-    const auto B = p.problem().batch, D = p.problem().head_dim, hk = p.kv_heads(p.ulysses_rank()).count;
-    const auto Q = o_acc.seq(), hq = o_acc.heads();
+    const auto B = p.problem().batch, D = p.problem().head_dim, Dv = p.problem().value_dim();
+    const auto hk = p.kv_heads(p.ulysses_rank()).count, Q = o_acc.seq(), hq = o_acc.heads();
     constexpr bool writes_acc = kernel_writes_acc<Kernel, T>;
     using Part = std::conditional_t<writes_acc, A, T>;
-    const auto o_part = TensorView<Part, Space>::sbhd(reinterpret_cast<Part*>(o_part_bytes), B, Q, hq, D);
+    const auto o_part = TensorView<Part, Space>::sbhd(reinterpret_cast<Part*>(o_part_bytes), B, Q, hq, Dv);
     const auto l_part = TensorView<A, Space>::sbhd(l_part_bytes, B, Q, hq, 1);
     const auto& computes = PlanAccess::state<RingLoop>(p).step_computes;
     T* cur = ring0;
@@ -339,7 +341,7 @@ struct RingSteps {
       if (computes[static_cast<std::size_t>(s)]) {
         params.k_positions = p.kv_layout().block(src);
         const auto k = TensorView<const T, Space>::sbhd(cur, B, kb, hk, D);
-        const auto v = TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, D);
+        const auto v = TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, Dv);
         if constexpr (writes_acc) {
           compute_forward(qb, k, v, empty ? o_acc : o_part, empty ? l_acc : l_part, params, hop);
         } else {
@@ -403,14 +405,16 @@ struct RingSteps {
     using CView = TensorView<const T, Space>;
     using AView = TensorView<A, Space>;
     const int R = p.mesh().ring, r = p.ring_rank();
-    const auto B = p.problem().batch, D = p.problem().head_dim, hk = p.kv_heads(p.ulysses_rank()).count;
+    const auto B = p.problem().batch, D = p.problem().head_dim, Dv = p.problem().value_dim();
+    const auto hk = p.kv_heads(p.ulysses_rank()).count;
     const auto& computes = PlanAccess::state<RingLoop>(p).step_computes;
-    auto grad_view = [&](A* g, std::int64_t kb) { return AView::sbhd(g, B, 2 * kb, hk, D); };
+    const LocalShape n(p);
+    auto grad_view = [&](A* g, std::int64_t kb) { return kv_pair_view<A, Space>(g, n, kb); };
     auto compute = [&](const T* kv, std::int64_t kb, int src, A* g, Hop& a, Hop* b) {
       const std::int64_t k_elems = kb * B * hk * D;
       params.k_positions = p.kv_layout().block(src);
-      compute_backward<T>(dob, q, CView::sbhd(kv, B, kb, hk, D), CView::sbhd(kv + k_elems, B, kb, hk, D), ob, lb,
-                          dq_acc, AView::sbhd(g, B, kb, hk, D), AView::sbhd(g + k_elems, B, kb, hk, D), params, a, b);
+      compute_backward<T>(dob, q, CView::sbhd(kv, B, kb, hk, D), CView::sbhd(kv + k_elems, B, kb, hk, Dv), ob, lb,
+                          dq_acc, AView::sbhd(g, B, kb, hk, D), AView::sbhd(g + k_elems, B, kb, hk, Dv), params, a, b);
     };
     T* cur = ring[0];
     T* nxt = ring[1];

@@ -113,10 +113,11 @@ struct UlyssesExchange {
   static constexpr const char* name = "UlyssesExchange";  ///< for messages
   static constexpr PhaseKind kind = PhaseKind::exchange;  ///< wraps the phases after it
 
-  /// The all-to-all tables of one mesh rank: Q (and O back, reversed), K and V, and the LSE
-  /// (back with O, or out in backward).
+  /// The all-to-all tables of one mesh rank: Q (and dQ back, reversed), O (back; out with dO
+  /// in backward), K and V (and their gradients back), and the LSE (back with O, or out in
+  /// backward). Q and K rows hold D elements, O and V rows Dv: separate tables when they differ.
   struct State {
-    AllToAllTable q, kv, lse;  ///< by the query heads, by the K/V heads, the LSE rows
+    AllToAllTable q, o, k, v, lse;  ///< by the query heads (q, o, lse), by the K/V heads (k, v)
   };
 
   /// A Ulysses group of one rank exchanges nothing: the phase runs when the degree is above 1.
@@ -126,6 +127,7 @@ struct UlyssesExchange {
   /// heads of v's tokens; pieces back to back in member order.
   static State tables(const Plan& p, int r, int u) {
     const auto B = static_cast<std::size_t>(p.problem().batch), D = static_cast<std::size_t>(p.problem().head_dim);
+    const auto Dv = static_cast<std::size_t>(p.problem().value_dim());
     auto table = [&](const SequenceLayout& l, HeadKind kind, std::size_t per_row) {
       AllToAllTable t;
       std::size_t so = 0, ro = 0;
@@ -144,7 +146,9 @@ struct UlyssesExchange {
       return t;
     };
     return {table(p.q_layout(), HeadKind::query, D * p.elem_bytes()),
+            table(p.q_layout(), HeadKind::query, Dv * p.elem_bytes()),
             table(p.kv_layout(), HeadKind::key_value, D * p.elem_bytes()),
+            table(p.kv_layout(), HeadKind::key_value, Dv * p.elem_bytes()),
             table(p.q_layout(), HeadKind::query, p.acc_bytes())};
   }
 
@@ -170,15 +174,15 @@ struct UlyssesExchange {
     const int u = p.mesh().ulysses_rank(w);
     const State t = tables(p, p.mesh().ring_rank(w), u);
     const std::size_t lse = p.problem().with_lse ? t.lse.bytes_returned(u) : 0;
-    return t.q.bytes_sent(u) + 2 * t.kv.bytes_sent(u) + t.q.bytes_returned(u) + lse;
+    return t.q.bytes_sent(u) + t.k.bytes_sent(u) + t.v.bytes_sent(u) + t.o.bytes_returned(u) + lse;
   }
 
   /// Bytes world rank w sends in one backward: Q, O, dO, the LSE, K and V out; dQ, dK, dV back.
   static std::size_t backward_bytes(const Plan& p, int w) {
     const int u = p.mesh().ulysses_rank(w);
     const State t = tables(p, p.mesh().ring_rank(w), u);
-    return 3 * t.q.bytes_sent(u) + t.lse.bytes_sent(u) + 2 * t.kv.bytes_sent(u) + t.q.bytes_returned(u) +
-           2 * t.kv.bytes_returned(u);
+    return t.q.bytes_sent(u) + 2 * t.o.bytes_sent(u) + t.lse.bytes_sent(u) + t.k.bytes_sent(u) + t.v.bytes_sent(u) +
+           t.q.bytes_returned(u) + t.k.bytes_returned(u) + t.v.bytes_returned(u);
   }
 
   /// Forward's buffers besides SharedSlots::kv (where K and V land).
@@ -187,9 +191,9 @@ struct UlyssesExchange {
     static constexpr Slot q_send{"q_send", SlotLife::exchange_in};   ///< [Lq, B, H, D] Q packed by member
     static constexpr Slot k_send{"k_send", SlotLife::exchange_in};   ///< K packed (a shared head once per member)
     static constexpr Slot v_send{"v_send", SlotLife::exchange_in};   ///< V packed alike
-    static constexpr Slot o_send{"o_send", SlotLife::exchange_out};  ///< [Qr, B, hq, D] output block, sent back
+    static constexpr Slot o_send{"o_send", SlotLife::exchange_out};  ///< [Qr, B, hq, Dv] output block, sent back
     static constexpr Slot l_send{"l_send", SlotLife::exchange_out};  ///< [Qr, B, hq] LSE block, sent back
-    static constexpr Slot o_recv{"o_recv", SlotLife::exchange_out};  ///< [Lq, B, H, D] pieces received back
+    static constexpr Slot o_recv{"o_recv", SlotLife::exchange_out};  ///< [Lq, B, H, Dv] pieces received back
     static constexpr Slot l_recv{"l_recv", SlotLife::exchange_out};  ///< [Lq, B, H] LSE pieces received back
   };
 
@@ -208,50 +212,50 @@ struct UlyssesExchange {
     static constexpr Slot dq_send{"dq_send", SlotLife::exchange_out};  ///< [Qr, B, hq, D] dQ block, sent back
     static constexpr Slot dq_recv{"dq_recv", SlotLife::exchange_out};  ///< [Lq, B, H, D] its pieces received
     static constexpr Slot dk_send{"dk_send", SlotLife::exchange_out};  ///< [Kr, B, hk, D] dK block, sent back
-    static constexpr Slot dv_send{"dv_send", SlotLife::exchange_out};  ///< dV block, sent back
+    static constexpr Slot dv_send{"dv_send", SlotLife::exchange_out};  ///< [Kr, B, hk, Dv] dV block, sent back
     static constexpr Slot dk_recv{"dk_recv", SlotLife::exchange_out};  ///< dK pieces received
     static constexpr Slot dv_recv{"dv_recv", SlotLife::exchange_out};  ///< dV pieces received
     /// [B, Lk, K, D] in the accumulation type: a K/V head several members used gets their sum.
     static constexpr Slot dk_sum{"dk_sum", SlotLife::exchange_out};
-    static constexpr Slot dv_sum{"dv_sum", SlotLife::exchange_out};  ///< the same for dV
+    static constexpr Slot dv_sum{"dv_sum", SlotLife::exchange_out};  ///< the same for dV ([B, Lk, K, Dv])
   };
 
   /// Declares the phase's buffers for plan p.
   static void declare(const Plan& p, WorkspaceLayout& forward, WorkspaceLayout& backward) {
     const LocalShape n(p);
     const std::size_t e = p.elem_bytes(), a = p.acc_bytes();
-    const std::size_t full = n.lq * n.B * n.H * n.D, kv_out = n.lk * n.B * n.kv_sent * n.D;
-    const std::size_t kv_in_hand = 2 * n.kv_block(n.kr) * e, kv_sum = n.lk * n.B * n.K * n.D;
+    const std::size_t rows_q = n.lq * n.B * n.H, rows_kv_out = n.lk * n.B * n.kv_sent, rows_kv = n.lk * n.B * n.K;
+    const std::size_t kv_in_hand = n.kv_pair(n.kr) * e;
     using F = ForwardSlots;
     forward.declare(F::q_block, n.q_block() * e);
     forward.declare(SharedSlots::kv, kv_in_hand);
-    forward.declare(F::q_send, full * e);
-    forward.declare(F::k_send, kv_out * e);
-    forward.declare(F::v_send, kv_out * e);
-    forward.declare(F::o_send, n.q_block() * e);
+    forward.declare(F::q_send, rows_q * n.D * e);
+    forward.declare(F::k_send, rows_kv_out * n.D * e);
+    forward.declare(F::v_send, rows_kv_out * n.Dv * e);
+    forward.declare(F::o_send, n.o_block() * e);
     forward.declare(F::l_send, n.q_rows() * a);
-    forward.declare(F::o_recv, full * e);
-    forward.declare(F::l_recv, n.lq * n.B * n.H * a);
+    forward.declare(F::o_recv, rows_q * n.Dv * e);
+    forward.declare(F::l_recv, rows_q * a);
     using Bw = BackwardSlots;
     backward.declare(Bw::q_block, n.q_block() * e);
-    backward.declare(Bw::do_block, n.q_block() * e);
-    backward.declare(Bw::o_block, n.q_block() * e);
+    backward.declare(Bw::do_block, n.o_block() * e);
+    backward.declare(Bw::o_block, n.o_block() * e);
     backward.declare(Bw::l_block, n.q_rows() * a);
     backward.declare(SharedSlots::kv, kv_in_hand);
-    backward.declare(Bw::q_send, full * e);
-    backward.declare(Bw::do_send, full * e);
-    backward.declare(Bw::o_send, full * e);
-    backward.declare(Bw::l_send, n.lq * n.B * n.H * a);
-    backward.declare(Bw::k_send, kv_out * e);
-    backward.declare(Bw::v_send, kv_out * e);
+    backward.declare(Bw::q_send, rows_q * n.D * e);
+    backward.declare(Bw::do_send, rows_q * n.Dv * e);
+    backward.declare(Bw::o_send, rows_q * n.Dv * e);
+    backward.declare(Bw::l_send, rows_q * a);
+    backward.declare(Bw::k_send, rows_kv_out * n.D * e);
+    backward.declare(Bw::v_send, rows_kv_out * n.Dv * e);
     backward.declare(Bw::dq_send, n.q_block() * e);
-    backward.declare(Bw::dq_recv, full * e);
+    backward.declare(Bw::dq_recv, rows_q * n.D * e);
     backward.declare(Bw::dk_send, n.kv_block(n.kr) * e);
-    backward.declare(Bw::dv_send, n.kv_block(n.kr) * e);
-    backward.declare(Bw::dk_recv, kv_out * e);
-    backward.declare(Bw::dv_recv, kv_out * e);
-    backward.declare(Bw::dk_sum, kv_sum * a);
-    backward.declare(Bw::dv_sum, kv_sum * a);
+    backward.declare(Bw::dv_send, n.v_block(n.kr) * e);
+    backward.declare(Bw::dk_recv, rows_kv_out * n.D * e);
+    backward.declare(Bw::dv_recv, rows_kv_out * n.Dv * e);
+    backward.declare(Bw::dk_sum, rows_kv * n.D * a);
+    backward.declare(Bw::dv_sum, rows_kv * n.Dv * a);
   }
 
   /// Forward, in: my heads of the ring block's Q, K and V (K and V in SharedSlots::kv); the
@@ -262,7 +266,7 @@ struct UlyssesExchange {
     const auto s = LocalShape(call.plan).extents();
     ForwardOperands<T, Space> in = x;
     gather_qkv(call, x, F::q_send, F::k_send, F::v_send, F::q_block, in);
-    in.out = TensorView<T, Space>::sbhd(call.ws.template get<T>(F::o_send), s.B, s.qr, s.hq, s.D);
+    in.out = TensorView<T, Space>::sbhd(call.ws.template get<T>(F::o_send), s.B, s.qr, s.hq, s.Dv);
     in.lse = call.plan.problem().with_lse
                  ? TensorView<acc_t<T>, Space>::sbhd(call.ws.template get<acc_t<T>>(F::l_send), s.B, s.qr, s.hq, 1)
                  : TensorView<acc_t<T>, Space>{};
@@ -274,7 +278,7 @@ struct UlyssesExchange {
   static void out(Call& call, const ForwardOperands<T, Space>& inner, const ForwardOperands<T, Space>& x) {
     using F = ForwardSlots;
     const State& t = PlanAccess::state<UlyssesExchange>(call.plan);
-    scatter<T>(call, inner.out, HeadKind::query, t.q, F::o_send, F::o_recv, x.out);
+    scatter<T>(call, inner.out, HeadKind::query, t.o, F::o_send, F::o_recv, x.out);
     if (call.plan.problem().with_lse)
       scatter<acc_t<T>>(call, inner.lse, HeadKind::query, t.lse, F::l_send, F::l_recv, x.lse);
   }
@@ -288,12 +292,12 @@ struct UlyssesExchange {
     const State& t = PlanAccess::state<UlyssesExchange>(call.plan);
     BackwardOperands<T, Space> in = x;
     gather_qkv(call, x, Bw::q_send, Bw::k_send, Bw::v_send, Bw::q_block, in);
-    in.dout = gather(call, x.dout, t.q, Bw::do_send, Bw::do_block);
-    in.out = gather(call, x.out, t.q, Bw::o_send, Bw::o_block);
+    in.dout = gather(call, x.dout, t.o, Bw::do_send, Bw::do_block);
+    in.out = gather(call, x.out, t.o, Bw::o_send, Bw::o_block);
     in.lse = gather(call, x.lse, t.lse, Bw::l_send, Bw::l_block);
     in.dq = TensorView<T, Space>::sbhd(call.ws.template get<T>(Bw::dq_send), s.B, s.qr, s.hq, s.D);
     in.dk = TensorView<T, Space>::sbhd(call.ws.template get<T>(Bw::dk_send), s.B, s.kr, s.hk, s.D);
-    in.dv = TensorView<T, Space>::sbhd(call.ws.template get<T>(Bw::dv_send), s.B, s.kr, s.hk, s.D);
+    in.dv = TensorView<T, Space>::sbhd(call.ws.template get<T>(Bw::dv_send), s.B, s.kr, s.hk, s.Dv);
     return in;
   }
 
@@ -304,8 +308,8 @@ struct UlyssesExchange {
     using Bw = BackwardSlots;
     const State& t = PlanAccess::state<UlyssesExchange>(call.plan);
     scatter<T>(call, inner.dq, HeadKind::query, t.q, Bw::dq_send, Bw::dq_recv, x.dq);
-    scatter<T>(call, inner.dk, HeadKind::key_value, t.kv, Bw::dk_send, Bw::dk_recv, x.dk, &Bw::dk_sum);
-    scatter<T>(call, inner.dv, HeadKind::key_value, t.kv, Bw::dv_send, Bw::dv_recv, x.dv, &Bw::dv_sum);
+    scatter<T>(call, inner.dk, HeadKind::key_value, t.k, Bw::dk_send, Bw::dk_recv, x.dk, &Bw::dk_sum);
+    scatter<T>(call, inner.dv, HeadKind::key_value, t.v, Bw::dv_send, Bw::dv_recv, x.dv, &Bw::dv_sum);
   }
 
  private:
@@ -337,9 +341,9 @@ struct UlyssesExchange {
     const State& t = PlanAccess::state<UlyssesExchange>(call.plan);
     T* kv = call.ws.template get<T>(SharedSlots::kv);
     in.q = gather(call, x.q, t.q, q_send, q_block);
-    in.k = gather_heads(call.cx, x.k, call.plan, HeadKind::key_value, t.kv, call.ws.template get<T>(k_send), kv, s.kr,
+    in.k = gather_heads(call.cx, x.k, call.plan, HeadKind::key_value, t.k, call.ws.template get<T>(k_send), kv, s.kr,
                         s.hk);
-    in.v = gather_heads(call.cx, x.v, call.plan, HeadKind::key_value, t.kv, call.ws.template get<T>(v_send),
+    in.v = gather_heads(call.cx, x.v, call.plan, HeadKind::key_value, t.v, call.ws.template get<T>(v_send),
                         kv + n.kv_block(n.kr), s.kr, s.hk);
   }
 };
