@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Alternated A/B of two builds of seqpar_bench: runs the benchmarks matching FILTER with the old
-# and the new binary in turn, ROUNDS times, and prints for each benchmark the fastest of the
-# rounds' real times (each the benchmark's mean over its iterations) of each side, and new / old.
-# Alternating (old, new, old, new, ...) spreads the drift of a shared machine over both sides;
-# the fastest round is the one least disturbed by other tenants.
+# and the new binary in turn, ROUNDS times, and prints for each benchmark the median of the
+# rounds' real times (each the benchmark's mean over its iterations) of each side, new / old of
+# the medians, and the spread of each side's rounds (max / min). Alternating (old, new, old, new,
+# ...) spreads the drift of a shared machine over both sides; the median, not the fastest round,
+# keeps one lucky or unlucky round from deciding the ratio.
 # Usage: bench/ab_alternate.sh OLD_BINARY NEW_BINARY FILTER [ROUNDS=3]
 # Example (before and after a change to the engine, both builds Release, CUDA off):
 #   bench/ab_alternate.sh /work/build-ab-old/bench/seqpar_bench /work/build-ab-new/bench/seqpar_bench \
@@ -26,7 +27,9 @@ import re, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from report import load  # the JSON reader bench/run.sh's report uses
-best, order = {}, []  # (name, side) -> (fastest real time, unit); names as first seen
+import statistics
+times, order = {}, []  # (name, side) -> [real time of each round], unit; names as first seen
+units = {}
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     side = path.name.split(".")[0]
     for full, b in load(path).items():
@@ -34,12 +37,18 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
         name = re.sub(r"/min_time:[0-9.]+", "", full)
         if name not in order:
             order.append(name)
-        time = (b["real_time"], b["time_unit"])
-        best[(name, side)] = min(best.get((name, side), time), time)
-print("| benchmark | old | new | new / old |")
-print("|---|---|---|---|")
+        times.setdefault((name, side), []).append(b["real_time"])
+        units[name] = b["time_unit"]
+print("| benchmark | old (median) | new (median) | new / old | spread old, new |")
+print("|---|---|---|---|---|")
+ratios = []
 for name in order:
-    o, n = best.get((name, "old")), best.get((name, "new"))
+    o, n = times.get((name, "old")), times.get((name, "new"))
     if o and n:
-        print(f"| {name} | {o[0]:.3g} {o[1]} | {n[0]:.3g} {n[1]} | {n[0] / o[0]:.3f} |")
+        mo, mn, u = statistics.median(o), statistics.median(n), units[name]
+        ratios.append(mn / mo)
+        print(f"| {name} | {mo:.3g} {u} | {mn:.3g} {u} | {mn / mo:.3f} | {max(o) / min(o):.2f}, {max(n) / min(n):.2f} |")
+if ratios:
+    print(f"\n{len(ratios)} rows; new / old geometric mean {statistics.geometric_mean(ratios):.3f}, "
+          f"range {min(ratios):.3f}-{max(ratios):.3f}")
 PY
