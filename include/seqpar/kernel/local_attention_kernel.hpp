@@ -73,6 +73,7 @@ struct KernelCallBounds {
   std::int64_t group_size = 1;  ///< query heads per K/V head in the problem (H / K)
   std::int64_t head_dim = 0;    ///< D
   bool backward = false;        ///< backward calls too (the plan has with_lse)
+  std::int64_t value_dim = 0;   ///< D_v of V and O (0: D); last, so that positional initialisers keep their meaning
 };
 
 /// Opt-in for LocalAttentionKernel: true when the type declares
