@@ -937,7 +937,8 @@ TEST_CASE_TEMPLATE("flash kernel value dim: D 192 / D_v 128, 64 / 32, 24 / 8, 16
   // {D, D_v}: MLA's prefill shape, halves, a D_v below one vector, D_v > D, odd both.
   const std::int64_t dims[][2] = {{192, 128}, {64, 32}, {24, 8}, {16, 40}, {7, 13}};
   std::uint64_t seed = 900;
-  for (const auto& [d, dv] : dims) {
+  for (const auto& dims_of : dims) {
+    const std::int64_t d = dims_of[0], dv = dims_of[1];
     INFO("D ", d, ", D_v ", dv);
     MaskCase c = self_case(d >= 64 ? 150 : 260, ++seed);
     c.dim = d;
