@@ -1,9 +1,10 @@
 /// \file
 /// Local kernels: CpuFlashKernel against ReferenceKernel, float, one (batch, heads) shape over
 /// head dims 64 and 128, sequence 512..16K, causal and not; CpuFlashKernel's thread scaling;
-/// and its masks beyond causal (packed documents, a sliding window) against the causal calls
-/// that do the same visible work. GFLOPs counts 4 B H Sq Sk D (halved for causal) per
-/// forward, or 4 B H D per visible pair for the masked ones.
+/// its masks beyond causal (packed documents, a sliding window) against the causal calls
+/// that do the same visible work; and today's models' features (soft-capping against none,
+/// MLA's D 192 / D_v 128 against D 128, MLA's decode step). GFLOPs counts 2 B H Sq Sk (D +
+/// D_v) (halved for causal) per forward, or 4 B H D per visible pair for the masked ones.
 
 #include <benchmark/benchmark.h>
 
@@ -21,17 +22,19 @@ using namespace seqpar::bench;
 
 constexpr std::int64_t batch = 1, heads = 2;
 
-/// Inputs of one self-attention forward with contiguous positions.
+/// Inputs of one self-attention forward with contiguous positions: `h` heads (K/V heads alike),
+/// head dim `d` of Q and K, `dv` of V and O (0: d).
 struct KernelCase {
-  std::int64_t seq, dim;
+  std::int64_t seq, dim, h, dim_v;
   bool causal;
   std::vector<float> q, k, v, out, lse;
   KernelParams params;
 
-  KernelCase(std::int64_t s, std::int64_t d, bool c)
-      : seq(s), dim(d), causal(c), q(random_values<float>(std::size_t(batch * s * heads * d), 1)),
-        k(random_values<float>(q.size(), 2)), v(random_values<float>(q.size(), 3)), out(q.size()),
-        lse(std::size_t(batch * s * heads)) {
+  KernelCase(std::int64_t s, std::int64_t d, bool c, std::int64_t h_ = heads, std::int64_t dv = 0)
+      : seq(s), dim(d), h(h_), dim_v(dv > 0 ? dv : d), causal(c),
+        q(random_values<float>(std::size_t(batch * s * h_ * d), 1)), k(random_values<float>(q.size(), 2)),
+        v(random_values<float>(std::size_t(batch * s * h_ * dim_v), 3)), out(v.size()),
+        lse(std::size_t(batch * s * h_)) {
     params.scale = 1.0 / std::sqrt(double(d));
     params.causal = c;
     params.q_positions = PositionMap::run(s, 0);
@@ -41,12 +44,13 @@ struct KernelCase {
   template <class Kernel>
   void run(Kernel& kernel) {
     using CV = TensorView<const float>;
-    kernel.forward(CV::bshd(q.data(), batch, seq, heads, dim), CV::bshd(k.data(), batch, seq, heads, dim),
-                   CV::bshd(v.data(), batch, seq, heads, dim), TensorView<float>::bshd(out.data(), batch, seq, heads, dim),
-                   TensorView<float>::bshd(lse.data(), batch, seq, heads, 1), params);
+    kernel.forward(CV::bshd(q.data(), batch, seq, h, dim), CV::bshd(k.data(), batch, seq, h, dim),
+                   CV::bshd(v.data(), batch, seq, h, dim_v), TensorView<float>::bshd(out.data(), batch, seq, h, dim_v),
+                   TensorView<float>::bshd(lse.data(), batch, seq, h, 1), params);
   }
 
-  double flops() const { return attention_flops(batch, heads, seq, seq, dim, causal); }
+  /// 2 S^2 (D + D_v) per head (S = Q K^T and O = P V), halved for causal.
+  double flops() const { return attention_flops(batch, h, seq, seq, dim + dim_v, causal) / 2; }
 };
 
 /// The calling thread's CPU time in seconds.
@@ -183,11 +187,16 @@ double visible_flops(const KernelCase& c) {
          double(visible_pairs(m, 0, c.params.q_positions, c.params.k_positions));
 }
 
-/// One forward of `a` and one of `b` per iteration, back to back on one kernel (so that a
-/// change of load hits both); returns the fastest call of each in thread-CPU seconds.
-std::pair<double, double> fastest_alternated(benchmark::State& state, KernelCase& a, KernelCase& b) {
+/// Thread-CPU seconds of every call of `a` and of `b`: one forward of each per iteration, back
+/// to back on one kernel (so that a change of load hits both).
+struct AlternatedTimes {
+  std::vector<double> a, b;  ///< seconds per call
+};
+
+/// See AlternatedTimes.
+AlternatedTimes alternated(benchmark::State& state, KernelCase& a, KernelCase& b) {
   CpuFlashKernel kernel;
-  kernel.prepare(std::max(a.dim, b.dim));
+  kernel.prepare(std::max(a.dim, b.dim), std::max(a.dim_v, b.dim_v));
   a.run(kernel);  // warm-up: first touch of the pages and the scratch
   b.run(kernel);
   auto timed = [&](KernelCase& c) {
@@ -195,14 +204,20 @@ std::pair<double, double> fastest_alternated(benchmark::State& state, KernelCase
     c.run(kernel);
     return thread_cpu_seconds() - t0;
   };
-  double best_a = 1e30, best_b = 1e30;
+  AlternatedTimes t;
   for (auto _ : state) {
-    best_a = std::min(best_a, timed(a));
-    best_b = std::min(best_b, timed(b));
+    t.a.push_back(timed(a));
+    t.b.push_back(timed(b));
   }
   state.counters["dim"] = double(a.dim);
   state.SetLabel(cpu_isa_name(kernel.isa()));
-  return {best_a, best_b};
+  return t;
+}
+
+/// The fastest call of each side of alternated(), in thread-CPU seconds.
+std::pair<double, double> fastest_alternated(benchmark::State& state, KernelCase& a, KernelCase& b) {
+  const AlternatedTimes t = alternated(state, a, b);
+  return {*std::min_element(t.a.begin(), t.a.end()), *std::min_element(t.b.begin(), t.b.end())};
 }
 
 /// Args: head_dim. Packed documents against the same documents one at a time: 8 causal
@@ -242,6 +257,80 @@ void BM_cpu_flash_window(benchmark::State& state) {
   state.counters["GFLOPs_causal"] = visible_flops(full) * 1e-9 / t_full;
 }
 
+/// Args: causal. Soft-capped scores (cap 50) against the same forward without a cap: D 128, 4096
+/// tokens, 4 heads, one thread. ratio is the fastest capped call over the fastest plain one,
+/// ratio_median the medians' (target <= 1.25: the cap is one vector tanh per score).
+void BM_cpu_flash_softcap(benchmark::State& state) {
+  const bool causal = state.range(0) != 0;
+  KernelCase capped(4096, 128, causal, 4), plain(4096, 128, causal, 4);
+  capped.params.softcap = 50;
+  const AlternatedTimes t = alternated(state, capped, plain);
+  const double best_c = *std::min_element(t.a.begin(), t.a.end()), best_p = *std::min_element(t.b.begin(), t.b.end());
+  state.counters["capped_ms"] = best_c * 1e3;
+  state.counters["plain_ms"] = best_p * 1e3;
+  state.counters["ratio"] = best_c / best_p;
+  state.counters["ratio_median"] = median(t.a) / median(t.b);
+  state.counters["GFLOPs"] = capped.flops() * 1e-9 / best_c;
+}
+
+/// Args: causal. MLA's prefill dims, D 192 / D_v 128, against D 128 / D_v 128: 4096 tokens, 4
+/// heads, one thread, FLOPs 2 S^2 (D + D_v) per head (halved for causal). ratio is the GFLOP/s
+/// of the first over the second (fastest calls), ratio_median the same of the medians (target
+/// >= 0.95: the wider Q and K cost what their FLOPs say).
+void BM_cpu_flash_value_dim(benchmark::State& state) {
+  const bool causal = state.range(0) != 0;
+  KernelCase mla(4096, 192, causal, 4, 128), square(4096, 128, causal, 4);
+  const AlternatedTimes t = alternated(state, mla, square);
+  const double best_m = *std::min_element(t.a.begin(), t.a.end()), best_s = *std::min_element(t.b.begin(), t.b.end());
+  state.counters["GFLOPs"] = mla.flops() * 1e-9 / best_m;
+  state.counters["GFLOPs_128"] = square.flops() * 1e-9 / best_s;
+  state.counters["ratio"] = (mla.flops() / best_m) / (square.flops() / best_s);
+  state.counters["ratio_median"] = (mla.flops() / median(t.a)) / (square.flops() / median(t.b));
+}
+
+/// Args: new tokens T, query heads H. One decode step of MLA's shape on one thread: T x H
+/// queries of D 576 against an 8192-token latent cache of one K/V head (MQA), V its rows' first
+/// 512 columns (D_v), each row limited to its own keys (row_key_end), through the decode path
+/// (H x T rows above 512 are split over tasks by query heads). GFLOPs = 2 (D + D_v) per visible
+/// (row, key) pair per second.
+void BM_cpu_flash_mla_decode(benchmark::State& state) {
+  constexpr std::int64_t keys = 8192, D = 576, Dv = 512;
+  const std::int64_t T = state.range(0), H = state.range(1);
+  const auto q = random_values<float>(std::size_t(T * H * D), 1);
+  const auto cache = random_values<float>(std::size_t(keys * D), 2);
+  std::vector<float> out(std::size_t(T * H * Dv)), lse(std::size_t(T * H));
+  std::vector<std::int64_t> ends(static_cast<std::size_t>(T));
+  double pairs = 0;
+  for (std::int64_t t = 0; t < T; ++t) pairs += double(H * (ends[static_cast<std::size_t>(t)] = keys - T + t + 1));
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(double(D));
+  p.q_positions = PositionMap::run(T, 0);
+  p.k_positions = PositionMap::run(keys, 0);
+  p.group_size = H;
+  p.mask.row_key_end = ends.data();
+  p.mask.row_stride = T;
+  using CV = TensorView<const float>;
+  CV v = CV::bshd(cache.data(), 1, keys, 1, D);
+  v.extent[3] = Dv;
+  CpuFlashKernel kernel;
+  auto call = [&] {
+    kernel.forward(CV::bshd(q.data(), 1, T, H, D), CV::bshd(cache.data(), 1, keys, 1, D), v,
+                   TensorView<float>::bshd(out.data(), 1, T, H, Dv),
+                   TensorView<float>::bshd(lse.data(), 1, T, H, 1), p);
+  };
+  call();  // warm-up: scratch, pages
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t0 = thread_cpu_seconds();
+    call();
+    benchmark::ClobberMemory();
+    best = std::min(best, thread_cpu_seconds() - t0);
+  }
+  state.counters["ms_per_call"] = best * 1e3;
+  state.counters["GFLOPs"] = 2.0 * double(D + Dv) * pairs * 1e-9 / best;
+  state.SetLabel(cpu_isa_name(kernel.isa()));
+}
+
 void kernel_args(benchmark::internal::Benchmark* b, std::int64_t max_seq) {
   b->ArgNames({"D", "seq", "causal"});
   for (std::int64_t d : {64, 128})
@@ -262,6 +351,13 @@ BENCHMARK(BM_cpu_flash_window)
     ->ArgNames({"D", "window"})
     ->ArgsProduct({{64, 128}, {512}})
     ->MinTime(3.0)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_softcap)->ArgName("causal")->Arg(0)->Arg(1)->Iterations(5)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_value_dim)->ArgName("causal")->Arg(0)->Arg(1)->Iterations(5)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_mla_decode)
+    ->ArgNames({"T", "H"})
+    ->ArgsProduct({{1, 16}, {16, 128}})
+    ->MinTime(0.5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_scaling)
     ->ArgNames({"D", "seq", "causal", "threads"})

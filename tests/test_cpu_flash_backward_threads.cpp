@@ -1,8 +1,8 @@
 // CpuFlashKernel::backward on its thread pool: bit-identical dq, dk, dv for 1, 2, 3 and 5
 // threads, and within tolerance of ReferenceKernel::backward (double), on odd lengths, causal
 // and not, GQA, cross attention (Sq != Sk, shifted positions, rows that see no key), windows,
-// documents and padding, and ranks with no keys or no queries. Gradients start from random
-// values: backward adds to them.
+// documents and padding, soft-capped scores and a value head dim other than the head dim, and
+// ranks with no keys or no queries. Gradients start from random values: backward adds to them.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -44,6 +44,11 @@ struct Shape {
   bool causal;
   PositionMap qpos, kpos;  // used when causal or masked
   MaskView mask{};         // window, documents, padding (causal is `causal`)
+  std::int64_t dv = 0;     // head dim of V, O, dO, dV (0: d)
+  double scale = 0;        // softmax scale (0: 1 / sqrt(d))
+  double softcap = 0;      // soft-cap of the scores (0: none)
+
+  std::int64_t value_dim() const { return dv > 0 ? dv : d; }
 };
 
 /// Gradients of one backward call, in the element type's accumulation type.
@@ -59,13 +64,16 @@ template <class T>
 void check_threads(const Shape& s, std::uint64_t seed) {
   using A = acc_t<T>;
   std::mt19937_64 rng(seed);
+  const std::int64_t dv = s.value_dim();
   const std::int64_t nq = s.b * s.sq * s.h * s.d, nk = s.b * s.sk * s.kh * s.d;
-  const auto q = test::rounded<T>(test::random_tensor(nq, rng)), dout = test::rounded<T>(test::random_tensor(nq, rng));
-  const auto k = test::rounded<T>(test::random_tensor(nk, rng)), v = test::rounded<T>(test::random_tensor(nk, rng));
+  const std::int64_t no = s.b * s.sq * s.h * dv, nv = s.b * s.sk * s.kh * dv;
+  const auto q = test::rounded<T>(test::random_tensor(nq, rng)), dout = test::rounded<T>(test::random_tensor(no, rng));
+  const auto k = test::rounded<T>(test::random_tensor(nk, rng)), v = test::rounded<T>(test::random_tensor(nv, rng));
   const auto dq0 = test::rounded<A>(test::random_tensor(nq, rng)), dk0 = test::rounded<A>(test::random_tensor(nk, rng)),
-             dv0 = test::rounded<A>(test::random_tensor(nk, rng));
+             dv0 = test::rounded<A>(test::random_tensor(nv, rng));
   KernelParams p;
-  p.scale = 1.0 / std::sqrt(double(s.d));
+  p.scale = s.scale != 0 ? s.scale : 1.0 / std::sqrt(double(s.d));
+  p.softcap = s.softcap;
   p.causal = s.causal;
   p.q_positions = s.qpos;
   p.k_positions = s.kpos;
@@ -74,17 +82,17 @@ void check_threads(const Shape& s, std::uint64_t seed) {
 
   using V = TensorView<const double>;
   using G = TensorView<double>;
-  std::vector<double> out(q.size()), lse(static_cast<std::size_t>(s.b * s.sq * s.h));
+  std::vector<double> out(static_cast<std::size_t>(no)), lse(static_cast<std::size_t>(s.b * s.sq * s.h));
   ReferenceKernel ref;
   ref.forward(V::bshd(q.data(), s.b, s.sq, s.h, s.d), V::bshd(k.data(), s.b, s.sk, s.kh, s.d),
-              V::bshd(v.data(), s.b, s.sk, s.kh, s.d), G::bshd(out.data(), s.b, s.sq, s.h, s.d),
+              V::bshd(v.data(), s.b, s.sk, s.kh, dv), G::bshd(out.data(), s.b, s.sq, s.h, dv),
               G::bshd(lse.data(), s.b, s.sq, s.h, 1), p);
   std::vector<double> want_dq = dq0, want_dk = dk0, want_dv = dv0;
-  ref.backward(V::bshd(dout.data(), s.b, s.sq, s.h, s.d), V::bshd(q.data(), s.b, s.sq, s.h, s.d),
-               V::bshd(k.data(), s.b, s.sk, s.kh, s.d), V::bshd(v.data(), s.b, s.sk, s.kh, s.d),
-               V::bshd(out.data(), s.b, s.sq, s.h, s.d), V::bshd(lse.data(), s.b, s.sq, s.h, 1),
+  ref.backward(V::bshd(dout.data(), s.b, s.sq, s.h, dv), V::bshd(q.data(), s.b, s.sq, s.h, s.d),
+               V::bshd(k.data(), s.b, s.sk, s.kh, s.d), V::bshd(v.data(), s.b, s.sk, s.kh, dv),
+               V::bshd(out.data(), s.b, s.sq, s.h, dv), V::bshd(lse.data(), s.b, s.sq, s.h, 1),
                G::bshd(want_dq.data(), s.b, s.sq, s.h, s.d), G::bshd(want_dk.data(), s.b, s.sk, s.kh, s.d),
-               G::bshd(want_dv.data(), s.b, s.sk, s.kh, s.d), p);
+               G::bshd(want_dv.data(), s.b, s.sk, s.kh, dv), p);
 
   const std::vector<T> qt(q.begin(), q.end()), kt(k.begin(), k.end()), vt(v.begin(), v.end()),
       dot(dout.begin(), dout.end()), ot(out.begin(), out.end());
@@ -94,12 +102,12 @@ void check_threads(const Shape& s, std::uint64_t seed) {
   auto run = [&](int threads) {
     kernel.set_threads(threads);
     Grads<A> g{{dq0.begin(), dq0.end()}, {dk0.begin(), dk0.end()}, {dv0.begin(), dv0.end()}};
-    kernel.backward(CV::bshd(dot.data(), s.b, s.sq, s.h, s.d), CV::bshd(qt.data(), s.b, s.sq, s.h, s.d),
-                    CV::bshd(kt.data(), s.b, s.sk, s.kh, s.d), CV::bshd(vt.data(), s.b, s.sk, s.kh, s.d),
-                    CV::bshd(ot.data(), s.b, s.sq, s.h, s.d), TensorView<const A>::bshd(lt.data(), s.b, s.sq, s.h, 1),
+    kernel.backward(CV::bshd(dot.data(), s.b, s.sq, s.h, dv), CV::bshd(qt.data(), s.b, s.sq, s.h, s.d),
+                    CV::bshd(kt.data(), s.b, s.sk, s.kh, s.d), CV::bshd(vt.data(), s.b, s.sk, s.kh, dv),
+                    CV::bshd(ot.data(), s.b, s.sq, s.h, dv), TensorView<const A>::bshd(lt.data(), s.b, s.sq, s.h, 1),
                     TensorView<A>::bshd(g.dq.data(), s.b, s.sq, s.h, s.d),
                     TensorView<A>::bshd(g.dk.data(), s.b, s.sk, s.kh, s.d),
-                    TensorView<A>::bshd(g.dv.data(), s.b, s.sk, s.kh, s.d), p);
+                    TensorView<A>::bshd(g.dv.data(), s.b, s.sk, s.kh, dv), p);
     return g;
   };
 
@@ -210,6 +218,34 @@ TEST_CASE_TEMPLATE("threaded flash backward: windows, documents and padding (key
   check_threads<T>(d, 42);
 }
 
+TEST_CASE_TEMPLATE("threaded flash backward: soft-capped scores and a value head dim, alone and together", T, float,
+                   double) {
+  // Cap 50 with scores spread to about +-50 (the slope 1 - tanh^2 far from 1), causal, GQA 6 / 2.
+  Shape cap = shape(333, 333, true);
+  cap.scale = 30;
+  cap.softcap = 50;
+  check_threads<T>(cap, 51);
+  // MLA's prefill dims, D 192 / D_v 128, over three key blocks; D_v > D, bidirectional.
+  Shape mla = shape(300, 600, true, 4, 1, 192);
+  mla.dv = 128;
+  mla.kpos = PositionMap::run(mla.sk, 0);
+  mla.qpos = PositionMap::run(mla.sq, 300);
+  check_threads<T>(mla, 52);
+  Shape wide = shape(200, 257, false, 3, 3, 8);
+  wide.dv = 40;
+  check_threads<T>(wide, 53);
+  // Both, with a window and documents: key blocks skipped before a query block.
+  static const std::vector<std::int64_t> docs{0, 200, 590, 700};
+  Shape both = shape(700, 700, true, 4, 2, 24);
+  both.dv = 56;
+  both.softcap = 1.5;
+  both.scale = 1;
+  both.mask.window_left = 260;
+  both.mask.doc_starts = docs.data();
+  both.mask.doc_count = 3;
+  check_threads<T>(both, 54);
+}
+
 TEST_CASE_TEMPLATE("threaded flash backward: a rank with no keys or no queries adds nothing", T, float, double) {
   check_threads<T>(shape(333, 0, true), 21);
   check_threads<T>(shape(0, 333, false), 22);
@@ -265,6 +301,45 @@ TEST_CASE("threaded flash backward: a warmed-up call allocates nothing") {
                  V::bshd(kv.data(), s.b, keys, s.kh, s.d), G::bshd(o.data(), s.b, T, s.h, s.d),
                  G::bshd(l.data(), s.b, T, s.h, 1), dp);
   CHECK(allocations.load() == ready);
+
+  // A value dim of its own (larger than the head dim, so that sizing by the head dim would fall
+  // short), reserved through KernelCallBounds::value_dim: a backward, and a decode step of MQA's
+  // shape (16 tokens x 64 query heads of one K/V head: its rows split over two tasks, keys in
+  // chunks whose partials hold D_v + 1 values a row).
+  const std::int64_t wide_dv = 2 * s.d;
+  const auto vw = test::random_tensor(s.b * s.sk * s.kh * wide_dv, rng);
+  const auto dow = test::random_tensor(s.b * s.sq * s.h * wide_dv, rng);
+  std::vector<double> dvw(vw.size());
+  KernelCallBounds wide{s.b, s.sq, s.h, s.sk, s.kh, s.h / s.kh, s.d, true};
+  wide.value_dim = wide_dv;
+  CpuFlashKernel value_dim(3);
+  value_dim.reserve(wide);
+  const long wide_ready = allocations.load();
+  value_dim.backward(V::bshd(dow.data(), s.b, s.sq, s.h, wide_dv), V::bshd(q.data(), s.b, s.sq, s.h, s.d),
+                     V::bshd(k.data(), s.b, s.sk, s.kh, s.d), V::bshd(vw.data(), s.b, s.sk, s.kh, wide_dv),
+                     V::bshd(dow.data(), s.b, s.sq, s.h, wide_dv), V::bshd(lse.data(), s.b, s.sq, s.h, 1),
+                     G::bshd(dq.data(), s.b, s.sq, s.h, s.d), G::bshd(dk.data(), s.b, s.sk, s.kh, s.d),
+                     G::bshd(dvw.data(), s.b, s.sk, s.kh, wide_dv), p);
+  CHECK(allocations.load() == wide_ready);
+  const std::int64_t mqa_heads = 64, tokens = 16, dk_ = 8, dv_ = 200;
+  const auto qm = test::random_tensor(tokens * mqa_heads * dk_, rng), km = test::random_tensor(keys * dk_, rng),
+             vm = test::random_tensor(keys * dv_, rng);
+  std::vector<double> om(static_cast<std::size_t>(tokens * mqa_heads * dv_));
+  std::vector<double> lm(static_cast<std::size_t>(tokens * mqa_heads));
+  KernelParams mp;
+  mp.q_positions = PositionMap::run(tokens, keys - tokens);
+  mp.k_positions = PositionMap::run(keys, 0);
+  mp.causal = true;
+  mp.group_size = mqa_heads;
+  KernelCallBounds mqa{1, tokens, mqa_heads, keys, 1, mqa_heads, dk_, false};
+  mqa.value_dim = dv_;
+  CpuFlashKernel mqa_kernel(2);
+  mqa_kernel.reserve(mqa);
+  const long mqa_ready = allocations.load();
+  mqa_kernel.forward(V::bshd(qm.data(), 1, tokens, mqa_heads, dk_), V::bshd(km.data(), 1, keys, 1, dk_),
+                     V::bshd(vm.data(), 1, keys, 1, dv_), G::bshd(om.data(), 1, tokens, mqa_heads, dv_),
+                     G::bshd(lm.data(), 1, tokens, mqa_heads, 1), mp);
+  CHECK(allocations.load() == mqa_ready);
 }
 
 TEST_CASE("threaded flash backward: a row that sees no key adds nothing to any gradient, NaN in its Q or dO included") {

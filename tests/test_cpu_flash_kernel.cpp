@@ -1,9 +1,12 @@
 // CpuFlashKernel against ReferenceKernel: odd lengths (not multiples of the 64-row blocks),
 // head_dim 1..256, causal masks from arbitrary increasing positions (two segments, strides),
-// GQA with head offsets, float and double, output and LSE; and every other mask family
-// (windows, documents, key padding), forward and backward, NaN and Inf at hidden keys.
+// GQA with head offsets, float and double, output and LSE; every other mask family (windows,
+// documents, key padding), forward and backward, NaN and Inf at hidden keys; and soft-capped
+// scores and a value head dim other than the head dim, alone, together and on the decode path.
 #include <doctest/doctest.h>
 
+#include <cstring>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -343,6 +346,12 @@ namespace {
 /// A case with a mask. KernelParams' mask points into `docs` and `kv_valid`, held here.
 struct MaskCase {
   std::int64_t batch = 1, sq = 1, sk = 1, heads = 2, kv_heads = 1, dim = 24;
+  std::int64_t dim_v = 0;  ///< head dim of V, O, dO and dV (0: dim)
+  double scale = 0;        ///< softmax scale (0: 1 / sqrt(dim))
+  double softcap = 0;      ///< soft-cap of the scores (0: none)
+  /// V is the first dim_v columns of K's rows (same data pointer, K's strides), as MLA's latent
+  /// cache: NaN planted in a V row lands in its K row too.
+  bool v_in_k = false;
   bool causal = false;
   PositionMap qpos, kpos;  ///< diagonals of the queries (bottom-right: shifted), positions of the keys
   std::int64_t window_left = -1, window_right = -1;
@@ -358,9 +367,13 @@ struct MaskCase {
   std::uint64_t seed = 1;
   bool backward = true;  ///< also check the backward
 
+  /// D_v.
+  std::int64_t value_dim() const { return dim_v > 0 ? dim_v : dim; }
+
   KernelParams params() const {
     KernelParams p;
-    p.scale = 1.0 / std::sqrt(double(dim));
+    p.scale = scale != 0 ? scale : 1.0 / std::sqrt(double(dim));
+    p.softcap = softcap;
     p.causal = causal;
     p.q_positions = qpos;
     p.k_positions = kpos;
@@ -480,21 +493,26 @@ void check_masked(const MaskCase& c) {
   using A = acc_t<T>;
   constexpr double grad_tol = std::is_same_v<T, double> ? 1e-11 : 1e-4;  // as the threaded backward test
   std::mt19937_64 rng(c.seed);
+  const std::int64_t dv = c.value_dim();
   const std::int64_t nq = c.batch * c.sq * c.heads * c.dim, nk = c.batch * c.sk * c.kv_heads * c.dim;
-  const auto q = test::rounded<T>(test::random_tensor(nq, rng)), dout = test::rounded<T>(test::random_tensor(nq, rng));
-  auto k = test::rounded<T>(test::random_tensor(nk, rng)), v = test::rounded<T>(test::random_tensor(nk, rng));
+  const std::int64_t no = nq / c.dim * dv, nv = nk / c.dim * dv;  // O, dO; V, dV
+  const auto q = test::rounded<T>(test::random_tensor(nq, rng)), dout = test::rounded<T>(test::random_tensor(no, rng));
+  auto k = test::rounded<T>(test::random_tensor(nk, rng));
+  auto v = test::rounded<T>(test::random_tensor(c.v_in_k ? 0 : nv, rng));
   const auto dq0 = test::rounded<A>(test::random_tensor(nq, rng)), dk0 = test::rounded<A>(test::random_tensor(nk, rng)),
-             dv0 = test::rounded<A>(test::random_tensor(nk, rng));
-  auto key_row = [&](std::vector<double>& x, std::int64_t b, std::int64_t j, std::int64_t h) {
-    return x.data() + ((b * c.sk + j) * c.kv_heads + h) * c.dim;
+             dv0 = test::rounded<A>(test::random_tensor(nv, rng));
+  // Row (b, j, h) of a key tensor with `dim` values per row (V in K: K's rows).
+  auto key_row = [&](std::vector<double>& x, std::int64_t dim, std::int64_t b, std::int64_t j, std::int64_t h) {
+    return x.data() + ((b * c.sk + j) * c.kv_heads + h) * dim;
   };
   for (std::size_t n = 0; n < c.bad_k.size(); ++n)
     for (std::int64_t h = 0; h < c.kv_heads; ++h)
-      std::fill_n(key_row(k, c.bad_k[n].first, c.bad_k[n].second, h), c.dim,
+      std::fill_n(key_row(k, c.dim, c.bad_k[n].first, c.bad_k[n].second, h), c.dim,
                   n % 2 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN());
   for (const auto& [b, j] : c.nan_v)
     for (std::int64_t h = 0; h < c.kv_heads; ++h)
-      std::fill_n(key_row(v, b, j, h), c.dim, std::numeric_limits<double>::quiet_NaN());
+      std::fill_n(c.v_in_k ? key_row(k, c.dim, b, j, h) : key_row(v, dv, b, j, h), dv,
+                  std::numeric_limits<double>::quiet_NaN());
   const KernelParams p = c.params();
   if (c.row_end.empty()) CHECK(mask_disagreements(c, p) == 0);  // a decode step's row ends are not in the definition
 
@@ -504,29 +522,37 @@ void check_masked(const MaskCase& c) {
     return TensorView<std::remove_pointer_t<decltype(x)>>::bshd(x, c.batch, rows, heads, dim);
   };
   auto rows_q = [&](auto* x) { return view(x, c.sq, c.heads, c.dim); };
+  auto rows_o = [&](auto* x) { return view(x, c.sq, c.heads, dv); };  // O, dO
   auto rows_k = [&](auto* x) { return view(x, c.sk, c.kv_heads, c.dim); };
+  auto rows_v = [&](auto* x) { return view(x, c.sk, c.kv_heads, dv); };  // dV
+  // V: its own rows, or the first dv columns of K's (`kx`).
+  auto v_of = [&](const auto* x, const auto* kx) {
+    auto r = c.v_in_k ? rows_k(kx) : rows_v(x);
+    r.extent[3] = dv;
+    return r;
+  };
   auto lse_of = [&](auto* x) { return view(x, c.sq, c.heads, 1); };
 
   // The reference on the same values, NaN and Inf included (it never reads a hidden key).
-  std::vector<double> out(q.size()), lse(static_cast<std::size_t>(c.batch * c.sq * c.heads));
+  std::vector<double> out(no), lse(static_cast<std::size_t>(c.batch * c.sq * c.heads));
   std::vector<double> want_dq = dq0, want_dk = dk0, want_dv = dv0;
   const double *kd = k.data(), *vd = v.data(), *od = out.data(), *ld = lse.data();
   ReferenceKernel ref;
-  ref.forward(rows_q(q.data()), rows_k(kd), rows_k(vd), rows_q(out.data()), lse_of(lse.data()), p);
-  ref.backward(rows_q(dout.data()), rows_q(q.data()), rows_k(kd), rows_k(vd), rows_q(od), lse_of(ld),
-               rows_q(want_dq.data()), rows_k(want_dk.data()), rows_k(want_dv.data()), p);
+  ref.forward(rows_q(q.data()), rows_k(kd), v_of(vd, kd), rows_o(out.data()), lse_of(lse.data()), p);
+  ref.backward(rows_o(dout.data()), rows_q(q.data()), rows_k(kd), v_of(vd, kd), rows_o(od), lse_of(ld),
+               rows_q(want_dq.data()), rows_k(want_dk.data()), rows_v(want_dv.data()), p);
   const std::vector<char> seen = keys_seen(c, p);
 
   const std::vector<T> qt(q.begin(), q.end()), kt(k.begin(), k.end()), vt(v.begin(), v.end()),
       dot(dout.begin(), dout.end()), ot(out.begin(), out.end());
   const std::vector<A> lt(lse.begin(), lse.end());
-  const auto qv = rows_q(qt.data()), kv = rows_k(kt.data()), vv = rows_k(vt.data());
+  const auto qv = rows_q(qt.data()), kv = rows_k(kt.data()), vv = v_of(vt.data(), kt.data());
   for (CpuIsa isa : test::cpu_isas()) {
     CAPTURE(cpu_isa_name(isa));
     CpuFlashKernel kernel(CpuFlashOptions{.threads = c.threads, .isa = isa});
-    std::vector<T> got(q.size(), T(12345));
+    std::vector<T> got(out.size(), T(12345));
     std::vector<A> got_lse(lse.size(), A(12345));
-    kernel.forward(qv, kv, vv, rows_q(got.data()), lse_of(got_lse.data()), p);
+    kernel.forward(qv, kv, vv, rows_o(got.data()), lse_of(got_lse.data()), p);
     test::Errors e;
     std::int64_t finite_mismatch = 0;
     for (std::size_t i = 0; i < got.size(); ++i) {
@@ -548,21 +574,22 @@ void check_masked(const MaskCase& c) {
     CHECK(e.lse_rel() <= test::tolerance<T>);
 
     if (!c.backward) continue;
-    std::vector<A> dq(dq0.begin(), dq0.end()), dk(dk0.begin(), dk0.end()), dv(dv0.begin(), dv0.end());
-    kernel.backward(rows_q(dot.data()), qv, kv, vv, rows_q(ot.data()), lse_of(lt.data()), rows_q(dq.data()),
-                    rows_k(dk.data()), rows_k(dv.data()), p);
+    std::vector<A> dq(dq0.begin(), dq0.end()), dk(dk0.begin(), dk0.end()), dvg(dv0.begin(), dv0.end());
+    kernel.backward(rows_o(dot.data()), qv, kv, vv, rows_o(ot.data()), lse_of(lt.data()), rows_q(dq.data()),
+                    rows_k(dk.data()), rows_v(dvg.data()), p);
     CHECK(grad_error(dq, want_dq, dq0) <= grad_tol);
     CHECK(grad_error(dk, want_dk, dk0) <= grad_tol);
-    CHECK(grad_error(dv, want_dv, dv0) <= grad_tol);
+    CHECK(grad_error(dvg, want_dv, dv0) <= grad_tol);
     // Keys no query sees: nothing added, not even 0 x NaN.
     std::int64_t changed = 0;
     for (std::int64_t b = 0; b < c.batch; ++b)
-      for (std::int64_t j = 0; j < c.sk; ++j)
-        if (!seen[b * c.sk + j])
-          for (std::int64_t x = 0; x < c.kv_heads * c.dim; ++x) {
-            const std::size_t at = static_cast<std::size_t>((b * c.sk + j) * c.kv_heads * c.dim + x);
-            changed += dk[at] != static_cast<A>(dk0[at]) || dv[at] != static_cast<A>(dv0[at]);
-          }
+      for (std::int64_t j = 0; j < c.sk; ++j) {
+        if (seen[b * c.sk + j]) continue;
+        const std::int64_t row = (b * c.sk + j) * c.kv_heads;
+        for (std::int64_t x = row * c.dim; x < (row + c.kv_heads) * c.dim; ++x)
+          changed += dk[x] != static_cast<A>(dk0[x]);
+        for (std::int64_t x = row * dv; x < (row + c.kv_heads) * dv; ++x) changed += dvg[x] != static_cast<A>(dv0[x]);
+      }
     CHECK(changed == 0);
   }
 }
@@ -599,6 +626,18 @@ MaskCase self_case(std::int64_t s, std::uint64_t seed) {
 /// diagonals by sk - sq.
 MaskCase bottom_right_case(std::int64_t sq, std::int64_t sk, std::uint64_t seed) {
   return cross_case(PositionMap::run(sq, sk - sq), PositionMap::run(sk, 0), seed);
+}
+
+/// A decode step's ragged row ends in batch element 0 (the cache, `back` slots short of the
+/// call's keys, then the step's earlier tokens): row t sees keys [0, sk - sq - back + t + 1);
+/// the slots after the last row's end hold NaN V and NaN or Inf K (stale slots no row sees).
+void ragged_step(MaskCase& c, std::int64_t back) {
+  for (std::int64_t t = 0; t < c.sq; ++t)
+    c.row_end.push_back(std::clamp<std::int64_t>(c.sk - c.sq - back + t + 1, 0, c.sk));
+  for (std::int64_t j = c.row_end.back(); j < c.sk; ++j) {
+    c.nan_v.push_back({0, j});
+    c.bad_k.push_back({0, j});
+  }
 }
 
 }  // namespace
@@ -795,11 +834,193 @@ TEST_CASE_TEMPLATE("flash kernel decode: dot-product scores and slabs of K/V hea
     c.threads = static_cast<int>(threads);
     c.dim = dim;
     c.backward = false;
-    for (std::int64_t t = 0; t < sq; ++t) c.row_end.push_back(std::clamp<std::int64_t>(sk - sq - 3 + t + 1, 0, sk));
-    for (std::int64_t j = c.row_end.back(); j < sk; ++j) {
-      c.nan_v.push_back({0, j});
-      c.bad_k.push_back({0, j});
-    }
+    ragged_step(c, 3);
     check_masked<T>(c);
   }
+}
+
+// Today's models: logit soft-capping (every visible score s becomes cap tanh(s / cap) before the
+// mask and the softmax; backward multiplies dS by tanh's slope) and a value head dim D_v other
+// than the head dim D of Q and K (V, O, dO, dV have D_v; MLA: D 192 / D_v 128 in prefill, D 576
+// / D_v 512 with V the first 512 columns of the latent cache's K rows in decode). Forward and
+// backward against ReferenceKernel, every instruction set, with the masks and NaN of the cases
+// above.
+
+namespace {
+
+/// dispatch_cpu_isa functor: the kernels' soft-cap of `n` values in place, at one level.
+struct SoftcapAt {
+  template <class Kernels, class A>
+  static void run(A* x, std::int64_t n, A cap) {
+    Kernels::softcap(x, n, cap);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("flash kernel soft-cap: the vector tanh is within 2^-23 absolute of tanh, relative near 0, NaN and "
+          "+-inf kept") {
+  // Every 509th float in [0, 12] and its negative (tanh is 1 in float from 9.1), and the floats
+  // next to 0.625, where the polynomial hands over to 1 - 2 / (e^2|x| + 1).
+  std::vector<float> x;
+  for (std::uint32_t bits = 0; bits <= 0x41400000u; bits += 509) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    x.push_back(f);
+    x.push_back(-f);
+  }
+  for (float f = 0.62f; f < 0.63f; f = std::nextafter(f, 1.0f)) x.push_back(f);
+  for (CpuIsa isa : test::cpu_isas()) {
+    CAPTURE(cpu_isa_name(isa));
+    std::vector<float> y = x;
+    detail::dispatch_cpu_isa<SoftcapAt>(isa, y.data(), static_cast<std::int64_t>(y.size()), 1.0f);
+    double worst_abs = 0, worst_rel = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const double want = std::tanh(double(x[i])), err = std::abs(double(y[i]) - want);
+      worst_abs = std::max(worst_abs, err);
+      if (std::abs(x[i]) < 1.0f && want != 0) worst_rel = std::max(worst_rel, err / std::abs(want));
+    }
+    CHECK(worst_abs <= std::ldexp(1.0, -23));  // 1.4 x 2^-24 measured
+    CHECK(worst_rel <= std::ldexp(1.0, -22));  // 1.3 x 2^-23 measured
+    // Special values, and a cap of 50: cap x tanh of every one.
+    const float inf = std::numeric_limits<float>::infinity();
+    float special[] = {inf, -inf, std::numeric_limits<float>::quiet_NaN(), -0.0f, 1e-40f, 3e38f, -3e38f};
+    detail::dispatch_cpu_isa<SoftcapAt>(isa, special, std::int64_t{7}, 50.0f);
+    CHECK(special[0] == 50.0f);
+    CHECK(special[1] == -50.0f);
+    CHECK(std::isnan(special[2]));
+    CHECK((special[3] == 0.0f && std::signbit(special[3])));
+    CHECK(special[4] == doctest::Approx(50 * 1e-40).epsilon(1e-6));
+    CHECK(special[5] == 50.0f);
+    CHECK(special[6] == -50.0f);
+    // Double lanes: the library tanh.
+    const double dx[] = {-3.5, -0.1, 0.0, 1e-300, 0.7, 20.0};
+    double d[std::size(dx)];
+    std::copy(std::begin(dx), std::end(dx), d);
+    detail::dispatch_cpu_isa<SoftcapAt>(isa, d, std::int64_t{std::size(dx)}, 1.5);
+    for (std::size_t i = 0; i < std::size(dx); ++i) CHECK(d[i] == 1.5 * std::tanh(dx[i]));
+  }
+}
+
+TEST_CASE_TEMPLATE("flash kernel soft-cap: caps 50 (scores past it) and 1.5, causal and not, windows, GQA, NaN "
+                   "at hidden keys",
+                   T, float, double) {
+  // Scale 30 at head dim 24 spreads the scores to about +-50 before the cap: the cap bends
+  // most of them, and the backward's slope 1 - tanh^2 is far from 1.
+  MaskCase big = self_case(300, 801);
+  big.scale = 30;
+  big.softcap = 50;
+  check_causal_and_not<T>(big, 2);
+  // A small cap at the usual scale (scores a few times the cap), a window, GQA 4 / 2, and NaN
+  // V and Inf K at keys only some rows see.
+  MaskCase small = self_case(333, 802);
+  small.scale = 2;
+  small.softcap = 1.5;
+  small.heads = 4;
+  small.kv_heads = 2;
+  small.window_left = 40;
+  small.window_right = 7;
+  small.nan_v = {{0, 150}};
+  small.bad_k = {{0, 200}, {0, 90}};
+  check_masked<T>(small);
+  // Bottom-right causal, 1100 keys (256-row query blocks) on 3 threads.
+  MaskCase br = bottom_right_case(140, 1100, 803);
+  br.causal = true;
+  br.softcap = 1.5;
+  br.scale = 1;
+  br.threads = 3;
+  check_masked<T>(br);
+}
+
+TEST_CASE_TEMPLATE("flash kernel value dim: D 192 / D_v 128, 64 / 32, 24 / 8, 16 / 40, odd dims; masks, GQA",
+                   T, float, double) {
+  // {D, D_v}: MLA's prefill shape, halves, a D_v below one vector, D_v > D, odd both.
+  const std::int64_t dims[][2] = {{192, 128}, {64, 32}, {24, 8}, {16, 40}, {7, 13}};
+  std::uint64_t seed = 900;
+  for (const auto& dims_of : dims) {
+    const std::int64_t d = dims_of[0], dv = dims_of[1];
+    INFO("D ", d, ", D_v ", dv);
+    MaskCase c = self_case(d >= 64 ? 150 : 260, ++seed);
+    c.dim = d;
+    c.dim_v = dv;
+    c.heads = 4;
+    c.kv_heads = 2;
+    check_causal_and_not<T>(c, 2);
+  }
+  // Documents and padding, batch 2 (D 40 / D_v 24); a bottom-right causal window (D 24 / D_v 56)
+  // over 1100 keys on 2 threads.
+  MaskCase docs = self_case(301, 910);
+  docs.batch = 2;
+  docs.dim = 40;
+  docs.dim_v = 24;
+  docs.causal = true;
+  docs.docs = documents({{100, 1, 150, 50}});
+  docs.kv_valid = {301, 222};
+  check_masked<T>(docs);
+  MaskCase br = bottom_right_case(200, 1100, 911);
+  br.dim = 24;
+  br.dim_v = 56;
+  br.causal = true;
+  br.window_left = 300;
+  br.threads = 2;
+  check_masked<T>(br);
+}
+
+TEST_CASE_TEMPLATE("flash kernel soft-cap with value dim: D 192 / D_v 128 capped at 30, documents, NaN and Inf at "
+                   "hidden keys",
+                   T, float, double) {
+  MaskCase c = self_case(200, 950);
+  c.dim = 192;
+  c.dim_v = 128;
+  c.scale = 0.6;
+  c.softcap = 30;
+  c.heads = 3;
+  c.kv_heads = 1;
+  c.causal = true;
+  c.docs = documents({{70, 130}});
+  c.nan_v = {{0, 60}};
+  c.bad_k = {{0, 65}, {0, 140}};
+  check_masked<T>(c);
+  c.causal = false;
+  c.window_left = c.window_right = 30;
+  c.threads = 2;
+  check_masked<T>(c);
+}
+
+TEST_CASE_TEMPLATE("flash kernel decode path with soft-cap and value dim: MLA's latent cache (D 576, V its first 512 "
+                   "columns, MQA), 1..16 rows, ragged ends, NaN in hidden slots",
+                   T, float, double) {
+  // Dot-product scores (<= 4 rows), one query panel, several, a K/V head's rows split over
+  // tasks (16 tokens x 64 and x 128 query heads), keys split into chunks on 2 threads (partials
+  // of D_v + 1 values a row); V in K's rows wherever D_v <= D.
+  std::uint64_t seed = 1000;
+  auto step = [&](std::int64_t sq, std::int64_t sk, std::int64_t heads, std::int64_t kv_heads, std::int64_t dim,
+                  std::int64_t dim_v) {
+    MaskCase c = cross_case(PositionMap::run(sq, 0), PositionMap::run(sk, 0), ++seed);
+    c.heads = heads;
+    c.kv_heads = kv_heads;
+    c.dim = dim;
+    c.dim_v = dim_v;
+    c.v_in_k = dim_v <= dim;
+    ragged_step(c, 5);
+    return c;
+  };
+  // Checks step `c` with cap `cap` (scores spread to about 4/3 of it), on `threads` threads.
+  auto check = [](MaskCase c, double cap, int threads, bool backward) {
+    INFO("tokens ", c.sq, ", keys ", c.sk, ", heads ", c.heads, "/", c.kv_heads, ", D ", c.dim, " / D_v ", c.dim_v,
+         ", cap ", cap, ", threads ", threads);
+    c.softcap = cap;
+    c.scale = cap > 0 ? 4 * cap / std::sqrt(double(c.dim)) : 0;
+    c.threads = threads;
+    c.backward = backward;
+    check_masked<T>(c);
+  };
+  check(step(1, 300, 4, 1, 576, 512), 0, 1, true);
+  check(step(1, 700, 16, 1, 576, 512), 20, 1, true);
+  check(step(4, 500, 16, 1, 576, 512), 0, 2, true);
+  check(step(16, 200, 128, 1, 576, 512), 20, 1, false);
+  check(step(2, 1100, 16, 1, 576, 512), 20, 2, false);
+  check(step(16, 1100, 64, 1, 40, 24), 3, 2, false);
+  check(step(3, 90, 6, 2, 24, 40), 1.5, 1, true);
+  check(step(1, 2100, 8, 2, 64, 32), 10, 2, true);
 }

@@ -88,6 +88,7 @@ class SequenceParallelAttention {
     Implementable shape = seqpar::can_implement(policy_, problem, all_local_lengths);
     if (!shape) return shape;
     std::string why = detail::kernel_reason<Kernel>(problem);
+    if (why.empty()) why = detail::sinks_reason<memory_space>(problem);
     return {why.empty(), std::move(why)};
   }
 

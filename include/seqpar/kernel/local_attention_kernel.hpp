@@ -2,6 +2,7 @@
 /// \file
 /// The LocalAttentionKernel concept: what each rank computes on its slice.
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 
@@ -73,7 +74,7 @@ struct KernelCallBounds {
   std::int64_t group_size = 1;  ///< query heads per K/V head in the problem (H / K)
   std::int64_t head_dim = 0;    ///< D
   bool backward = false;        ///< backward calls too (the plan has with_lse)
-  std::int64_t value_dim = 0;   ///< D_v (0: head_dim)
+  std::int64_t value_dim = 0;   ///< D_v of V and O (0: D); last, so that positional initialisers keep their meaning
 };
 
 /// Opt-in for LocalAttentionKernel: true when the type declares
@@ -155,6 +156,21 @@ template <class K>
 inline constexpr bool kernel_has_scratch = requires(K& k) { k.prepare(std::int64_t{}); } ||
                                            requires(K& k) { k.prepare_backward(std::int64_t{}); } ||
                                            requires(K& k) { k.reserve(KernelCallBounds{}); };
+
+/// Sizes a kernel's per-head-dim scratch, forward and backward, for rows of `head_dim` (Q, K)
+/// and `value_dim` (V, O): with both dims where the kernel takes them, else the wider one.
+template <class K>
+void prepare_for(K& kernel, std::int64_t head_dim, std::int64_t value_dim) {
+  const std::int64_t widest = std::max(head_dim, value_dim);
+  if constexpr (requires { kernel.prepare(head_dim, value_dim); })
+    kernel.prepare(head_dim, value_dim);
+  else if constexpr (requires { kernel.prepare(head_dim); })
+    kernel.prepare(widest);
+  if constexpr (requires { kernel.prepare_backward(head_dim, value_dim); })
+    kernel.prepare_backward(head_dim, value_dim);
+  else if constexpr (requires { kernel.prepare_backward(head_dim); })
+    kernel.prepare_backward(widest);
+}
 
 /// True when kernel K applies KernelParams::softcap, forward and backward.
 template <class K>

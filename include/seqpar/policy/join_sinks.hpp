@@ -29,10 +29,28 @@
 #include "seqpar/core/problem.hpp"
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/workspace.hpp"
+#include "seqpar/ops/host_ops.hpp"
 #include "seqpar/policy/engine_context.hpp"
 #include "seqpar/policy/phase.hpp"
 
 namespace seqpar::detail {
+
+/// True when the tensor operations of memory space `Space` join sinks and take their gradient
+/// (join_sinks, sink_grads): plans with sinks are refused on a space whose operations lack them.
+template <class Space>
+inline constexpr bool ops_have_sinks =
+    requires(TensorOps<Space>& ops, TensorView<float, Space> o, TensorView<const float, Space> c, const float* s,
+             float* d) {
+      ops.join_sinks(o, o, s);
+      ops.sink_grads(c, c, c, s, d);
+    };
+
+/// Why a plan with sinks cannot run on memory space `Space` ("" when it can).
+template <class Space>
+std::string sinks_reason(const AttentionProblem& problem) {
+  if (problem.sinks == nullptr || ops_have_sinks<Space>) return "";
+  return "plan: sinks are not available on this memory space yet (its TensorOps has no join_sinks / sink_grads)";
+}
 
 /// The sinks as a phase: an exchange that changes no operand on the way in (but the LSE's
 /// home) and joins each row's sink on the way out.
@@ -66,7 +84,8 @@ struct JoinSinks : NoShapeRules {
   template <class Call, class T, class Space>
   static void out(Call& call, const ForwardOperands<T, Space>& inner, const ForwardOperands<T, Space>&) {
     const Plan& p = call.plan;
-    call.cx.ops.join_sinks(inner.out, inner.lse, p.problem().sinks + p.q_heads(p.ulysses_rank()).begin);
+    if constexpr (ops_have_sinks<Space>)  // otherwise the plan was refused (sinks_reason)
+      call.cx.ops.join_sinks(inner.out, inner.lse, p.problem().sinks + p.q_heads(p.ulysses_rank()).begin);
     call.cx.lap(Phase::finish);
   }
 

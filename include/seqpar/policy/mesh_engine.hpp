@@ -101,13 +101,12 @@ class MeshEngine {
       why = shape_reason<Phases>(cx_.mesh, problem, q, kv);
     }
     if (why.empty()) why = kernel_reason<Kernel>(problem);
+    if (why.empty()) why = sinks_reason<Space>(problem);
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan<Phases>(all, problem, cx_.mesh, cx_.world.rank(), id_);
     if constexpr (kernel_has_scratch<Kernel>) {
       why = allocation_disagreement(cx_.world, "plan: ", [&] {
-        const std::int64_t dim = std::max(problem.head_dim, problem.value_dim());  // the widest row
-        if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(dim);
-        if constexpr (requires { kernel_.prepare_backward(std::int64_t{}); }) kernel_.prepare_backward(dim);
+        prepare_for(kernel_, problem.head_dim, problem.value_dim());
         if constexpr (requires { kernel_.reserve(KernelCallBounds{}); }) kernel_.reserve(call_bounds(p));
       });
       SEQPAR_CHECK(why.empty(), ConfigError, why);
@@ -168,7 +167,7 @@ class MeshEngine {
     const auto guard = cx_.start_call(Pass::backward);
     // The sinks' gradient needs only this rank's rows (and no message): it comes first.
     if (d_sinks) {
-      cx_.ops.sink_grads(dout, out, lse, pr.sinks, d_sinks);
+      if constexpr (ops_have_sinks<Space>) cx_.ops.sink_grads(dout, out, lse, pr.sinks, d_sinks);
       cx_.lap(Phase::finish);
     }
     PhaseCall<Comm, Kernel> call{cx_, kernel_, p, {PlanAccess::schedule(p).backward, workspace}};

@@ -24,8 +24,10 @@
 ///
 /// Per tile (BQ queries, BK keys) five products run through one register-tiled
 /// micro-kernel (kernel/cpu/isa/simd.inl): S = Q K^T and dP = dO V^T with keys in the SIMD
-/// lanes, then P = exp(S scale - LSE) and dS = P (dP - delta) scale lane-wise, then
-/// dV += P^T dO, dK += dS^T Q and dQ = dS K with head dims in the lanes. A tile runs from the
+/// lanes, then P = exp(S scale - LSE) and dS = P (dP - delta) scale lane-wise (soft-capped:
+/// t = tanh(S scale / cap), P = exp(cap t - LSE), dS also times 1 - t^2), then dV += P^T dO,
+/// dK += dS^T Q and dQ = dS K with head dims in the lanes (D_v of them for dV, D for the
+/// others). A tile runs from the
 /// first key any of its rows sees to the last (each row sees one contiguous run of keys); P
 /// and dS are selected to exactly 0 at the keys a row does not see, and a K row holding a NaN
 /// or Inf enters dQ only for the rows that see it, so a hidden key adds nothing to any
@@ -74,10 +76,10 @@ template <class T, class A>
 struct FlashBackward {
   static constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
 
-  TensorView<const T> dout, q, k, v, out;  ///< inputs
+  TensorView<const T> dout, q, k, v, out;  ///< inputs (v, out, dout: D_v head dims)
   TensorView<const A> lse;                 ///< forward's LSE
-  TensorView<A> dq, dk, dv;                ///< gradients, added to
-  const KernelParams& p;                   ///< scale, mask, head map
+  TensorView<A> dq, dk, dv;                ///< gradients, added to (dv: D_v head dims)
+  const KernelParams& p;                   ///< scale, soft-cap, mask, head map
 
   /// Query blocks per (batch, head).
   std::int64_t query_blocks() const { return (q.seq() + BQ - 1) / BQ; }

@@ -8,7 +8,8 @@
 /// a 32-lane query panel with one row, so one query against 32K keys ran at ~0.7 GFLOP/s. Here
 /// one task takes every query row that reads a slab of K/V heads (all of them when the rows
 /// fit one forward scratch), all query heads of each GQA group at once (a head's rows = new
-/// tokens x group heads, token-major), against one chunk of those heads' keys:
+/// tokens x group heads, token-major; a group too large for one scratch, MQA's, is split by
+/// query heads, DecodeSplit), against one chunk of those heads' keys:
 ///  - the chunk goes by key blocks of 64-128 KB of K (as much V), each block for every head of
 ///    the slab before the next: a token's heads are one contiguous run in [B, S, Hkv, D], so
 ///    the reads stream (per head, one 512-byte run per token 4 KB apart would touch a page
@@ -46,38 +47,55 @@ inline constexpr std::int64_t decode_max_queries = 16;
 /// costs (packing its queries, writing and merging a partial) stop being small.
 inline constexpr std::int64_t decode_min_chunk = 512;
 
+/// How a decode call's query rows divide into tasks (before the key chunks): a task takes
+/// `slab` K/V heads with every query head of each, or, when one K/V head's rows (tokens x its
+/// query heads) exceed one forward scratch, `part_heads` of its query heads, the group split
+/// evenly into `parts` (MQA with many heads: 128 heads x 16 tokens are four tasks of 512
+/// rows, each reading the K/V head's keys, which that many rows per key make cheap).
+struct DecodeSplit {
+  std::int64_t part_heads;  ///< query heads of one K/V head per task
+  std::int64_t parts;       ///< tasks that share one K/V head's query heads
+  std::int64_t slab;        ///< K/V heads per task (1 when parts > 1)
+
+  /// The split for `tokens` query rows per head, `group` query heads per K/V head and
+  /// `kheads` K/V heads; rows of a task are rounded up to whole panels of `panel` lanes.
+  static DecodeSplit of(std::int64_t tokens, std::int64_t group, std::int64_t kheads, std::int64_t panel) {
+    const std::int64_t most = fwd_block_q / std::max<std::int64_t>(1, tokens);  // >= 32 query heads
+    const std::int64_t parts = std::max<std::int64_t>(1, (group + most - 1) / most);
+    const std::int64_t part_heads = (group + parts - 1) / parts;
+    const std::int64_t rows = (std::max<std::int64_t>(1, tokens * part_heads) + panel - 1) / panel * panel;
+    if (parts > 1) return {part_heads, parts, 1};
+    return {part_heads, 1, std::clamp<std::int64_t>(fwd_block_q / rows, 1, std::max<std::int64_t>(1, kheads))};
+  }
+};
+
 /// One decode-shaped forward call: the tensors, the parameters and the split into tasks
-/// (batch element x slab of K/V heads x key chunk).
+/// (batch element x slab of K/V heads or part of one's query heads x key chunk).
 template <class T, class O, class A>
 struct FlashDecode {
   TensorView<const T> q;  ///< [B, Sq, H, D], Sq <= decode_max_queries
   TensorView<const T> k;  ///< [B, Sk, Hkv, D]
-  TensorView<const T> v;  ///< [B, Sk, Hkv, D]
-  TensorView<O> out;      ///< [B, Sq, H, D]
+  TensorView<const T> v;  ///< [B, Sk, Hkv, D_v] (may view K's rows: MLA's latent cache)
+  TensorView<O> out;      ///< [B, Sq, H, D_v]
   TensorView<A> lse;      ///< [B, Sq, H, 1], or absent
   const KernelParams& p;  ///< scale, mask, head map
   std::int64_t chunks = 1;  ///< key chunks per group (1: each task writes its rows' output)
-  A* part = nullptr;        ///< chunks > 1: per (group, chunk, row) the chunk's O (dim) then its LSE
-  std::int64_t slab = slab_heads(q.seq(), group_heads(q, p), k.heads());  ///< K/V heads per task
+  A* part = nullptr;        ///< chunks > 1: per (group, chunk, row) the chunk's O (D_v) then its LSE
+  DecodeSplit split = DecodeSplit::of(q.seq(), group_heads(q, p), k.heads(), max_panel<A>);  ///< rows per task
 
-  /// Whether a forward call of this shape takes the decode path: few query rows, every group
-  /// of rows fits one forward scratch, and K/V readable in place (T = A).
-  static bool applies(TensorView<const T> q, TensorView<const T> k, const KernelParams& p) {
-    return std::is_same_v<T, A> && q.seq() >= 1 && q.seq() <= decode_max_queries && k.heads() >= 1 &&
-           q.seq() * group_heads(q, p) <= fwd_block_q;
+  /// Whether a forward call of this shape takes the decode path: few query rows and K/V
+  /// readable in place (T = A).
+  static bool applies(TensorView<const T> q, TensorView<const T> k, const KernelParams&) {
+    return std::is_same_v<T, A> && q.seq() >= 1 && q.seq() <= decode_max_queries && k.heads() >= 1;
   }
   /// Most local query heads that read one K/V head.
   static std::int64_t group_heads(TensorView<const T> q, const KernelParams& p) {
     return std::min(p.group_size, q.heads());
   }
-  /// Scratch rows of one K/V head's query rows (tokens x group heads), rounded up to whole
-  /// panels of the widest level, so that every head's rows start on a panel.
-  static std::int64_t head_rows(std::int64_t tokens, std::int64_t group) {
-    return (std::max<std::int64_t>(1, tokens * group) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
-  }
-  /// K/V heads one task takes: as many as one forward scratch holds the rows of.
-  static std::int64_t slab_heads(std::int64_t tokens, std::int64_t group, std::int64_t kheads) {
-    return std::clamp<std::int64_t>(fwd_block_q / head_rows(tokens, group), 1, std::max<std::int64_t>(1, kheads));
+  /// Scratch rows of one K/V head's query rows in a task (tokens x its heads), rounded up to
+  /// whole panels of the widest level, so that every head's rows start on a panel.
+  static std::int64_t head_rows(std::int64_t tokens, std::int64_t heads) {
+    return (std::max<std::int64_t>(1, tokens * heads) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
   }
   /// Key chunks per group for `threads` threads: enough tasks for about four per thread, no
   /// chunk under decode_min_chunk keys. (Without the mask's group size, the groups are
@@ -85,54 +103,69 @@ struct FlashDecode {
   static std::int64_t chunk_count(int threads, TensorView<const T> q, TensorView<const T> k) {
     if (threads <= 1) return 1;
     const std::int64_t kheads = std::max<std::int64_t>(1, k.heads());
-    const std::int64_t slab = slab_heads(q.seq(), (q.heads() + kheads - 1) / kheads, kheads);
-    const std::int64_t groups = q.batch() * ((kheads + slab - 1) / slab);
+    const DecodeSplit s = DecodeSplit::of(q.seq(), (q.heads() + kheads - 1) / kheads, kheads, max_panel<A>);
+    const std::int64_t groups = q.batch() * ((kheads + s.slab - 1) / s.slab) * s.parts;
     if (groups == 0) return 1;  // an empty batch: no task at all
     const std::int64_t want = (4 * threads + groups - 1) / groups;
     return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, k.seq() / decode_min_chunk));
   }
 
   /// Slabs of K/V heads per batch element.
-  std::int64_t slabs() const { return (k.heads() + slab - 1) / slab; }
-  /// (batch element, slab) groups.
-  std::int64_t groups() const { return q.batch() * slabs(); }
+  std::int64_t slabs() const { return (k.heads() + split.slab - 1) / split.slab; }
+  /// Groups: (batch element, slab, part), part fastest.
+  std::int64_t groups() const { return q.batch() * slabs() * split.parts; }
   /// Tasks of the first pass: groups x chunks.
   std::int64_t tasks() const { return groups() * chunks; }
   /// Scratch and partial rows of one K/V head in a task (see head_rows).
-  std::int64_t head_rows() const { return head_rows(q.seq(), group_heads(q, p)); }
+  std::int64_t head_rows() const { return head_rows(q.seq(), split.part_heads); }
   /// Partial rows of a group: its heads' rows, head_rows() apart.
-  std::int64_t max_rows() const { return slab * head_rows(); }
-  /// The local query heads [first, second) that read local K/V head `kh`.
-  std::pair<std::int64_t, std::int64_t> heads(std::int64_t kh) const {
+  std::int64_t max_rows() const { return split.slab * head_rows(); }
+
+  /// What group `g` takes: batch element b, K/V heads [kh0, kh1), part `part` of each one's
+  /// query heads.
+  struct Group {
+    std::int64_t b, kh0, kh1, part;
+  };
+  /// See Group.
+  Group group(std::int64_t g) const {
+    const std::int64_t per_batch = slabs() * split.parts, u = g % per_batch, kh0 = u / split.parts * split.slab;
+    return {g / per_batch, kh0, std::min(k.heads(), kh0 + split.slab), u % split.parts};
+  }
+  /// The local query heads [first, second) of part `part` of those that read local K/V head
+  /// `kh` (empty when the part is past them).
+  std::pair<std::int64_t, std::int64_t> heads(std::int64_t kh, std::int64_t part) const {
     const std::int64_t g = kh + p.kv_head_begin;
-    return {std::max<std::int64_t>(0, g * p.group_size - p.q_head_begin),
-            std::min(q.heads(), (g + 1) * p.group_size - p.q_head_begin)};
+    const std::int64_t h0 = std::max<std::int64_t>(0, g * p.group_size - p.q_head_begin);
+    const std::int64_t h1 = std::min(q.heads(), (g + 1) * p.group_size - p.q_head_begin);
+    const std::int64_t a = std::min(h1, h0 + part * split.part_heads);
+    return {a, split.parts > 1 ? std::min(h1, a + split.part_heads) : h1};
   }
   /// Bytes of the partials for `chunks` chunks (0 when there is one).
   std::size_t part_bytes() const {
-    return chunks > 1 ? static_cast<std::size_t>(tasks() * max_rows() * (q.dim() + 1)) * sizeof(A) : 0;
+    return chunks > 1 ? static_cast<std::size_t>(tasks() * max_rows() * (v.dim() + 1)) * sizeof(A) : 0;
   }
-  /// Row `r` of chunk `c` of group `g` in the partials: dim values of O, then the LSE.
+  /// Row `r` of chunk `c` of group `g` in the partials: D_v values of O, then the LSE.
   A* part_row(std::int64_t g, std::int64_t c, std::int64_t r) const {
-    return part + ((g * chunks + c) * max_rows() + r) * (q.dim() + 1);
+    return part + ((g * chunks + c) * max_rows() + r) * (v.dim() + 1);
   }
 
   /// Second pass, for group `g`: merges each row's chunks in order (merge_row) into out, lse.
   void merge(std::int64_t g) const {
-    const std::int64_t dim = q.dim(), b = g / slabs(), kh0 = g % slabs() * slab;
-    for (std::int64_t kh = kh0; kh < std::min(k.heads(), kh0 + slab); ++kh) {
-      const auto [h0, h1] = heads(kh);
-      const std::int64_t gh = h1 - h0, r0 = (kh - kh0) * head_rows();
+    const std::int64_t dim_v = v.dim();
+    const Group at = group(g);
+    for (std::int64_t kh = at.kh0; kh < at.kh1; ++kh) {
+      const auto [h0, h1] = heads(kh, at.part);
+      const std::int64_t gh = h1 - h0, r0 = (kh - at.kh0) * head_rows();
       for (std::int64_t r = 0; r < q.seq() * gh; ++r) {
         A* o = part_row(g, 0, r0 + r);
-        A l = o[dim];
+        A l = o[dim_v];
         for (std::int64_t c = 1; c < chunks; ++c) {
           const A* oc = part_row(g, c, r0 + r);
-          merge_row<A>(o, l, oc, oc[dim], dim);
+          merge_row<A>(o, l, oc, oc[dim_v], dim_v);
         }
-        O* dst = out.row(b, r / gh, h0 + r % gh);
-        for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(o[d]);
-        if (!lse.absent()) lse(b, r / gh, h0 + r % gh) = l;
+        O* dst = out.row(at.b, r / gh, h0 + r % gh);
+        for (std::int64_t d = 0; d < dim_v; ++d) dst[d] = static_cast<O>(o[d]);
+        if (!lse.absent()) lse(at.b, r / gh, h0 + r % gh) = l;
       }
     }
   }
@@ -140,8 +173,10 @@ struct FlashDecode {
 
 /// An upper bound on FlashDecode<..., A>::part_bytes() over every decode-path call within `c`
 /// with `threads` threads (0 when no such call splits keys): chunks at most 4 x threads and
-/// Sk / decode_min_chunk, slabs x slab below 2 x K/V heads, rows per head at most those of the
-/// whole group. Calls with fewer heads (the ring's polled chunks) stay below it.
+/// Sk / decode_min_chunk, slabs x slab below 2 x K/V heads, rows per K/V head below twice
+/// those of the whole group (a split group's parts add at most a panel and a token row
+/// each), D_v + 1 values per row. Calls with fewer heads (the ring's polled chunks) stay below
+/// it.
 template <class A>
 std::size_t decode_part_bytes_bound(int threads, const KernelCallBounds& c) {
   if (threads <= 1 || c.q_rows < 1 || c.q_rows > decode_max_queries) return 0;
@@ -149,7 +184,8 @@ std::size_t decode_part_bytes_bound(int threads, const KernelCallBounds& c) {
   if (chunks <= 1) return 0;
   const std::int64_t group = std::max<std::int64_t>(1, std::min(c.group_size, c.heads));
   const std::int64_t rows = (std::max<std::int64_t>(1, c.q_rows * group) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
-  return static_cast<std::size_t>(c.batch * 2 * std::max<std::int64_t>(1, c.kv_heads) * chunks * rows * (c.head_dim + 1)) *
+  const std::int64_t dim_v = c.value_dim > 0 ? c.value_dim : c.head_dim;
+  return static_cast<std::size_t>(c.batch * 2 * std::max<std::int64_t>(1, c.kv_heads) * chunks * rows * (dim_v + 1)) *
          sizeof(A);
 }
 

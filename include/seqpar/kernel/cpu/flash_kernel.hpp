@@ -62,11 +62,18 @@ struct CpuFlashOptions {
 /// there stays out). Scratch (one slice per thread) and the thread pool are made by prepare()
 /// and the constructor, so forward allocates nothing and starts no thread. One forward at a
 /// time per object; copies get their own pool and scratch.
+///
+/// Today's models: a soft-cap (KernelParams::softcap) scales Q by scale / cap and caps each
+/// block of scores with a vector tanh (kernel/cpu/isa/simd.inl) before the mask, forward,
+/// decode path and backward alike; V and O may have their own head dim (v.dim(), MLA's
+/// D_v), every product and scratch buffer sized by the dim it carries.
 class CpuFlashKernel {
  public:
-  static constexpr bool is_seqpar_kernel = true;  ///< opts in to LocalAttentionKernel
-  static constexpr bool supports_masks = true;    ///< windows, documents, key padding
-  using memory_space = HostSpace;                 ///< host tensors
+  static constexpr bool is_seqpar_kernel = true;    ///< opts in to LocalAttentionKernel
+  static constexpr bool supports_masks = true;      ///< windows, documents, key padding
+  static constexpr bool supports_softcap = true;    ///< logit soft-capping, forward and backward
+  static constexpr bool supports_value_dim = true;  ///< V and O with their own head dim (D_v != D)
+  using memory_space = HostSpace;                   ///< host tensors
   static constexpr std::int64_t block_q = detail::fwd_block_q;  ///< most query rows per block (whole query panels)
   static constexpr std::int64_t block_k = detail::fwd_block_k;  ///< key rows per block
 
@@ -89,21 +96,24 @@ class CpuFlashKernel {
   /// Shorthand for `CpuFlashKernel(CpuFlashOptions{.threads = threads})`.
   explicit CpuFlashKernel(int threads) : CpuFlashKernel(CpuFlashOptions{.threads = threads}) {}
   /// Same options, own pool and scratch (the engine stores its kernel by value).
-  CpuFlashKernel(const CpuFlashKernel& other) : CpuFlashKernel(other.options_) { prepare(other.prepared_dim_); }
+  CpuFlashKernel(const CpuFlashKernel& other) : CpuFlashKernel(other.options_) {
+    prepare(other.prepared_dim_, other.prepared_dim_v_);
+  }
   /// Same options, own pool and scratch.
   CpuFlashKernel& operator=(const CpuFlashKernel& other) {
     if (this != &other) {
       options_.isa = other.options_.isa;
       isa_ = other.isa_;
       set_threads(other.options_.threads);
-      prepare(other.prepared_dim_);
+      prepare(other.prepared_dim_, other.prepared_dim_v_);
     }
     return *this;
   }
   /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
   CpuFlashKernel(CpuFlashKernel&& other) noexcept
       : options_(std::exchange(other.options_, CpuFlashOptions{})), isa_(other.isa_), pool_(std::move(other.pool_)),
-        prepared_dim_(std::exchange(other.prepared_dim_, 0)), thread_stride_(std::exchange(other.thread_stride_, 0)),
+        prepared_dim_(std::exchange(other.prepared_dim_, 0)), prepared_dim_v_(std::exchange(other.prepared_dim_v_, 0)),
+        thread_stride_(std::exchange(other.thread_stride_, 0)),
         scratch_(std::move(other.scratch_)), backward_scratch_(std::move(other.backward_scratch_)),
         decode_scratch_(std::move(other.decode_scratch_)) {}
   /// Takes over the pool and scratch; `other` is left a prepared-for-nothing, 1-thread kernel.
@@ -113,6 +123,7 @@ class CpuFlashKernel {
       isa_ = other.isa_;
       pool_ = std::move(other.pool_);
       prepared_dim_ = std::exchange(other.prepared_dim_, 0);
+      prepared_dim_v_ = std::exchange(other.prepared_dim_v_, 0);
       thread_stride_ = std::exchange(other.thread_stride_, 0);
       scratch_ = std::move(other.scratch_);
       other.scratch_.clear();
@@ -134,9 +145,8 @@ class CpuFlashKernel {
       pool_.reset();
     else if (!pool_ || pool_->size() != threads)
       pool_ = std::make_unique<detail::ThreadPool>(threads);
-    const std::int64_t dim = prepared_dim_;
-    prepared_dim_ = 0;
-    prepare(dim);
+    const std::int64_t dim = std::exchange(prepared_dim_, 0), dim_v = std::exchange(prepared_dim_v_, 0);
+    prepare(dim, dim_v);
   }
   /// Threads a forward or backward call uses.
   int threads() const { return options_.threads; }
@@ -145,13 +155,15 @@ class CpuFlashKernel {
   /// The instruction set this kernel runs (options().isa resolved; never automatic).
   CpuIsa isa() const { return isa_; }
 
-  /// Sizes the scratch of every thread for head dims up to `max_head_dim` (both float and
-  /// double).
-  void prepare(std::int64_t max_head_dim) {
-    if (max_head_dim <= prepared_dim_) return;
-    thread_stride_ = detail::flash_forward_thread_bytes(max_head_dim);
+  /// Sizes the scratch of every thread for head dims up to `max_head_dim` and value dims up to
+  /// `max_value_dim` (0: the head dim), both float and double; a no-op once large enough.
+  void prepare(std::int64_t max_head_dim, std::int64_t max_value_dim = 0) {
+    const std::int64_t dim_v = max_value_dim > 0 ? max_value_dim : max_head_dim;
+    if (max_head_dim <= prepared_dim_ && dim_v <= prepared_dim_v_) return;
+    prepared_dim_ = std::max(prepared_dim_, max_head_dim);
+    prepared_dim_v_ = std::max(prepared_dim_v_, dim_v);
+    thread_stride_ = detail::flash_thread_bytes<detail::ForwardScratch>(prepared_dim_, prepared_dim_v_);
     scratch_.resize(static_cast<std::size_t>(options_.threads) * thread_stride_ + 64);
-    prepared_dim_ = max_head_dim;
   }
 
   /// See LocalAttentionKernel. `out` may be T or the accumulation type.
@@ -162,7 +174,7 @@ class CpuFlashKernel {
   template <class T, class O>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<acc_t<T>> lse, const KernelParams& p) {
-    prepare(q.dim());  // no-op once prepared
+    prepare(q.dim(), v.dim());  // no-op once prepared
     using Decode = detail::FlashDecode<T, O, acc_t<T>>;
     if (Decode::applies(q, k, p)) {
       Decode job{q, k, v, out, lse, p};
@@ -190,7 +202,7 @@ class CpuFlashKernel {
     using A = acc_t<T>;
     const detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p};
     const std::size_t turn_bytes = pool_ ? round_up(static_cast<std::size_t>(job.turn_count()) * 4, 256) : 0;
-    prepare_backward(q.dim(), turn_bytes);
+    reserve_backward(q.dim(), v.dim(), turn_bytes);
     std::byte* base = aligned(backward_scratch_.data());
     std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base) : nullptr;
     if (turns) std::fill(turns, turns + job.turn_count(), 0);
@@ -200,36 +212,44 @@ class CpuFlashKernel {
   /// forward's and backward's per-thread slices, backward's turn counters with more than one
   /// thread, and the decode path's partials. After it such calls allocate nothing.
   void reserve(const KernelCallBounds& c) {
-    prepare(c.head_dim);
+    prepare(c.head_dim, c.value_dim);
     if (c.backward) {
       const std::int64_t query_blocks = (c.q_rows + detail::bwd_block_q - 1) / detail::bwd_block_q;
-      prepare_backward(c.head_dim, pool_ ? round_up(static_cast<std::size_t>(c.batch * c.heads * query_blocks) * 4, 256) : 0);
+      reserve_backward(c.head_dim, c.value_dim > 0 ? c.value_dim : c.head_dim,
+                       pool_ ? round_up(static_cast<std::size_t>(c.batch * c.heads * query_blocks) * 4, 256) : 0);
     }
     const std::size_t decode = std::max(detail::decode_part_bytes_bound<float>(options_.threads, c),
                                         detail::decode_part_bytes_bound<double>(options_.threads, c));
     if (decode > 0 && decode_scratch_.size() < decode + 64) decode_scratch_.resize(decode + 64);
   }
-  /// Sizes the backward scratch for head dims up to `max_head_dim` and every thread, after
-  /// `turn_bytes` of turn counters (a no-op once large enough).
-  void prepare_backward(std::int64_t max_head_dim, std::size_t turn_bytes = 0) {
-    const std::size_t need =
-        turn_bytes + static_cast<std::size_t>(options_.threads) * detail::flash_backward_thread_bytes(max_head_dim) + 64;
-    if (backward_scratch_.size() < need) backward_scratch_.resize(need);
+  /// Sizes the backward scratch for head dims up to `max_head_dim`, value dims up to
+  /// `max_value_dim` (0: the head dim) and every thread (a no-op once large enough).
+  void prepare_backward(std::int64_t max_head_dim, std::int64_t max_value_dim = 0) {
+    reserve_backward(max_head_dim, max_value_dim > 0 ? max_value_dim : max_head_dim, 0);
   }
 
  private:
+  /// Sizes the backward scratch for dims up to (`dim`, `dim_v`) and every thread, after
+  /// `turn_bytes` of turn counters (a no-op once large enough).
+  void reserve_backward(std::int64_t dim, std::int64_t dim_v, std::size_t turn_bytes) {
+    const std::size_t per_thread = detail::flash_thread_bytes<detail::BackwardScratch>(dim, dim_v);
+    const std::size_t need = turn_bytes + static_cast<std::size_t>(options_.threads) * per_thread + 64;
+    if (backward_scratch_.size() < need) backward_scratch_.resize(need);
+  }
+
   /// dispatch_cpu_isa functor of forward: the tasks, (batch x heads x query blocks), on the pool.
   struct ForwardOn {
     template <class Kernels, class T, class O, class A>
     static void run(CpuFlashKernel& self, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                     TensorView<O> out, TensorView<A> lse, const KernelParams& p) {
-      const std::int64_t dim = q.dim(), bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
+      const std::int64_t bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
       const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
       // Later query blocks see more keys under a causal mask: hand them out first, so that the
       // cheap ones fill the gaps at the end.
       self.run_tasks(tasks, [&](std::int64_t t, int worker) {
         const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
-        Kernels::template forward<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq, self.thread_scratch<A>(worker, dim));
+        Kernels::template forward<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq,
+                                           self.thread_scratch<A>(worker, q.dim(), v.dim()));
       });
     }
   };
@@ -240,7 +260,7 @@ class CpuFlashKernel {
     template <class Kernels, class T, class O, class A>
     static void run(CpuFlashKernel& self, const detail::FlashDecode<T, O, A>& job) {
       self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
-        Kernels::template decode<T, O, A>(job, t, self.thread_scratch<A>(worker, job.q.dim()));
+        Kernels::template decode<T, O, A>(job, t, self.thread_scratch<A>(worker, job.q.dim(), job.v.dim()));
       });
       if (job.chunks > 1) self.run_tasks(job.groups(), [&](std::int64_t g, int) { job.merge(g); });
     }
@@ -252,10 +272,11 @@ class CpuFlashKernel {
     template <class Kernels, class T, class A>
     static void run(CpuFlashKernel& self, const detail::FlashBackward<T, A>& job, std::byte* base,
                     std::int32_t* turns) {
-      const std::size_t stride = detail::flash_backward_thread_bytes(job.q.dim());
+      const std::int64_t dim = job.q.dim(), dim_v = job.v.dim();
+      const std::size_t stride = detail::flash_thread_bytes<detail::BackwardScratch>(dim, dim_v);
       self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
         detail::BackwardScratch<A> s;
-        detail::BackwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * stride, job.q.dim(), &s);
+        detail::BackwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * stride, dim, dim_v, &s);
         Kernels::template backward<T, A>(job, t, s, turns);
       });
     }
@@ -275,18 +296,20 @@ class CpuFlashKernel {
   /// The first 64-byte boundary in a scratch buffer.
   static std::byte* aligned(std::byte* p) { return p + (64 - reinterpret_cast<std::uintptr_t>(p) % 64) % 64; }
 
+  /// Worker `worker`'s forward scratch, carved for head dim `dim` and value dim `dim_v`.
   template <class A>
-  detail::ForwardScratch<A> thread_scratch(int worker, std::int64_t dim) {
+  detail::ForwardScratch<A> thread_scratch(int worker, std::int64_t dim, std::int64_t dim_v) {
     std::byte* base = aligned(scratch_.data());
     detail::ForwardScratch<A> s;
-    detail::ForwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * thread_stride_, dim, &s);
+    detail::ForwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * thread_stride_, dim, dim_v, &s);
     return s;
   }
 
   CpuFlashOptions options_;
   CpuIsa isa_ = default_cpu_isa();
   std::unique_ptr<detail::ThreadPool> pool_;
-  std::int64_t prepared_dim_ = 0;
+  std::int64_t prepared_dim_ = 0;    // head dim the forward scratch is sized for
+  std::int64_t prepared_dim_v_ = 0;  // value dim the forward scratch is sized for
   std::size_t thread_stride_ = 0;
   std::vector<std::byte> scratch_;
   std::vector<std::byte> backward_scratch_;  // backward's own; copies start empty and grow on use

@@ -82,7 +82,8 @@ struct PanelKeys {
   }
 };
 
-/// One thread's forward scratch for accumulation type A and head dim `dim`.
+/// One thread's forward scratch for accumulation type A, head dim `dim` (Q, K) and value dim
+/// `dim_v` (V, O).
 template <class A>
 struct ForwardScratch {
   A *qt, *ot, *st, *m, *l, *alpha, *kbuf, *vbuf;
@@ -99,18 +100,18 @@ struct ForwardScratch {
   }
 
   /// Carves the scratch at `base` (or, with a null base, only measures it); returns the bytes.
-  static std::size_t carve(std::byte* base, std::int64_t dim, ForwardScratch* s) {
+  static std::size_t carve(std::byte* base, std::int64_t dim, std::int64_t dim_v, ForwardScratch* s) {
     ForwardScratch tmp;
     ForwardScratch& r = s ? *s : tmp;
     ScratchCarver c(base);
     c.take(r.qt, dim * fwd_block_q);
-    c.take(r.ot, dim * fwd_block_q);
+    c.take(r.ot, dim_v * fwd_block_q);
     c.take(r.st, fwd_block_k * max_panel<A>);  // one query panel's S^T at a time
     c.take(r.m, fwd_block_q);
     c.take(r.l, fwd_block_q);
     c.take(r.alpha, max_panel<A>);
     c.take(r.kbuf, fwd_block_k * ld_keys(dim));  // the key block's K rows, in A
-    c.take(r.vbuf, fwd_block_k * (dim + 8));  // V packed in tiles of up to 8 head dims
+    c.take(r.vbuf, fwd_block_k * (dim_v + 8));  // V packed in tiles of up to 8 head dims
     c.take(r.first, fwd_block_q);
     c.take(r.last, fwd_block_q);
     c.take(r.lane_lo, fwd_block_k);
@@ -123,16 +124,17 @@ struct ForwardScratch {
 };
 
 /// One thread's backward scratch for accumulation type A, carved from one byte range.
-/// "Key rows" are ld_keys() long, "dim rows" ld_dim(dim) long.
+/// "Key rows" are ld_keys() long, "dim rows" ld_dim(dim) long and "value rows" ld_dim(dim_v)
+/// long (V, O, dO and dV have the value dim).
 template <class A>
 struct BackwardScratch {
   A* ks;     ///< [BK] dim rows: keys (B of dQ = dS K)
   A* kt;     ///< [dim] key rows: keys transposed (B of S)
-  A* vt;     ///< [dim] key rows: values transposed (B of dP)
+  A* vt;     ///< [dim_v] key rows: values transposed (B of dP)
   A* dks;    ///< [BK] dim rows: dK of the task's key block
-  A* dvs;    ///< [BK] dim rows: dV of the task's key block
+  A* dvs;    ///< [BK] value rows: dV of the task's key block
   A* qs;     ///< [BQ] dim rows: queries
-  A* dos;    ///< [BQ] dim rows: output gradients
+  A* dos;    ///< [BQ] value rows: output gradients
   A* dqs;    ///< [BQ] dim rows: this tile's dQ share
   A* pm;     ///< [BQ] key rows: S, then P
   A* ds;     ///< [BQ] key rows: dP, then dS
@@ -152,21 +154,21 @@ struct BackwardScratch {
   /// Stride of key rows (same reason).
   static constexpr std::int64_t ld_keys() { return bwd_block_k + max_panel<A>; }
 
-  /// Carves the scratch for head dim `dim` at `base`, or with a null base only measures it;
-  /// returns the bytes used.
-  static std::size_t carve(std::byte* base, std::int64_t dim, BackwardScratch* s) {
+  /// Carves the scratch for head dim `dim` and value dim `dim_v` at `base`, or with a null
+  /// base only measures it; returns the bytes used.
+  static std::size_t carve(std::byte* base, std::int64_t dim, std::int64_t dim_v, BackwardScratch* s) {
     constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
-    const std::int64_t ld = ld_dim(dim), lk = ld_keys();
+    const std::int64_t ld = ld_dim(dim), ldv = ld_dim(dim_v), lk = ld_keys();
     BackwardScratch tmp;
     BackwardScratch& r = s ? *s : tmp;
     ScratchCarver c(base);
     c.take(r.ks, BK * ld);
     c.take(r.kt, dim * lk);
-    c.take(r.vt, dim * lk);
+    c.take(r.vt, dim_v * lk);
     c.take(r.dks, BK * ld);
-    c.take(r.dvs, BK * ld);
+    c.take(r.dvs, BK * ldv);
     c.take(r.qs, BQ * ld);
-    c.take(r.dos, BQ * ld);
+    c.take(r.dos, BQ * ldv);
     c.take(r.dqs, BQ * ld);
     c.take(r.pm, BQ * lk);
     c.take(r.ds, BQ * lk);
@@ -181,19 +183,13 @@ struct BackwardScratch {
   }
 };
 
-/// Bytes of one thread's forward scratch for head dims up to `dim`, float or double (rounded
-/// to 256 so that slices stay aligned).
-inline std::size_t flash_forward_thread_bytes(std::int64_t dim) {
+/// Bytes of one thread's scratch `S` (ForwardScratch or BackwardScratch) for head dims up to
+/// `dim` and value dims up to `dim_v`, float or double (rounded to 256 so that slices stay
+/// aligned; the sizes grow with both dims, so a slice serves every smaller call).
+template <template <class> class S>
+inline std::size_t flash_thread_bytes(std::int64_t dim, std::int64_t dim_v) {
   const std::size_t n =
-      std::max(ForwardScratch<float>::carve(nullptr, dim, nullptr), ForwardScratch<double>::carve(nullptr, dim, nullptr));
-  return (n + 255) / 256 * 256;
-}
-
-/// Bytes of one thread's backward scratch for head dims up to `dim`, float or double
-/// (rounded to 256 so that slices stay aligned).
-inline std::size_t flash_backward_thread_bytes(std::int64_t dim) {
-  const std::size_t n = std::max(BackwardScratch<float>::carve(nullptr, dim, nullptr),
-                                 BackwardScratch<double>::carve(nullptr, dim, nullptr));
+      std::max(S<float>::carve(nullptr, dim, dim_v, nullptr), S<double>::carve(nullptr, dim, dim_v, nullptr));
   return (n + 255) / 256 * 256;
 }
 

@@ -36,27 +36,27 @@ template <class T, class A>
 inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h, std::int64_t i0,
                                std::int64_t nq, const BackwardScratch<A>& s) {
   using V = simd_t<A>;
+  using S = BackwardScratch<A>;
   constexpr std::int64_t W = FlashTile<A>::width;
-  const std::int64_t dim = job.q.dim(), dp = BackwardScratch<A>::padded(dim), ld = BackwardScratch<A>::ld_dim(dim);
+  const std::int64_t dim = job.q.dim(), dp = S::padded(dim), ld = S::ld_dim(dim);
+  const std::int64_t dim_v = job.v.dim(), dpv = S::padded(dim_v), ldv = S::ld_dim(dim_v);
   for (std::int64_t i = 0; i < nq; ++i) {
     const T* qr = job.q.row(b, i0 + i, h);
     const T* dor = job.dout.row(b, i0 + i, h);
     const T* orow = job.out.row(b, i0 + i, h);
     A* qd = s.qs + i * ld;
-    A* dod = s.dos + i * ld;
-    for (std::int64_t d = 0; d < dim; ++d) {
-      qd[d] = static_cast<A>(qr[d]);
-      dod[d] = static_cast<A>(dor[d]);
-    }
+    A* dod = s.dos + i * ldv;
+    for (std::int64_t d = 0; d < dim; ++d) qd[d] = static_cast<A>(qr[d]);
+    for (std::int64_t d = 0; d < dim_v; ++d) dod[d] = static_cast<A>(dor[d]);
     std::fill(qd + dim, qd + dp, A(0));
-    std::fill(dod + dim, dod + dp, A(0));
+    std::fill(dod + dim_v, dod + dpv, A(0));
     // delta = dO . O, in lanes where it can: a scalar sum is one long chain of dependent adds.
     V acc{};
     std::int64_t d = 0;
     if constexpr (std::is_same_v<T, A>)
-      for (; d + W <= dim; d += W) acc = simd_fma(simd_load(dor + d), simd_load(orow + d), acc);
+      for (; d + W <= dim_v; d += W) acc = simd_fma(simd_load(dor + d), simd_load(orow + d), acc);
     A dl = 0;
-    for (; d < dim; ++d) dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
+    for (; d < dim_v; ++d) dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
     for (std::int64_t w = 0; w < W; ++w) dl += acc[w];
     s.delta[i] = dl;
     s.lrow[i] = job.lse(b, i0 + i, h);
@@ -66,8 +66,43 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
     // that sees no key may hold anything, NaN included, and its O is 0 whatever it holds).
     if (s.row_lo[i] > s.row_hi[i]) {
       std::fill(qd, qd + dp, A(0));
-      std::fill(dod, dod + dp, A(0));
+      std::fill(dod, dod + dpv, A(0));
       s.delta[i] = 0;
+    }
+  }
+}
+
+/// P and dS of a tile's `nq` rows over key columns [c_lo, c_hi), in place of S (s.pm: Q K^T)
+/// and dP (s.ds): P = exp(S scale - LSE) and dS = P (dP - delta) scale where the row sees the
+/// key, exactly 0 elsewhere. Capped (Q K^T scale = cap x, the score cap tanh(x)): P = exp(cap
+/// tanh(x) - LSE) and dS also times tanh's slope, 1 - tanh(x)^2.
+template <bool Capped, class A>
+[[gnu::always_inline]] inline void backward_probabilities(const BackwardScratch<A>& s, std::int64_t nq,
+                                                          std::int64_t c_lo, std::int64_t c_hi, A scale, A cap) {
+  using V = simd_t<A>;
+  constexpr std::int64_t W = FlashTile<A>::width;
+  const std::int64_t lk = BackwardScratch<A>::ld_keys();
+  V lane{};
+  for (std::int64_t w = 0; w < W; ++w) lane[w] = static_cast<A>(w);
+  const V sc = simd_splat(scale), to_x = simd_splat(Capped ? scale / cap : A(0)), cv = simd_splat(cap);
+  for (std::int64_t i = 0; i < nq; ++i) {
+    const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
+    const A lo = static_cast<A>(s.row_lo[i]), hi = static_cast<A>(s.row_hi[i]);
+    for (std::int64_t c = c_lo; c < c_hi; c += W) {
+      A* pr = s.pm + i * lk + c;
+      A* dr = s.ds + i * lk + c;
+      const V key = lane + static_cast<A>(c);
+      const auto seen = (key >= lo) & (key <= hi);
+      if constexpr (Capped) {
+        const V t = softcap_lanes(simd_load(pr) * to_x, simd_splat(A(1)));
+        const V e = exp_lanes(simd_fma(t, cv, l));
+        simd_store(pr, seen ? e : V{});
+        simd_store(dr, seen ? e * (simd_load(dr) - dl) * (sc * simd_fma(-t, t, simd_splat(A(1)))) : V{});
+      } else {
+        const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
+        simd_store(pr, seen ? e : V{});
+        simd_store(dr, seen ? e * (simd_load(dr) - dl) * sc : V{});
+      }
     }
   }
 }
@@ -75,9 +110,8 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
 /// Runs task t of `job` (key block t / (batch x K/V heads) of pair t % (batch x K/V heads)).
 template <class T, class A>
 void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const BackwardScratch<A>& s, std::int32_t* turns) {
-  using V = simd_t<A>;
   using S = BackwardScratch<A>;
-  constexpr std::int64_t W = FlashTile<A>::width, PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
+  constexpr std::int64_t PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
   constexpr std::int64_t BQ = FlashBackward<T, A>::BQ, BK = FlashBackward<T, A>::BK;
   static_assert(BK % PW == 0 && max_panel<A> % PW == 0, "key blocks and scratch rows must be whole panels");
   const auto &q = job.q, &k = job.k, &v = job.v;
@@ -85,8 +119,9 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
   const std::int64_t pairs = q.batch() * k.heads(), b = t % pairs / k.heads(), kh = t % pairs % k.heads();
   const std::int64_t jb = t / pairs, j0 = jb * BK, nk = std::min(BK, k.seq() - j0);
   const std::int64_t dim = q.dim(), dp = S::padded(dim), ld = S::ld_dim(dim), lk = S::ld_keys();
+  const std::int64_t dim_v = v.dim(), dpv = S::padded(dim_v), ldv = S::ld_dim(dim_v);
   const std::int64_t nqb = job.query_blocks(), kcols = (nk + PW - 1) / PW * PW;
-  const A scale = static_cast<A>(p.scale);
+  const A scale = static_cast<A>(p.scale), cap = static_cast<A>(p.softcap);
 
   // K (dim rows), K^T and V^T (key rows, zero past the block's keys up to a whole panel). A K
   // row holding a NaN or Inf goes into K (the B of dQ = dS K) as zeros and onto the `bad`
@@ -98,11 +133,11 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
     const T* kr = real ? k.row(b, j0 + j, kh) : nullptr;
     const T* vr = real ? v.row(b, j0 + j, kh) : nullptr;
     for (std::int64_t d = 0; d < dim; ++d) {
-      const A kx = real ? static_cast<A>(kr[d]) : A(0), vx = real ? static_cast<A>(vr[d]) : A(0);
+      const A kx = real ? static_cast<A>(kr[d]) : A(0);
       s.kt[d * lk + j] = kx;
-      s.vt[d * lk + j] = vx;
       if (real) s.ks[j * ld + d] = kx;
     }
+    for (std::int64_t d = 0; d < dim_v; ++d) s.vt[d * lk + j] = real ? static_cast<A>(vr[d]) : A(0);
     if (!real) continue;
     if (!all_finite(s.ks + j * ld, dim, s.ks, 0, 0, 0)) {
       std::fill(s.ks + j * ld, s.ks + j * ld + dim, A(0));
@@ -112,11 +147,8 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
   }
   for (std::int64_t j = 0; j < nk; ++j) {
     std::fill(s.dks + j * ld, s.dks + j * ld + dp, A(0));
-    std::fill(s.dvs + j * ld, s.dvs + j * ld + dp, A(0));
+    std::fill(s.dvs + j * ldv, s.dvs + j * ldv + dpv, A(0));
   }
-  V lane{};
-  for (std::int64_t w = 0; w < W; ++w) lane[w] = static_cast<A>(w);
-
   bool touched = false;
   for (std::int64_t h = 0; h < q.heads(); ++h) {
     if (p.kv_head(h) != kh) continue;
@@ -133,7 +165,7 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       for (std::int64_t i = i0 + BQ, ie = std::min(q.seq(), i0 + 2 * BQ); i < ie; ++i)
         for (const void* row : {static_cast<const void*>(q.row(b, i, h)), static_cast<const void*>(job.dout.row(b, i, h)),
                                 static_cast<const void*>(job.out.row(b, i, h)), static_cast<const void*>(job.dq.row(b, i, h))})
-          for (std::int64_t off = 0; off < dim * std::int64_t(sizeof(T)); off += 64)
+          for (std::int64_t off = 0; off < std::max(dim, dim_v) * std::int64_t(sizeof(T)); off += 64)
             __builtin_prefetch(static_cast<const char*>(row) + off, 0, 2);
       // Keys [kmin, kmax] are those some row sees: the others add nothing and are left out
       // of every product (whole key panels from kmin's for S and dP).
@@ -148,29 +180,22 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
         // S = Q K^T, dP = dO V^T: keys in lanes, one key panel at a time.
         for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
           flash_tiles<false>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
-          flash_tiles<false>(nq, s.dos, ld, 1, MR * ld, s.vt + c0, lk, dim, s.ds + c0, lk, static_cast<const A*>(nullptr));
+          flash_tiles<false>(nq, s.dos, ldv, 1, MR * ldv, s.vt + c0, lk, dim_v, s.ds + c0, lk,
+                             static_cast<const A*>(nullptr));
         }
-        // P = exp(S scale - LSE) on the keys the row sees, dS = P (dP - delta) scale; both
-        // exactly 0 (selected, not multiplied: S or dP is NaN at a key whose K or V is)
-        // elsewhere.
-        const V sc = simd_splat(scale);
-        for (std::int64_t i = 0; i < nq; ++i) {
-          const V l = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
-          const A lo = static_cast<A>(s.row_lo[i]), hi = static_cast<A>(s.row_hi[i]);
-          for (std::int64_t c = c_lo; c < c_hi; c += W) {
-            A* pr = s.pm + i * lk + c;
-            A* dr = s.ds + i * lk + c;
-            const V e = exp_lanes(simd_fma(simd_load(pr), sc, l));
-            const V key = lane + static_cast<A>(c);
-            const auto seen = (key >= lo) & (key <= hi);
-            simd_store(pr, seen ? e : V{});
-            simd_store(dr, seen ? e * (simd_load(dr) - dl) * sc : V{});
-          }
-        }
+        // P = exp(S scale - LSE) on the keys the row sees, dS = P (dP - delta) scale (with a
+        // soft-cap, see backward_probabilities); both exactly 0 (selected, not multiplied: S
+        // or dP is NaN at a key whose K or V is) elsewhere.
+        if (cap > 0)
+          backward_probabilities<true>(s, nq, c_lo, c_hi, scale, cap);
+        else
+          backward_probabilities<false>(s, nq, c_lo, c_hi, scale, cap);
         // dV += P^T dO, dK += dS^T Q (over the tile's queries), dQ share = dS K (over its
-        // keys): head dims in lanes.
-        for (std::int64_t c0 = 0; c0 < dp; c0 += PW) {
-          flash_tiles<true>(nv, s.pm + kmin, 1, lk, MR, s.dos + c0, ld, nq, s.dvs + kmin * ld + c0, ld, s.ones);
+        // keys): head dims in lanes (dV's D_v of them, dK's and dQ's D).
+        for (std::int64_t c0 = 0; c0 < std::max(dp, dpv); c0 += PW) {
+          if (c0 < dpv)
+            flash_tiles<true>(nv, s.pm + kmin, 1, lk, MR, s.dos + c0, ldv, nq, s.dvs + kmin * ldv + c0, ldv, s.ones);
+          if (c0 >= dp) continue;
           flash_tiles<true>(nv, s.ds + kmin, 1, lk, MR, s.qs + c0, ld, nq, s.dks + kmin * ld + c0, ld, s.ones);
           flash_tiles<false>(nq, s.ds + kmin, lk, 1, MR * lk, s.ks + kmin * ld + c0, ld, nv, s.dqs + c0, ld,
                              static_cast<const A*>(nullptr));
@@ -202,9 +227,7 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
   for (std::int64_t j = 0; j < nk; ++j) {
     A* dkr = job.dk.row(b, j0 + j, kh);
     A* dvr = job.dv.row(b, j0 + j, kh);
-    for (std::int64_t d = 0; d < dim; ++d) {
-      dkr[d] += s.dks[j * ld + d];
-      dvr[d] += s.dvs[j * ld + d];
-    }
+    for (std::int64_t d = 0; d < dim; ++d) dkr[d] += s.dks[j * ld + d];
+    for (std::int64_t d = 0; d < dim_v; ++d) dvr[d] += s.dvs[j * ldv + d];
   }
 }

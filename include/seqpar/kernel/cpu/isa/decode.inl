@@ -192,41 +192,51 @@ template <class A>
 template <class A>
 struct DecodeHead {
   std::int64_t kh, h0, gh, rows;  ///< K/V head, its first query head, query heads, rows (tokens x gh)
-  std::int64_t base;              ///< its first row in the scratch's per-row arrays (Q, O: base x dim)
+  std::int64_t base;              ///< its first row in the scratch's per-row arrays (Q: base x D, O: base x D_v)
   int nr;                         ///< 0: dot-product scores (Q row-major); 1, 2: query panels of nr vectors
 };
 
-/// One key block [j0, j1] of one head: scores, softmax, O = alpha O + P V, V and K read in
-/// place. NR = 0: scores as dot products into S rows (decode_scores), a softmax per row;
-/// NR = 1, 2: S^T = K Q^T per query panel of NR vectors, as the forward's panel step.
+/// Multiplies the `n` values at `row` by `alpha` (a row of O rescaled by the online softmax).
+template <class A>
+[[gnu::always_inline]] inline void scale_values(A* row, std::int64_t n, A alpha) {
+  using V = simd_t<A>;
+  constexpr int W = Simd<A>::width;
+  const V a = simd_splat(alpha);
+  std::int64_t d = 0;
+  for (; d + W <= n; d += W) simd_store(row + d, simd_load(row + d) * a);
+  for (; d < n; ++d) row[d] *= alpha;
+}
+
+/// One key block [j0, j1] of one head: scores (soft-capped when the call caps them), softmax,
+/// O = alpha O + P V, V and K read in place. NR = 0: scores as dot products into S rows
+/// (decode_scores), a softmax per row; NR = 1, 2: S^T = K Q^T per query panel of NR vectors,
+/// as the forward's panel step.
 template <int NR, class T, class O, class A>
 void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeHead<A>& hd, std::int64_t j0,
                   std::int64_t j1, const ForwardScratch<A>& s) {
-  using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width, PW = (NR == 0 ? 1 : NR) * W, MR = FlashTile<A>::mr;
-  const std::int64_t dim = job.q.dim(), R = hd.rows;
+  const std::int64_t dim = job.q.dim(), dim_v = job.v.dim(), R = hd.rows;
   const std::ptrdiff_t ldk = job.k.stride[1], ldv = job.v.stride[1];
   const std::int64_t* first = s.first + hd.base;
   const std::int64_t* last = s.last + hd.base;
-  A* const ot = s.ot + hd.base * dim;
+  const A cap = static_cast<A>(job.p.softcap);
+  A* const ot = s.ot + hd.base * dim_v;
   if constexpr (NR == 0) {
     const auto [ja, nkp, f0, f1] = s.panel[hd.base / max_panel<A>].in_block(j0, j1);
     if (nkp <= 0) return;
     const std::ptrdiff_t lds = fwd_block_k;
     decode_scores(s.qt + hd.base * dim, R, job.k.row(b, ja, hd.kh), ldk, nkp, dim, s.st, lds);
+    // (Whole vectors: a row of S is fwd_block_k long, a whole number of them.)
+    if (cap > 0)
+      for (std::int64_t i = 0; i < R; ++i) softcap_scores(s.st + i * lds, (nkp + W - 1) / W * W, cap);
     for (std::int64_t i = 0; i < R; ++i) {
       const std::int64_t a0 = std::clamp<std::int64_t>(first[i] - ja, 0, nkp);
       const std::int64_t a1 = std::clamp<std::int64_t>(last[i] + 1 - ja, a0, nkp);
       if (a0 == a1) continue;  // no key of this block: the row's state stays as it is
       const A alpha = softmax_row(s.st + i * lds, a0, a1, s.m[hd.base + i], s.l[hd.base + i]);
-      if (alpha == A(1)) continue;
-      A* row = ot + i * dim;
-      const V a = simd_splat(alpha);
-      std::int64_t d = 0;
-      for (; d + W <= dim; d += W) simd_store(row + d, simd_load(row + d) * a);
-      for (; d < dim; ++d) row[d] *= alpha;
+      if (alpha != A(1)) scale_values(ot + i * dim_v, dim_v, alpha);
     }
-    decode_block_pv(R, s.st, lds, 1, job.v.row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first, last, dim, ot, s.ones);
+    decode_block_pv(R, s.st, lds, 1, job.v.row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first, last, dim_v, ot, s.ones);
   } else {
     const std::int64_t panels = (R + PW - 1) / PW, qt_panel = dim * PW;
     for (std::int64_t panel = 0, c0 = 0; panel < panels; ++panel, c0 += PW) {
@@ -238,33 +248,29 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       // S^T = K Q^T with K read in place, MR keys at a time.
       flash_tiles<false, NR>(nkp, kr, ldk, 1, MR * ldk, s.qt + hd.base * dim + panel * qt_panel, PW, dim, s.st, PW,
                              static_cast<const A*>(nullptr));
+      if (cap > 0) softcap_scores(s.st, nkp * PW, cap);
       if (f0 > 0 || f1 < nkp)
         cut_keys<PW>(s.st, ja, nkp, f0, f1, np, first + c0, last + c0, s.lane_lo, s.lane_hi);
       softmax_panel<PW>(s.st, nkp, s.m + hd.base + c0, s.l + hd.base + c0, s.alpha);
-      A* const o = ot + c0 * dim;
-      for (std::int64_t i = 0; i < np; ++i) {
-        const V a = simd_splat(s.alpha[i]);
-        A* row = o + i * dim;
-        std::int64_t d = 0;
-        for (; d + W <= dim; d += W) simd_store(row + d, simd_load(row + d) * a);
-        for (; d < dim; ++d) row[d] *= s.alpha[i];
-      }
-      decode_block_pv(np, s.st, 1, PW, job.v.row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first + c0, last + c0, dim,
+      A* const o = ot + c0 * dim_v;
+      for (std::int64_t i = 0; i < np; ++i) scale_values(o + i * dim_v, dim_v, s.alpha[i]);
+      decode_block_pv(np, s.st, 1, PW, job.v.row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first + c0, last + c0, dim_v,
                       o, s.ones);
     }
   }
 }
 
-/// A head's rows before the key loop: Q scaled (row-major for dot-product scores, else Q^T
-/// panels of nr vectors, padding lanes 0), running max and sum, O = 0, and the keys each
-/// panel reaches (one PanelKeys per max_panel rows for dot-product scores).
+/// A head's rows before the key loop: Q scaled (by score_scale: over the soft-cap when there is
+/// one; row-major for dot-product scores, else Q^T panels of nr vectors, padding lanes 0),
+/// running max and sum, O = 0, and the keys each panel reaches (one PanelKeys per max_panel
+/// rows for dot-product scores).
 template <class T, class O, class A>
 void decode_head_init(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeHead<A>& hd,
                       const ForwardScratch<A>& s) {
   constexpr int W = FlashTile<A>::width;
   const std::int64_t dim = job.q.dim(), R = hd.rows, sk = job.k.seq();
   const std::int64_t PW = (hd.nr == 0 ? max_panel<A> : hd.nr * W), panels = (R + PW - 1) / PW;
-  const A scale = static_cast<A>(job.p.scale);
+  const A scale = score_scale<A>(job.p);
   A* const qt = s.qt + hd.base * dim;
   for (std::int64_t r = 0; r < panels * PW; ++r) {
     const T* src = r < R ? job.q.row(b, r / hd.gh, hd.h0 + r % hd.gh) : nullptr;
@@ -274,7 +280,7 @@ void decode_head_init(const FlashDecode<T, O, A>& job, std::int64_t b, const Dec
     s.m[hd.base + r] = -std::numeric_limits<A>::infinity();
     s.l[hd.base + r] = 0;
   }
-  std::fill(s.ot + hd.base * dim, s.ot + (hd.base + R) * dim, A(0));
+  std::fill(s.ot + hd.base * job.v.dim(), s.ot + (hd.base + R) * job.v.dim(), A(0));
   const std::int64_t pidx = hd.base / PW;  // (decode_block finds them there)
   for (std::int64_t panel = 0; panel < panels; ++panel)
     s.panel[pidx + panel] = PanelKeys::join(s.first + hd.base + panel * PW, s.last + hd.base + panel * PW,
@@ -282,11 +288,11 @@ void decode_head_init(const FlashDecode<T, O, A>& job, std::int64_t b, const Dec
 }
 
 /// A head's rows after the key loop: each row's output and LSE, or with `part` the chunk's
-/// partial (O, LSE) of row r at part + r (dim + 1).
+/// partial (O, LSE) of row r at part + r (D_v + 1).
 template <class T, class O, class A>
 void decode_head_end(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeHead<A>& hd, A* part,
                      const ForwardScratch<A>& s) {
-  const std::int64_t dim = job.q.dim();
+  const std::int64_t dim = job.v.dim();
   for (std::int64_t r = 0; r < hd.rows; ++r) {
     const RowEnd<A> e = row_end(s.m[hd.base + r], s.l[hd.base + r]);
     const A* src = s.ot + (hd.base + r) * dim;
@@ -309,8 +315,8 @@ void decode_head_end(const FlashDecode<T, O, A>& job, std::int64_t b, const Deco
 template <class T, class O, class A>
 void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const ForwardScratch<A>& s) {
   constexpr int W = FlashTile<A>::width;
-  const std::int64_t g = task / job.chunks, chunk = task % job.chunks, slabs = job.slabs();
-  const std::int64_t b = g / slabs, kh0 = g % slabs * job.slab, kh1 = std::min(job.k.heads(), kh0 + job.slab);
+  const std::int64_t g = task / job.chunks, chunk = task % job.chunks;
+  const auto [b, kh0, kh1, part] = job.group(g);
   const std::int64_t nq = job.q.seq(), sk = job.k.seq(), dim = job.q.dim(), stride = job.head_rows();
   // Each query's keys (the same for every head), and the keys some query sees.
   std::int64_t lo = sk, hi = -1;
@@ -329,7 +335,7 @@ void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const Forwa
   DecodeHead<A> heads[fwd_block_q / max_panel<A>];
   std::int64_t nh = 0;
   for (std::int64_t kh = kh0; kh < kh1; ++kh) {
-    const auto [h0, h1] = job.heads(kh);
+    const auto [h0, h1] = job.heads(kh, part);
     if (h1 <= h0) continue;
     DecodeHead<A> hd{kh, h0, h1 - h0, nq * (h1 - h0), (kh - kh0) * stride, 0};
     hd.nr = hd.rows <= decode_dot_rows ? 0 : hd.rows <= W ? 1 : 2;
@@ -353,7 +359,7 @@ void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const Forwa
       const DecodeHead<A>& hd = heads[i];
       for (std::int64_t x = j1 + 1, xe = std::min(j1 + nb, c_hi) + 1; x < xe; ++x) {
         prefetch_row(job.k.row(b, x, hd.kh), dim, 2);
-        prefetch_row(job.v.row(b, x, hd.kh), dim, 2);
+        prefetch_row(job.v.row(b, x, hd.kh), job.v.dim(), 2);
       }
       if (hd.nr == 0) decode_block<0>(job, b, hd, j0, j1, s);
       else if (hd.nr == 1) decode_block<1>(job, b, hd, j0, j1, s);

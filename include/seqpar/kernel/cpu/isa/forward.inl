@@ -82,7 +82,8 @@ template <int PW, class A>
 }
 
 /// Output rows [i0, i0 + bq) of head h of batch element b (fewer at the end of the sequence),
-/// and their LSE when `lse` is present.
+/// and their LSE when `lse` is present. V and O have v.dim() head dims, Q and K q.dim(); with a
+/// soft-cap, Q is scaled by scale / cap and each panel's scores are capped before the mask.
 ///
 /// Per key block, V is packed once (MR head dims interleaved per key: its rows are a power
 /// of two apart in the caller's tensor and would fall into a few L1 sets), then each panel of
@@ -100,10 +101,10 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   constexpr int PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
   static_assert(fwd_block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();
-  const std::int64_t dim = q.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h), sk = k.seq();
+  const std::int64_t dim = q.dim(), dim_v = v.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h), sk = k.seq();
   const std::int64_t ncols = (nq + PW - 1) / PW * PW, panels = ncols / PW;  // queries padded to whole panels
-  const std::int64_t qt_panel = dim * PW;  // elements of one Q^T or O^T panel
-  const A scale = static_cast<A>(p.scale);
+  const std::int64_t qt_panel = dim * PW, ot_panel = dim_v * PW;  // elements of one Q^T, O^T panel
+  const A scale = score_scale<A>(p), cap = static_cast<A>(p.softcap);
 
   // Q^T, scaled; padding lanes are zero (finite scores, never written out). Rows a few ahead
   // are prefetched: a head's rows are H D elements apart, a stride the hardware prefetchers
@@ -122,7 +123,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     s.m[i] = neg_inf;
     s.l[i] = 0;
   }
-  std::fill(s.ot, s.ot + ncols * dim, A(0));
+  std::fill(s.ot, s.ot + ncols * dim_v, A(0));
 
   // The keys each panel reaches (its rows' ranges joined) and the keys all of its rows see.
   std::int64_t block_lo = sk, block_hi = -1;
@@ -154,16 +155,16 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     // V packed as tiles of MR head dims: tile t holds, key after key, dims [t MR, t MR + MR).
     // (Whole tiles copy MR contiguous values at a time: one or two vector moves.)
     const std::ptrdiff_t v_tile = MR * nk;
-    const std::int64_t whole = dim / MR * MR;
+    const std::int64_t whole = dim_v / MR * MR;
     for (std::int64_t j = 0; j < nk; ++j) {
-      if (j + ahead < nk) prefetch_row(v.row(b, j0 + j + ahead, kh), dim, 3);
+      if (j + ahead < nk) prefetch_row(v.row(b, j0 + j + ahead, kh), dim_v, 3);
       const T* vsrc = v.row(b, j0 + j, kh);
       A* dst = s.vbuf + j * MR;
       for (std::int64_t d0 = 0; d0 < whole; d0 += MR, dst += v_tile)
         for (int r = 0; r < MR; ++r) dst[r] = static_cast<A>(vsrc[d0 + r]);
-      for (std::int64_t d = whole; d < dim; ++d) dst[d - whole] = static_cast<A>(vsrc[d]);
+      for (std::int64_t d = whole; d < dim_v; ++d) dst[d - whole] = static_cast<A>(vsrc[d]);
     }
-    const bool v_finite = all_finite(s.vbuf, whole * nk, s.vbuf + whole * nk, nk, dim - whole, MR);
+    const bool v_finite = all_finite(s.vbuf, whole * nk, s.vbuf + whole * nk, nk, dim_v - whole, MR);
 
     const std::int64_t jn = j0 + fwd_block_k, next = std::max<std::int64_t>(0, std::min(fwd_block_k, block_hi + 1 - jn));
     const std::int64_t slice = (next + panels - 1) / panels;  // next block's rows prefetched per panel
@@ -173,7 +174,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       // does not run far enough ahead on MR interleaved row streams.
       for (std::int64_t j = jn + panel * slice, je = std::min(jn + next, j + slice); j < je; ++j) {
         prefetch_row(k.row(b, j, kh), dim, 2);
-        prefetch_row(v.row(b, j, kh), dim, 2);
+        prefetch_row(v.row(b, j, kh), dim_v, 2);
       }
       // The keys [ja, ja + nkp) of the block this panel reaches; of those, [f0, f1) (counted
       // from ja) are seen by every row of the panel and need no mask.
@@ -181,12 +182,13 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       if (nkp <= 0) continue;  // nothing to add: the panel's state stays as it is
       const std::int64_t np = std::min<std::int64_t>(PW, nq - c0);
       A* const qt = s.qt + panel * qt_panel;
-      A* const ot = s.ot + panel * qt_panel;
+      A* const ot = s.ot + panel * ot_panel;
       A* const st = s.st;
 
-      // S^T = K Q^T (the Q^T panel stays in L1).
+      // S^T = K Q^T (the Q^T panel stays in L1), capped before the mask's -inf go in.
       flash_tiles<false>(nkp, s.kbuf + (ja - j0) * ldk, ldk, 1, MR * ldk, qt, PW, dim, st, PW,
                          static_cast<const A*>(nullptr));
+      if (cap > 0) softcap_scores(st, nkp * PW, cap);
       if (f0 > 0 || f1 < nkp) cut_keys<PW>(st, ja, nkp, f0, f1, np, s.first + c0, s.last + c0, s.lane_lo, s.lane_hi);
       softmax_panel<PW>(st, nkp, s.m + c0, s.l + c0, s.alpha);
 
@@ -197,11 +199,11 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       // with only the lanes that see them, so a hidden key never reaches a row.
       const A* const vp = s.vbuf + (ja - j0) * MR;
       if (v_finite) {
-        flash_tiles<true>(dim, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, s.alpha);
+        flash_tiles<true>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, s.alpha);
       } else {
-        flash_tiles<true>(dim, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, s.alpha);
-        flash_tiles_masked(dim, vp, MR, v_tile, st, PW, f0, ot, PW, s.lane_lo, s.lane_hi);
-        flash_tiles_masked(dim, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, s.lane_lo + f1,
+        flash_tiles<true>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, s.alpha);
+        flash_tiles_masked(dim_v, vp, MR, v_tile, st, PW, f0, ot, PW, s.lane_lo, s.lane_hi);
+        flash_tiles_masked(dim_v, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, s.lane_lo + f1,
                            s.lane_hi + f1);
       }
     }
@@ -210,8 +212,8 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   for (std::int64_t i = 0; i < nq; ++i) {
     O* dst = out.row(b, i0 + i, h);
     const RowEnd<A> e = row_end(s.m[i], s.l[i]);
-    const A* col = s.ot + i / PW * qt_panel + i % PW;
-    for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(col[d * PW] * e.inv);
+    const A* col = s.ot + i / PW * ot_panel + i % PW;
+    for (std::int64_t d = 0; d < dim_v; ++d) dst[d] = static_cast<O>(col[d * PW] * e.inv);
     if (!lse.absent()) lse(b, i0 + i, h) = e.lse;
   }
 }

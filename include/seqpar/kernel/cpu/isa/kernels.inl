@@ -37,6 +37,21 @@ struct IsaKernels {
   /// on every lane so that nothing is optimised away.
   [[gnu::noinline]] static float fma_burst(std::int64_t rounds, float seed) { return fma_chains<float, burst_chains>(rounds, seed); }
 
+  /// Soft-caps the `n` values at `x` in place as every kernel path does (x = cap * tanh(x),
+  /// vector by vector; a tail shorter than a vector goes through a padded copy): the entry the
+  /// tests measure the vector tanh through.
+  template <class A>
+  [[gnu::noinline]] static void softcap(A* x, std::int64_t n, A cap) {
+    constexpr int W = Simd<A>::width;
+    const std::int64_t whole = n / W * W;
+    softcap_scores(x, whole, cap);
+    if (whole == n) return;
+    A tail[W] = {};
+    std::copy(x + whole, x + n, tail);
+    softcap_scores(tail, W, cap);
+    std::copy(tail, tail + (n - whole), x + whole);
+  }
+
   /// See forward_query_block.
   template <class T, class O, class A>
   static void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,

@@ -208,6 +208,95 @@ inline V exp_lanes(V x) {
   }
 }
 
+/// e^y for y in [0, 20] (F = float or a float vector), to about one float ulp: n = round(y /
+/// ln 2) and r = y - n ln 2 in two steps (ln 2's high part has trailing zero bits, so n ln2_hi
+/// is exact and r carries no rounding of y's scale), e^r on [-ln2/2, ln2/2] by a degree-6
+/// minimax polynomial (relative error 1.9e-9), 2^n put into the exponent. tanh_lanes' large
+/// arguments need this much: fast_exp2_lanes rounds y log2(e) first and has 2.2e-7.
+template <class F>
+inline F exp_tanh_arg(F y) {
+  using I = std::conditional_t<std::is_same_v<F, float>, std::int32_t, Simd<float>::itype>;
+  const F shifter = lanes_const<F>(12582912.0f);  // 1.5 * 2^23: n = round(y / ln 2) in t's low bits
+  const F t = lanes_madd<F>(y, lanes_const<F>(1.44269504088896341f), shifter);
+  const F n = t - shifter;
+  F r = lanes_madd<F>(n, lanes_const<F>(-0.693145751953125f), y);  // ln2_hi: 16 significant bits
+  r = lanes_madd<F>(n, lanes_const<F>(-1.42860682030941723e-6f), r);
+  F p = lanes_const<F>(1.38368300e-3f);
+  p = lanes_madd<F>(p, r, lanes_const<F>(8.37481571e-3f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(4.16682259e-2f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(1.66664202e-1f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(4.99999921e-1f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(1.00000004f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(1.0f));
+  return p * bits_as<F>((bits_as<I>(t) - lanes_const<I>(0x4B400000 - 127)) << 23);
+}
+
+/// tanh of every lane (F = float or a float vector), within about one float ulp of the
+/// result in absolute terms over the whole range, and with the relative accuracy of the
+/// result below |x| = 0.625 (where tanh(x) = x + x^3 P(x^2), P of degree 4, relative error
+/// 4.4e-9: a soft-capped score near 0 keeps its digits). Above, 1 - 2 / (e^{2|x|} + 1) with
+/// the sign of x, |x| clamped at 10 (tanh is 1 in float from 9.1). NaN stays NaN (every
+/// comparison keeps it), +-inf gives +-1. The division is rcp14 and one Newton step on
+/// AVX-512 (a quarter of a vdivps's port time), a plain division elsewhere.
+template <class F>
+inline F tanh_lanes(F x) {
+  using I = std::conditional_t<std::is_same_v<F, float>, std::int32_t, Simd<float>::itype>;
+  const I sign = lanes_const<I>(std::int32_t(0x80000000u));
+  const F ax = bits_as<F>(bits_as<I>(x) & ~sign);
+  const F z = x * x;
+  F p = lanes_const<F>(-5.70495282e-3f);
+  p = lanes_madd<F>(p, z, lanes_const<F>(2.06390536e-2f));
+  p = lanes_madd<F>(p, z, lanes_const<F>(-5.37397035e-2f));
+  p = lanes_madd<F>(p, z, lanes_const<F>(1.33314420e-1f));
+  p = lanes_madd<F>(p, z, lanes_const<F>(-3.33332819e-1f));
+  const F small = lanes_madd<F>(ax * z, p, ax);
+  const F y = ax > lanes_const<F>(10.0f) ? lanes_const<F>(10.0f) : ax;  // NaN compares false: kept
+  const F d = exp_tanh_arg<F>(y + y) + lanes_const<F>(1.0f);
+  F q;  // 2 / d
+#if SEQPAR_ISA_BYTES == 64
+  if constexpr (!std::is_same_v<F, float>) {
+    const F r = _mm512_maskz_rcp14_ps(0xFFFF, d);  // (maskz: GCC 12 warns of the plain one's undefined source)
+    const F h = _mm512_fnmadd_ps(d, r, lanes_const<F>(2.0f));  // 2 - d r: r (2 - d r) is 1/d to 2^-28
+    q = (r + r) * h;
+  } else
+#endif
+  {
+    q = lanes_const<F>(2.0f) / d;
+  }
+  const F mag = ax < lanes_const<F>(0.625f) ? small : lanes_const<F>(1.0f) - q;
+  return bits_as<F>(bits_as<I>(mag) | (bits_as<I>(x) & sign));  // tanh is odd: -0 stays -0
+}
+
+/// cap * tanh(x) of every lane: the soft-capped score of x = s / cap. Float lanes by
+/// tanh_lanes; double lanes by the library tanh (the double kernels are the exact path, as
+/// exp_lanes' double lanes are).
+template <class V>
+inline V softcap_lanes(V x, V cap) {
+  if constexpr (std::is_same_v<V, simd_t<float>>) {
+    return cap * tanh_lanes(x);
+  } else {
+    for (int i = 0; i < Simd<double>::width; ++i) x[i] = std::tanh(x[i]);
+    return cap * x;
+  }
+}
+
+/// Soft-caps the `n` scores at `s` in place (n a whole number of vectors): s = cap * tanh(s),
+/// the scores having been formed as s / cap (Q scaled by scale / cap, see score_scale).
+template <class A>
+inline void softcap_scores(A* s, std::int64_t n, A cap) {
+  using V = simd_t<A>;
+  constexpr int W = Simd<A>::width;
+  const V c = simd_splat(cap);
+  for (std::int64_t i = 0; i < n; i += W) simd_store(s + i, softcap_lanes(simd_load(s + i), c));
+}
+
+/// The factor the kernels scale Q by: the softmax scale, over the soft-cap when there is one
+/// (the scores come out as s / cap, what tanh takes).
+template <class A>
+inline A score_scale(const KernelParams& p) {
+  return static_cast<A>(p.softcap > 0 ? p.scale / p.softcap : p.scale);
+}
+
 /// Register tile of the micro-kernel for accumulation type A: MR rows by NR vectors of
 /// lanes. 2 x MR accumulators plus the two B vectors fill most of the register file (8 x 2
 /// with 32 registers, 6 x 2 with 16).
