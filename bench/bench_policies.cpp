@@ -59,14 +59,36 @@ struct RankBuffers {
         v(bench::random_values<float>(k.size(), 37 + rank)), out(q.size()) {}
 };
 
-/// One rank's engine and plan for `Pol`.
+/// A policy's engine with attention sinks (one logit per query head) in its problem.
 template <class Pol>
+struct WithSinks {};
+
+/// The policy of an engine list entry, and whether its problem has sinks.
+template <class P>
+struct EngineKind {
+  using policy = P;
+  static constexpr bool sinks = false;
+};
+template <class P>
+struct EngineKind<WithSinks<P>> {
+  using policy = P;
+  static constexpr bool sinks = true;
+};
+
+/// One rank's engine and plan for `Entry` (a policy, or WithSinks<policy>).
+template <class Entry>
 struct RankEngine {
+  using Pol = typename EngineKind<Entry>::policy;
+  std::vector<float> sinks;  // moves keep its buffer, so the plan's pointer stays valid
   SequenceParallelAttention<Pol, ThreadCommunicator, CpuFlashKernel> attn;
   Plan plan;
 
-  RankEngine(ThreadCommunicator& comm, int ranks, const AttentionProblem& pr, std::int64_t seq)
+  RankEngine(ThreadCommunicator& comm, int ranks, AttentionProblem pr, std::int64_t seq)
       : attn(comm, make_policy<Pol>(ranks)) {
+    if constexpr (EngineKind<Entry>::sinks) {
+      sinks = bench::random_values<float>(std::size_t(pr.heads), 53);
+      pr.sinks = sinks.data();
+    }
     plan = attn.plan(pr, {split_sequence(seq, attn.mesh())[std::size_t(comm.rank())]});
   }
 
@@ -153,16 +175,15 @@ void BM_policy(benchmark::State& state) {
   common_counters(state, report, bench::median(times));
 }
 
-/// Args: P. Plain `Pol` and AnythingPolicy<Pol> on the same shape (causal, dividing evenly),
-/// alternated ABBA within each iteration so drifting load hits both alike. ratio compares
-/// the means of the faster half of each side's calls (fast_half_mean); ratio_best and
-/// ratio_median compare minimums and medians. bytes_equal is 1 when both sent exactly the
-/// same bytes.
-template <class Pol>
-void BM_anything_vs_plain(benchmark::State& state) {
+/// Engine `B` against engine `A` on the same shape (causal, dividing evenly), alternated ABBA
+/// within each iteration so drifting load hits both alike. ratio compares the means of the
+/// faster half of each side's calls (fast_half_mean); ratio_best and ratio_median compare
+/// minimums and medians. bytes_equal is 1 when both sent exactly the same bytes.
+template <class A, class B>
+void pair_benchmark(benchmark::State& state, const char* a_name, const char* b_name) {
   const int ranks = static_cast<int>(state.range(0));
   TeamReport report(ranks);
-  RankTeam team(ranks, engines_setup<Pol, AnythingPolicy<Pol>>(ranks, true, pair_seq, report));
+  RankTeam team(ranks, engines_setup<A, B>(ranks, true, pair_seq, report));
   team.time_step(0);
   team.time_step(1);
   std::vector<double> plain, any;
@@ -181,13 +202,26 @@ void BM_anything_vs_plain(benchmark::State& state) {
   }
   common_counters(state, report, bench::median(plain));
   const double best_plain = *std::min_element(plain.begin(), plain.end()), best_any = *std::min_element(any.begin(), any.end());
-  state.counters["ms_plain"] = bench::fast_half_mean(plain) * 1e3;
-  state.counters["ms_anything"] = bench::fast_half_mean(any) * 1e3;
+  state.counters[a_name] = bench::fast_half_mean(plain) * 1e3;
+  state.counters[b_name] = bench::fast_half_mean(any) * 1e3;
   state.counters["ratio"] = bench::fast_half_mean(any) / bench::fast_half_mean(plain);
   state.counters["ratio_best"] = best_any / best_plain;
   state.counters["ratio_median"] = bench::median(any) / bench::median(plain);
   state.counters["samples"] = double(plain.size());
   state.counters["bytes_equal"] = plain_bytes == any_bytes;
+}
+
+/// Args: P. Plain `Pol` and AnythingPolicy<Pol> (pair_benchmark).
+template <class Pol>
+void BM_anything_vs_plain(benchmark::State& state) {
+  pair_benchmark<Pol, AnythingPolicy<Pol>>(state, "ms_plain", "ms_anything");
+}
+
+/// Args: P. `Pol` with attention sinks against `Pol` without (pair_benchmark): the sinks join
+/// each row once after the merge, a pass over the output (target: ratio <= 1.02).
+template <class Pol>
+void BM_sinks_vs_plain(benchmark::State& state) {
+  pair_benchmark<Pol, WithSinks<Pol>>(state, "ms_plain", "ms_sinks");
 }
 
 void policy_args(benchmark::internal::Benchmark* b) {
@@ -217,5 +251,7 @@ BENCHMARK(BM_anything_vs_plain<RingPolicy<Zigzag>>)->Apply(pair_args);
 BENCHMARK(BM_anything_vs_plain<RingPolicy<Zigzag>>)->Apply(pair_args_shared_cores);
 BENCHMARK(BM_anything_vs_plain<UnifiedPolicy<Zigzag>>)->Apply(pair_args);
 BENCHMARK(BM_anything_vs_plain<UnifiedPolicy<Zigzag>>)->Apply(pair_args_shared_cores);
+BENCHMARK(BM_sinks_vs_plain<UlyssesPolicy>)->Apply(pair_args);
+BENCHMARK(BM_sinks_vs_plain<RingPolicy<Zigzag>>)->Apply(pair_args);
 
 }  // namespace

@@ -76,11 +76,13 @@ kernel_filter='BM_cpu_flash/|BM_cpu_flash_backward|BM_reference'
 scaling_filter='BM_cpu_flash_scaling'
 policy_filter='BM_policy'
 pair_filter='BM_anything_vs_plain'
+feature_filter='BM_cpu_flash_softcap|BM_cpu_flash_value_dim|BM_sinks_vs_plain'
 if [[ "$quick" == 1 ]]; then
   kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_cpu_flash_backward/D:64/seq:2048/causal:1|BM_reference/D:64/seq:512/'
   scaling_filter='BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
   policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1'
   pair_filter='BM_anything_vs_plain<UlyssesPolicy>/P:2'
+  feature_filter='BM_cpu_flash_softcap/causal:1|BM_cpu_flash_value_dim/causal:1|BM_sinks_vs_plain<UlyssesPolicy>'
 fi
 
 wait_idle "machine ceilings (before)"
@@ -93,6 +95,8 @@ gb machine_after 'BM_peak|BM_memory'
 gb policies "$policy_filter"
 wait_idle "Anything vs plain"
 gb pairs "$pair_filter"
+wait_idle "today's models' features"
+gb features "$feature_filter"
 
 # MPI strong scaling: the same global shape on 1 and 2 ranks, alternated so that a change of
 # load on the shared machine hits both.

@@ -86,9 +86,9 @@ class DemoAttention {
   virtual Plan plan(const AttentionProblem& problem, LocalLengths lengths) = 0;
   /// SequenceParallelAttention::forward (lse may be absent).
   virtual void forward(const Plan& p, CV q, CV k, CV v, V out, TensorView<acc_t<T>> lse, std::span<std::byte> ws) = 0;
-  /// SequenceParallelAttention::backward.
+  /// SequenceParallelAttention::backward (d_sinks: null, or this rank's share of the sinks' gradient).
   virtual void backward(const Plan& p, CV dout, CV q, CV k, CV v, CV out, TensorView<const acc_t<T>> lse, V dq, V dk,
-                        V dv, std::span<std::byte> ws) = 0;
+                        V dv, float* d_sinks, std::span<std::byte> ws) = 0;
   /// SequenceParallelAttention::set_profile.
   virtual void set_profile(PhaseProfile* profile) = 0;
 };
@@ -107,8 +107,8 @@ class PolicyAttention final : public DemoAttention<T> {
     attn_.template forward<T>(p, q, k, v, out, lse, ws);
   }
   void backward(const Plan& p, CV dout, CV q, CV k, CV v, CV out, TensorView<const acc_t<T>> lse, V dq, V dk, V dv,
-                std::span<std::byte> ws) override {
-    attn_.template backward<T>(p, dout, q, k, v, out, lse, dq, dk, dv, ws);
+                float* d_sinks, std::span<std::byte> ws) override {
+    attn_.template backward<T>(p, dout, q, k, v, out, lse, dq, dk, dv, d_sinks, ws);
   }
   void set_profile(PhaseProfile* profile) override { attn_.set_profile(profile); }
 

@@ -32,26 +32,27 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_
   const Plan plan = attn.plan(s.problem<T>(o.backward), {split_sequence(s.seq_q, mesh)[idx], split_sequence(s.kv_len(), mesh)[idx]});
   g_planned = true;
 
-  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim;
+  const auto B = s.batch, H = s.heads, K = s.kv_head_count(), D = s.head_dim, Dv = s.value_dim();
   const PositionMap qpos = plan.q_positions(me), kvpos = plan.kv_positions(me);
   ex::LocalSlices<T> l = ex::local_slices<T>(g, qpos, kvpos);
   std::vector<std::byte> workspace(std::max(plan.workspace_bytes(), o.backward ? plan.backward_workspace_bytes() : 0));
   using CV = TensorView<const T>;
   using V = TensorView<T>;
   const CV q = CV::bshd(l.q.data(), B, l.lq, H, D), k = CV::bshd(l.k.data(), B, l.lkv, K, D),
-           v = CV::bshd(l.v.data(), B, l.lkv, K, D);
-  const V out = V::bshd(l.out.data(), B, l.lq, H, D);
+           v = CV::bshd(l.v.data(), B, l.lkv, K, Dv);
+  const V out = V::bshd(l.out.data(), B, l.lq, H, Dv);
   // Backward state: the LSE kept from forward, the upstream gradient and the three gradients.
   std::vector<acc_t<T>> lse(o.backward ? static_cast<std::size_t>(B * l.lq * H) : 0);
-  const std::vector<T> dout = o.backward ? ex::take_rows<T>(g.dout, B, s.seq_q, H, D, qpos) : std::vector<T>{};
-  std::vector<T> dq(o.backward ? l.q.size() : 0), dk(o.backward ? l.k.size() : 0), dv(dk.size());
+  const std::vector<T> dout = o.backward ? ex::take_rows<T>(g.dout, B, s.seq_q, H, Dv, qpos) : std::vector<T>{};
+  std::vector<T> dq(o.backward ? l.q.size() : 0), dk(o.backward ? l.k.size() : 0), dv(o.backward ? l.v.size() : 0);
+  std::vector<float> d_sinks(o.backward ? s.sinks.size() : 0);  // this rank's rows' share
   const auto lse_view = o.backward ? TensorView<acc_t<T>>::lse_bhs(lse.data(), B, l.lq, H) : TensorView<acc_t<T>>{};
   auto step = [&] {
     attn.forward(plan, q, k, v, out, lse_view, workspace);
     if (o.backward)
-      attn.backward(plan, CV::bshd(dout.data(), B, l.lq, H, D), q, k, v, out, lse_view,
-                                V::bshd(dq.data(), B, l.lq, H, D), V::bshd(dk.data(), B, l.lkv, K, D),
-                                V::bshd(dv.data(), B, l.lkv, K, D), workspace);
+      attn.backward(plan, CV::bshd(dout.data(), B, l.lq, H, Dv), q, k, v, out, lse_view,
+                    V::bshd(dq.data(), B, l.lq, H, D), V::bshd(dk.data(), B, l.lkv, K, D),
+                    V::bshd(dv.data(), B, l.lkv, K, Dv), d_sinks.empty() ? nullptr : d_sinks.data(), workspace);
   };
 
   // The first step is the one measured for traffic and checked; it also warms up.
@@ -70,6 +71,7 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_
       const ex::ReferenceGrads want = ex::reference_grads(g, qpos, kvpos);
       ex::ErrorStats e = ex::compare(dq, want.dq);
       for (const ex::ErrorStats& x : {ex::compare(dk, want.dk), ex::compare(dv, want.dv)}) e.merge(x);
+      if (!d_sinks.empty()) e.merge(ex::compare(d_sinks, want.dsinks));  // each rank's share against its rows'
       grad_err = ex::reduce_errors(comm, e);
     }
   }

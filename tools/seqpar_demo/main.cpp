@@ -12,11 +12,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <random>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "common.hpp"
+#include "models.hpp"
 #include "options.hpp"
 #include "report.hpp"
 #include "runs.hpp"
@@ -42,6 +44,15 @@ ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
   shape.window = o.window;
   if (!o.docs.empty()) shape.documents = {o.docs};
   shape.kv_valid = o.kv_valid;
+  shape.head_dim_v = o.head_dim_v;
+  shape.scale = o.scale;
+  shape.softcap = o.softcap;
+  if (o.sinks) {  // learned logits of either sign, some large enough to take a visible share of a row
+    std::mt19937_64 rng(o.seed * 31 + 7);
+    std::uniform_real_distribution<float> logit(-4.f, 4.f);
+    shape.sinks.resize(static_cast<std::size_t>(o.heads));
+    for (float& x : shape.sinks) x = logit(rng);
+  }
   if (o.decode) {
     shape.batch = 1;
     shape.seq_q = 0;
@@ -67,21 +78,30 @@ int report(const std::exception& e, const char* kind, bool verbose) {
   return 2;
 }
 
-/// Runs every length with ranks as threads; returns the worst rank's exit status.
-int run_threads(Options& o) {
-  o.comm = "threads";
-  const int ranks = o.ranks ? o.ranks : 4;
+/// The runs the options ask for: the options themselves, or one per layer kind of --model.
+std::vector<Options> runs_of(const Options& o) {
+  if (o.model.empty()) return {o};
+  std::vector<Options> runs = model_runs(o);
+  for (Options& r : runs) check_combinations(r);
+  return runs;
+}
+
+/// Runs every run and length with ranks as threads; returns the worst rank's exit status.
+int run_threads(Options& options) {
+  options.comm = "threads";
+  const int ranks = options.ranks ? options.ranks : 4;
   int worst = 0;
-  for (std::size_t at = 0; at < o.lengths().size(); ++at) {  // a failed check goes on to the next length
-    const ex::GlobalInputs g = inputs_for(o, at);
-    const int sweep_at = o.sweep.empty() ? -1 : static_cast<int>(at);
-    std::vector<int> status(static_cast<std::size_t>(ranks), 0);
-    g_planned = false;
-    run_ranks(ranks, [&](ThreadCommunicator& comm) {
-      status[static_cast<std::size_t>(comm.rank())] = run_options(comm, o, g, sweep_at);
-    });
-    worst = std::max(worst, *std::max_element(status.begin(), status.end()));
-  }
+  for (const Options& o : runs_of(options))
+    for (std::size_t at = 0; at < o.lengths().size(); ++at) {  // a failed check goes on to the next length
+      const ex::GlobalInputs g = inputs_for(o, at);
+      const int sweep_at = o.sweep.empty() ? -1 : static_cast<int>(at);
+      std::vector<int> status(static_cast<std::size_t>(ranks), 0);
+      g_planned = false;
+      run_ranks(ranks, [&](ThreadCommunicator& comm) {
+        status[static_cast<std::size_t>(comm.rank())] = run_options(comm, o, g, sweep_at);
+      });
+      worst = std::max(worst, *std::max_element(status.begin(), status.end()));
+    }
   print_results();
   return worst;
 }
@@ -89,8 +109,9 @@ int run_threads(Options& o) {
 #ifdef SEQPAR_HAS_MPI
 /// Runs every length on MPI_COMM_WORLD; returns this rank's exit status (an error after the
 /// plan, which the other ranks may not share, ends the job instead).
-int run_mpi(int& argc, char**& argv, Options& o) {
-  o.comm = "mpi";
+int run_mpi(int& argc, char**& argv, Options& options) {
+  options.comm = "mpi";
+  const Options& o = options;  // the run options' shared flags (verbose)
   MpiSession session(argc, argv);
   int status = 0, rank = 0;
   {
@@ -98,10 +119,11 @@ int run_mpi(int& argc, char**& argv, Options& o) {
     rank = world.rank();
     try {
       // A failed check goes on to the next length; an error ends the sweep.
-      for (std::size_t at = 0; at < o.lengths().size(); ++at) {
-        g_planned = false;
-        status = std::max(status, run_options(world, o, inputs_for(o, at), o.sweep.empty() ? -1 : static_cast<int>(at)));
-      }
+      for (const Options& r : runs_of(options))
+        for (std::size_t at = 0; at < r.lengths().size(); ++at) {
+          g_planned = false;
+          status = std::max(status, run_options(world, r, inputs_for(r, at), r.sweep.empty() ? -1 : static_cast<int>(at)));
+        }
       print_results();
     } catch (const UsageError& e) {
       print_results();
@@ -139,6 +161,10 @@ int main(int argc, char** argv) {
     if (!rank) rank = std::getenv("PMI_RANK");
     if (!rank || std::string_view(rank) == "0") report(e, "", false);
     return 2;
+  }
+  if (o.model == "list") {
+    print_model_list();
+    return 0;
   }
   if (o.comm.empty()) {
 #ifdef SEQPAR_HAS_MPI

@@ -3,6 +3,7 @@
 
 #include "options.hpp"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
@@ -23,6 +24,8 @@ constexpr const char* usage_text =
     "                   [--causal-align top-left|bottom-right] [--window L,R] [--docs N1,N2,...]\n"
     "                   [--kv-valid N1,N2,...] [--dtype f32|f64] [--comm mpi|threads] [--ranks N] [--iters I]\n"
     "                   [--check] [--threads N] [--seed N] [--backward] [--profile] [--verbose]\n"
+    "                   [--head-dim-v D] [--softcap C] [--sinks] [--scale X]\n"
+    "       seqpar_demo --model NAME|list [--local N] [--seq S] [--decode ...] [--policy ... and run options]\n"
     "       seqpar_demo --decode --kv-len N1,N2,... [--new-tokens T] [--page N] [--steps S]\n"
     "                   [--exchange all-gather|heads] [the prefill's --policy ... and shape options]\n"
     "  --seq is the global length, split over the ranks as evenly as the mesh allows; plain policies\n"
@@ -31,7 +34,7 @@ constexpr const char* usage_text =
     "  with MPI), else threads with --ranks 4. The last line printed is\n"
     "  RESULT policy=... ranks=... seq=... heads=... max_abs_err=... max_rel_err=... bytes_sent_per_rank=... "
     "time_ms_per_iter=... cpu_isa=... layout=... causal=... mesh=UxR dtype=... backward=... gflops=...\n"
-    "  imbalance=... mask=...\n"
+    "  imbalance=... mask=... features=... [model=... layer=...]\n"
     "  GFLOP/s counts 4 x head_dim x visible score pairs per forward (x3.5 with --backward);\n"
     "  --verbose adds where in the library an error was raised.\n"
     "  --backward also runs backward after each forward (time and bytes cover both) and, with --check,\n"
@@ -39,6 +42,17 @@ constexpr const char* usage_text =
     "  --profile prints, per rank, the time of each phase of the timed calls (pack, all-to-alls, each\n"
     "  ring step's compute, merge and wait, unpack) and the share of ring transfer time hidden by compute.\n"
     "  --sweep runs each length in turn: one table row per length, then one RESULT line per length.\n"
+    "Today's models' features: --head-dim-v D: V's and O's head dim (default --head-dim; MLA: 192 / 128);\n"
+    "  --softcap C: scores become C tanh(s / C) before the mask (Gemma 2: 50); --sinks: one sink logit per\n"
+    "  query head (random, from --seed) joins every row's softmax denominator (GPT-OSS); --scale X: the\n"
+    "  softmax scale (default 1/sqrt(head_dim)).\n"
+    "Models (--model NAME; --model list prints them with their published settings): llama-3-8b,\n"
+    "  llama-4-scout, gpt-oss-20b, gemma-2-9b, gemma-3-27b, deepseek-v3, qwen3-32b, flux-dev. Runs every\n"
+    "  attention layer kind of the model in turn (e.g. gpt-oss-20b: sliding window 128, then full causal)\n"
+    "  with its heads, dims, scale, soft-cap and sinks as published; --seq sets the sequence (flux-dev: the\n"
+    "  image tokens, after 512 text tokens); --local N shrinks the sliding windows and chunks so that a\n"
+    "  short --seq still sees them cut. With --decode: the model's decode layer (deepseek-v3: MLA's MQA\n"
+    "  over the latent cache, D 576 / D_v 512, V inside K's rows). RESULT gains model=... layer=....\n"
     "Masks (any combination; --check compares against the exact reference under the same mask):\n"
     "  --kv-seq S: global key/value length (default --seq; a different one needs --anything);\n"
     "  --causal-align: where the causal diagonal (and a window's centre) sits when --kv-seq differs:\n"
@@ -79,6 +93,16 @@ std::vector<std::int64_t> parse_list(std::string_view name, std::string_view tex
   return values;
 }
 
+/// A real option's value, finite and from `min` to `max`.
+double parse_real(std::string_view name, const char* text, double min, double max) {
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !std::isfinite(v) || v < min || v > max)
+    throw UsageError(std::string(name) + ": expected a number from " + std::to_string(min) + " to " +
+                     std::to_string(max) + ", got '" + text + "'");
+  return v;
+}
+
 /// Sum of a list (its values are at most 2^30 each, so no overflow for any command line).
 std::int64_t sum(const std::vector<std::int64_t>& v) {
   std::int64_t n = 0;
@@ -86,7 +110,8 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
   return n;
 }
 
-/// The checks between options, after all are read (each error names the option to change).
+}  // namespace
+
 void check_combinations(Options& o) {
   auto refuse_with = [&](std::initializer_list<const char*> names, const char* mode, const char* why) {
     for (const char* n : names)
@@ -137,9 +162,10 @@ void check_combinations(Options& o) {
                      std::to_string(o.kv_heads));
   if (o.policy == PolicyKind::ulysses && o.layout != LayoutKind::contiguous)
     throw UsageError("--layout: --policy ulysses has no ring, so no layout; use --policy unified --ring-degree R");
+  if (o.local && o.model.empty()) throw UsageError("--local: sizes a --model's sliding windows or chunks; add --model");
+  if (o.head_dim_v && o.decode && o.model.empty())
+    throw UsageError("--head-dim-v: the decode run takes V's head dim from --model (deepseek-v3); not with --decode");
 }
-
-}  // namespace
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -157,6 +183,7 @@ Options parse(int argc, char** argv) {
     if (a == "--profile") { o.profile = true; continue; }
     if (a == "--verbose") { o.verbose = true; continue; }
     if (a == "--decode") { o.decode = true; continue; }
+    if (a == "--sinks") { o.sinks = true; continue; }
     if (a.substr(0, 2) != "--") throw UsageError("'" + std::string(a) + "': expected an option such as --seq (see --help)");
     if (i + 1 >= argc) throw UsageError(std::string(a) + ": unknown option or missing value (see --help)");
     const char* v = argv[++i];
@@ -207,12 +234,18 @@ Options parse(int argc, char** argv) {
     else if (a == "--heads") o.heads = parse_int(a, v, 1);
     else if (a == "--kv-heads") o.kv_heads = parse_int(a, v, 1);
     else if (a == "--head-dim") o.head_dim = parse_int(a, v, 1);
+    else if (a == "--head-dim-v") o.head_dim_v = parse_int(a, v, 1);
+    else if (a == "--scale") o.scale = parse_real(a, v, 1e-6, 1e6);
+    else if (a == "--softcap") o.softcap = parse_real(a, v, 0, 1e6);
+    else if (a == "--model") o.model = s;
+    else if (a == "--local") o.local = parse_int(a, v, 1);
     else if (a == "--ranks") o.ranks = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--iters") o.iters = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--threads") o.threads = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_int(a, v, 0, std::numeric_limits<std::int64_t>::max()));
     else throw UsageError(std::string(a) + ": unknown option (see --help)");
   }
+  if (o.model == "list") return o;  // main prints the list
   if (!o.has("--policy")) {
     if (!o.decode) throw UsageError("--policy: required (ulysses, ring or unified)");
     // The prompts' total rarely divides evenly, and stripe balances packed documents.

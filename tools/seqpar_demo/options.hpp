@@ -37,6 +37,12 @@ struct Options {
   int ulysses_degree = 0, ring_degree = 0;
   std::int64_t batch = 1, seq = 2048, heads = 8, kv_heads = 0, head_dim = 64;
   std::int64_t kv_seq = 0;  // 0 = --seq
+  std::int64_t head_dim_v = 0;  // 0 = --head-dim
+  double scale = 0, softcap = 0;  // 0: 1/sqrt(head_dim); no cap
+  bool sinks = false;             // one random sink logit per query head (from --seed)
+  std::string model, layer;       // --model, and the model's layer kind a run is ("" without --model)
+  std::int64_t local = 0;         // --local: the size of the model's sliding windows or chunks (0: as published)
+  bool v_in_k = false;            // decode: V is the first head_dim_v columns of the cached K rows
   bool causal = false;
   CausalAlign causal_align = CausalAlign::top_left;
   Window window{};
@@ -71,6 +77,10 @@ inline constexpr const char* layout_names[] = {"contiguous", "zigzag", "stripe"}
 /// Reads the command line (--help prints the usage and exits); throws UsageError naming the
 /// option to change.
 Options parse(int argc, char** argv);
+
+/// The checks between options (each error names the option to change); parse applies them,
+/// and again to each run a --model expands into. Completes the decode options (batch, seq).
+void check_combinations(Options& o);
 
 /// The world size and degrees the options ask for, checked against the world.
 void check_degrees(const Options& o, int world);

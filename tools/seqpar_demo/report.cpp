@@ -25,6 +25,27 @@ std::string mask_name(const ex::GlobalShape& s) {
   return m.empty() ? "none" : m;
 }
 
+std::string features_name(const ex::GlobalShape& s) {
+  std::string m;
+  auto add = [&](const std::string& part) { m.append(m.empty() ? "" : "+").append(part); };
+  char text[64];
+  if (s.value_dim() != s.head_dim) add("head_dim_v(" + std::to_string(s.value_dim()) + ")");
+  if (s.softcap > 0) {
+    std::snprintf(text, sizeof text, "softcap(%g)", s.softcap);
+    add(text);
+  }
+  if (!s.sinks.empty()) add("sinks");
+  if (s.scale != 0) {
+    std::snprintf(text, sizeof text, "scale(%.6g)", s.scale);
+    add(text);
+  }
+  return m.empty() ? "none" : m;
+}
+
+std::string model_keys(const Options& o) {
+  return o.model.empty() ? "" : " model=" + o.model + " layer=" + o.layer;
+}
+
 void print_kernel(const Options& o) {
   std::printf("kernel       CpuFlashKernel on %d thread(s) per rank, %s (%d-bit vectors, chosen at run time; this CPU's "
               "widest: %s; SEQPAR_CPU_ISA caps it)\n",
@@ -76,8 +97,9 @@ bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& me
                 const std::vector<PhaseProfile>& profiles) {
   const int world = static_cast<int>(f.rows.size());
   const bool sweeping = sweep_at >= 0;
-  // FLOPs: 4 x D per visible score pair in forward (QK^T and PV), 2.5 times that in backward.
-  const double flops_per_pair = 4.0 * static_cast<double>(s.head_dim) * (o.backward ? 3.5 : 1.0);
+  // FLOPs: 2 x (D + D_v) per visible score pair in forward (QK^T and PV), 2.5 times that in backward.
+  const double flops_per_pair =
+      2.0 * static_cast<double>(s.head_dim + s.value_dim()) * (o.backward ? 3.5 : 1.0);
   const double tol = o.f64 ? 1e-12 : 1e-5, grad_tol = o.f64 ? 1e-11 : 1e-4;
   const bool fwd_ok = err.rel() <= tol, grad_ok = !o.backward || grad_err.rel() <= grad_tol;
   const std::string mask = mask_name(s);
@@ -89,6 +111,8 @@ bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& me
                 sweeping ? "sweep" : std::to_string(s.kv_len()).c_str(), static_cast<long long>(s.heads),
                 static_cast<long long>(s.kv_head_count()), static_cast<long long>(s.head_dim), mask.c_str(),
                 o.f64 ? "f64" : "f32");
+    if (!o.model.empty()) std::printf("model        %s, layer kind %s\n", o.model.c_str(), o.layer.c_str());
+    if (features_name(s) != "none") std::printf("features     %s\n", features_name(s).c_str());
     print_kernel(o);
   }
   if (sweeping) {
@@ -133,12 +157,13 @@ bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& me
   // With --backward, time and bytes cover forward + backward and the gradient error comes last.
   char tail[512];
   std::snprintf(tail, sizeof tail,
-                "%s%s cpu_isa=%s layout=%s causal=%d mesh=%dx%d dtype=%s backward=%d gflops=%.2f imbalance=%.2f mask=%s",
+                "%s%s cpu_isa=%s layout=%s causal=%d mesh=%dx%d dtype=%s backward=%d gflops=%.2f imbalance=%.2f mask=%s "
+                "features=%s%s",
                 o.backward ? " grad_max_rel_err=" : "", o.backward ? error_text(o.check, grad_err.rel()).c_str() : "",
                 cpu_isa_name(default_cpu_isa()),
                 o.policy == PolicyKind::ulysses ? "none" : layout_names[static_cast<int>(o.layout)], s.causal ? 1 : 0,
                 mesh.ulysses, mesh.ring, o.f64 ? "f64" : "f32", o.backward ? 1 : 0, f.gflops(flops_per_pair),
-                f.imbalance(), mask.c_str());
+                f.imbalance(), mask.c_str(), features_name(s).c_str(), model_keys(o).c_str());
   g_results.push_back(result_head(o, world, s.seq_q, err, f.max_bytes, f.max_ms) + tail);
   std::fflush(stdout);
   return !o.check || (fwd_ok && grad_ok);

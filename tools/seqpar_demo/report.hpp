@@ -26,6 +26,13 @@ std::string comma_list(const std::vector<std::int64_t>& v);
 /// causal+window(512,-1)+docs(8), or none.
 std::string mask_name(const ex::GlobalShape& s);
 
+/// Today's models' features as RESULT's features= shows them, joined by '+', e.g.
+/// head_dim_v(128)+softcap(50)+sinks, or none.
+std::string features_name(const ex::GlobalShape& s);
+
+/// RESULT's " model=NAME layer=KIND" of a --model run ("" otherwise).
+std::string model_keys(const Options& o);
+
 /// The kernel line of the report.
 void print_kernel(const Options& o);
 
