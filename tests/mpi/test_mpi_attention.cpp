@@ -120,6 +120,26 @@ TEST_CASE("MPI: Unified 2 x 2 (zigzag, causal, GQA) matches the reference and th
   CHECK(run<float>(world, ring_adjacent, s).err.rel() <= 1e-5);
 }
 
+TEST_CASE("MPI: sinks, soft-cap and D_v != D together under every policy, the traffic sized by D and D_v") {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size();
+  ex::GlobalShape s = shape_of(24 * P, 2 * P, P, 24, true);
+  s.head_dim_v = 40;
+  s.softcap = 2.5;
+  s.scale = 0.6;  // scores spread past the cap
+  for (std::int64_t h = 0; h < s.heads; ++h) s.sinks.push_back(static_cast<float>((h % 5) * 2 - 4));  // -4..4
+  for (const Outcome& f : {run<float>(world, UlyssesPolicy{}, s), run<float>(world, RingPolicy<Zigzag>{}, s),
+                           run<float>(world, AnythingPolicy<RingPolicy<Stripe>>{}, s)}) {
+    CHECK(f.err.rel() <= 1e-5);
+    CHECK(f.bytes_match);
+  }
+  CHECK(run<double>(world, RingPolicy<Zigzag>{}, s).err.rel() <= 1e-12);
+  // A contiguous ring sends P - 1 K/V blocks of 24 rows x P K/V heads, each K (D 24) and V (D_v 40).
+  const Outcome ring = run<float>(world, RingPolicy<Contiguous>{}, s);
+  CHECK(ring.err.rel() <= 1e-5);
+  CHECK(ring.bytes_rank0 == static_cast<std::uint64_t>(4 * 24 * P * (24 + 40) * (P - 1)));
+}
+
 TEST_CASE("MPI: AnythingPolicy at seq 4099 and 3969, heads that do not divide, exact traffic") {
   MpiCommunicator world(MPI_COMM_WORLD);
   for (std::int64_t seq : {4099, 3969}) {
