@@ -298,10 +298,11 @@ class SequenceParallelDecode {
   /// Collective: the plan for a cache layout, reused every step. On a refusal every rank
   /// throws the same ConfigError (naming the field, and for kv_len the differing entry).
   DecodePlan plan(const DecodeProblem& problem) { return engine_.plan(problem); }
-  /// One step: q [B, T, plan.q_heads(), D], the cache shards [B, plan.shard_capacity(), K, D]
-  /// holding the step's new K/V, out [B, T, plan.out_heads(), D] (T is deduced from it). The
-  /// plan's lengths and step count are not changed (advance does that); arguments are checked
-  /// before the first message, so a ConfigError from them leaves everything usable.
+  /// One step: q [B, T, plan.q_heads(), D], the cache shards k_cache [B, plan.shard_capacity(),
+  /// K, D] and v_cache [.., K, D_v] holding the step's new K/V (v_cache may be a column view of
+  /// k_cache's rows: MLA's latent cache), out [B, T, plan.out_heads(), D_v] (T is deduced from
+  /// it). The plan's lengths and step count are not changed (advance does that); arguments are
+  /// checked before the first message, so a ConfigError from them leaves everything usable.
   template <class T>
   void step(DecodePlan& plan, Input<T> q, Input<T> k_cache, Input<T> v_cache, TensorView<T, memory_space> out,
             std::span<std::byte> workspace) {
