@@ -6,7 +6,8 @@
 /// step leaves it there: every rank attends the step's queries (T new tokens per sequence,
 /// causal among themselves) to the keys it stores and gets a partial (O, LSE); one exchange of
 /// the partials and the LSE merge (kernel/merge_state.hpp) give the exact output. Bytes per
-/// step depend on B x T x heads x head_dim, never on the cache length.
+/// step depend on B x T x heads x D_v (the partials; the heads exchange adds the queries' D),
+/// never on the cache length.
 ///
 /// Cache layouts, per sequence (batch element):
 ///  - contiguous (as a contiguous prefill leaves it): the first `kv_len[b]` tokens split as
@@ -42,22 +43,36 @@ enum class DecodeExchange : std::uint8_t {
 };
 
 /// One decode problem: the batch's shapes, the cache lengths before the first step, the layout
-/// of the cache over the ranks and the exchange.
+/// of the cache over the ranks and the exchange; and today's models' features, as in
+/// AttentionProblem (core/problem.hpp): a value head dim, logit soft-capping and sinks.
 struct DecodeProblem {
   std::int64_t batch = 1;       ///< sequences B
   std::int64_t heads = 1;       ///< query heads H
   std::int64_t kv_heads = 0;    ///< K/V heads (0: H)
-  std::int64_t head_dim = 64;   ///< D
+  std::int64_t head_dim = 64;   ///< D of Q and K
+  /// D_v of V and O (0: D). Partials, messages and the merge are sized by it. MLA's latent
+  /// cache: D 576, D_v 512, V a column view of K's rows (same pointer and strides, no copy).
+  std::int64_t head_dim_v = 0;
   double scale = 0.0;           ///< softmax scale; 0: 1/sqrt(D)
+  /// Logit soft-cap (Gemma 2, Grok): each scaled score s becomes softcap * tanh(s / softcap);
+  /// 0 is off. The kernel needs kernel_supports_softcap.
+  double softcap = 0.0;
   DType dtype = DType::f32;     ///< element type of Q, the cache and O
   std::int64_t new_tokens = 1;  ///< T: query tokens per sequence per step (1..16), causal among themselves
   std::vector<std::int64_t> kv_len{};  ///< global cache length of each sequence before the first step
   std::int64_t capacity = 0;    ///< most tokens a sequence's cache will hold (sizes each rank's shard)
   std::int64_t page = 0;        ///< 0: contiguous layout; N > 0: pages of N tokens round-robin
   DecodeExchange exchange = DecodeExchange::all_gather;  ///< how partials are combined
+  /// Attention sinks (GPT-OSS): one logit per query head, H floats in the decode object's
+  /// memory space (device memory for CUDA), read at every step; null: none. A step joins each
+  /// row's sink once, after the partials of every rank are merged (a sink joined to every
+  /// rank's partial would count P times).
+  const float* sinks = nullptr;
 
   /// K/V heads with 0 resolved.
   std::int64_t kv_head_count() const { return kv_heads == 0 ? heads : kv_heads; }
+  /// D_v, with 0 resolved to D.
+  std::int64_t value_dim() const { return head_dim_v == 0 ? head_dim : head_dim_v; }
 };
 
 /// Where cache tokens live: the decode plan's layout part (no communication, any rank can ask).
@@ -147,9 +162,9 @@ class DecodePlan {
   HeadRange out_heads() const { return out_heads_; }
   /// Query heads this rank provides: all heads (all_gather) or its own (heads exchange).
   HeadRange q_heads() const { return out_heads_; }
-  /// Bytes this rank sends per step: partial O and LSE (accumulation type) to the ranks that
-  /// merge them, the gathered queries in the heads exchange, and an 8-byte step tag per
-  /// message that lets every rank detect a step whose lengths disagree.
+  /// Bytes this rank sends per step: partial O (D_v wide) and LSE (accumulation type) to the
+  /// ranks that merge them, the gathered queries (D wide) in the heads exchange, and an
+  /// 8-byte step tag per message that lets every rank detect a step whose lengths disagree.
   std::size_t step_bytes() const { return step_bytes_; }
   /// Workspace bytes of a step.
   std::size_t workspace_bytes() const { return slots_.bytes(); }

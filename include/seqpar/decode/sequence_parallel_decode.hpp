@@ -8,9 +8,13 @@
 /// to the slots whose positions it may see: the cache before it and the step's earlier
 /// tokens), and decode's exchange moves the partial (O, LSE) pieces in the accumulation type
 /// to the ranks that merge them, each merging its pieces in rank order with merge_row
-/// (decode/step_exchange.hpp). Nothing is allocated and no metadata is exchanged: every
-/// message carries one 8-byte tag of the step (its lengths and count), so a rank whose plan
-/// advanced differently is named on every rank instead of merging garbage or hanging.
+/// (decode/step_exchange.hpp). Today's models: the kernel soft-caps the scores
+/// (KernelParams::softcap); V, O and the partials have D_v, so V may be a column view of the K
+/// cache's rows (MLA's latent cache: no second copy); a sink joins each row once, after the
+/// merge, on the rank that returns that row. Nothing is allocated and no metadata is
+/// exchanged: every message carries one 8-byte tag of the step (its lengths and count), so a
+/// rank whose plan advanced differently is named on every rank instead of merging garbage or
+/// hanging.
 ///
 /// The same step runs on host memory and on a device (a CudaSpace communicator with
 /// CudaFlashKernel): every byte of the buffers moves through TensorOps (the tags too: a fill of
@@ -22,6 +26,7 @@
 /// price of naming a disagreeing rank on the host; the merge and the output copy are then
 /// enqueued without a wait). Put the kernel, the ops and the communicator on one stream.
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -45,6 +50,8 @@
 #include "seqpar/decode/step_exchange.hpp"
 #include "seqpar/ops/host_ops.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
+#include "seqpar/policy/join_sinks.hpp"
+#include "seqpar/policy/plan_builder.hpp"
 
 namespace seqpar {
 namespace detail {
@@ -64,13 +71,19 @@ class DecodeEngine {
   /// Collective: every rank gives the same problem; all validate the gathered copy alike.
   DecodePlan plan(const DecodeProblem& pr) {
     const int P = world_.size(), me = world_.rank();
-    const std::int64_t mine[] = {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim,
+    const std::int64_t mine[] = {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim, pr.value_dim(),
                                  static_cast<std::int64_t>(pr.dtype), std::bit_cast<std::int64_t>(pr.scale),
-                                 pr.new_tokens, pr.capacity, pr.page, static_cast<std::int64_t>(pr.exchange),
-                                 hash_lists({pr.kv_len})};
-    static constexpr const char* names[] = {"batch", "heads", "kv_heads", "head_dim", "dtype", "scale",
-                                            "new_tokens", "capacity", "page", "exchange", "kv_len"};
+                                 std::bit_cast<std::int64_t>(pr.softcap), pr.sinks != nullptr, pr.new_tokens,
+                                 pr.capacity, pr.page, static_cast<std::int64_t>(pr.exchange), hash_lists({pr.kv_len})};
+    static constexpr const char* names[] = {"batch", "heads", "kv_heads", "head_dim", "head_dim_v", "dtype", "scale",
+                                            "softcap", "sinks (given or not)", "new_tokens", "capacity", "page",
+                                            "exchange", "kv_len"};
+    // The attention plan's field each one is (its values are shown alike: doubles, dtype and
+    // sinks by value, not by their bits), or -1 for a number.
+    static constexpr int shown_as[] = {f_batch, f_heads, f_kv_heads, f_head_dim, f_head_dim_v, f_dtype, f_scale,
+                                       f_softcap, f_sinks, -1, -1, -1, -1, -1};
     constexpr int n = static_cast<int>(std::size(mine)), f_kv_len = n - 1;
+    static_assert(std::size(names) == n && std::size(shown_as) == n);
     std::vector<std::int64_t> all(static_cast<std::size_t>(n * P));
     world_.all_gather_host(std::span<const std::int64_t>(mine, n), all);
     for (int f = 0; f < n; ++f)
@@ -79,11 +92,8 @@ class DecodeEngine {
         // kv_len travels as a hash: every rank sees the mismatch, and all gather the lengths.
         if (f == f_kv_len)
           SEQPAR_THROW(ConfigError, list_disagreement(world_, "decode plan: ", "kv_len", {pr.kv_len}, ListField::one_list));
-        if (f == 5)  // the scale travels as its bits
-          SEQPAR_THROW(ConfigError, "decode plan: ranks disagree on scale: rank 0 has ", std::bit_cast<double>(all[f]),
-                       ", rank ", w, " has ", std::bit_cast<double>(all[w * n + f]));
-        SEQPAR_THROW(ConfigError, "decode plan: ranks disagree on ", names[f], ": rank 0 has ", all[f], ", rank ", w,
-                     " has ", all[w * n + f]);
+        SEQPAR_THROW(ConfigError, "decode plan: ranks disagree on ", names[f], ": rank 0 has ",
+                     field_value(shown_as[f], all[f]), ", rank ", w, " has ", field_value(shown_as[f], all[w * n + f]));
       }
     check_problem(pr);
 
@@ -112,19 +122,24 @@ class DecodeEngine {
     p.slots_.place();
     if constexpr (kernel_has_scratch<Kernel>) {
       const std::string why = allocation_disagreement(world_, "decode plan: ", [&] {
-        if constexpr (requires { kernel_.prepare(std::int64_t{}); }) kernel_.prepare(pr.head_dim);
+        // Forward scratch only (decode has no backward), for rows of D (Q, K) and D_v (V, O).
+        if constexpr (requires { kernel_.prepare(std::int64_t{}, std::int64_t{}); })
+          kernel_.prepare(pr.head_dim, pr.value_dim());
+        else if constexpr (requires { kernel_.prepare(std::int64_t{}); })
+          kernel_.prepare(std::max(pr.head_dim, pr.value_dim()));
         if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })  // every step: T rows against the shard
           kernel_.reserve({pr.batch, pr.new_tokens, pr.heads, p.shard_capacity_, p.problem_.kv_heads,
-                           pr.heads / p.problem_.kv_heads, pr.head_dim, false});
+                           pr.heads / p.problem_.kv_heads, pr.head_dim, false, pr.value_dim()});
       });
       SEQPAR_CHECK(why.empty(), ConfigError, why);
     }
     return p;
   }
 
-  /// One step (see the file comment). q: [B, T, q_heads, D]; k_cache, v_cache: [B,
-  /// shard_capacity, K, D] with the step's new K/V already in their slots; out: [B, T,
-  /// out_heads, D]. The plan is not advanced (advance it once the step's tokens are cache).
+  /// One step (see the file comment). q: [B, T, q_heads, D]; k_cache [B, shard_capacity, K, D]
+  /// and v_cache [B, shard_capacity, K, D_v] with the step's new K/V already in their slots
+  /// (v_cache may be a column view of k_cache's rows); out: [B, T, out_heads, D_v]. The plan is
+  /// not advanced (advance it once the step's tokens are cache).
   template <class T>
   void step(DecodePlan& p, TensorView<const T, Space> q, TensorView<const T, Space> k_cache,
             TensorView<const T, Space> v_cache, TensorView<T, Space> out, std::span<std::byte> workspace) {
@@ -138,11 +153,12 @@ class DecodeEngine {
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, "decode step: element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, K = pr.kv_heads, D = pr.head_dim;
-    const std::int64_t C = p.shard_capacity_;
+    const std::int64_t Dv = pr.value_dim(), C = p.shard_capacity_;
     check_view(q, "decode step: q", B, Tn, p.q_heads().count, D, ViewUse::read);
     check_view(k_cache, "decode step: k_cache", B, C, K, D, ViewUse::read);
-    check_view(v_cache, "decode step: v_cache", B, C, K, D, ViewUse::read);
-    check_view(out, "decode step: out", B, Tn, p.out_heads().count, D, ViewUse::write);
+    // Read only, so any strides: MLA's V is the first D_v columns of K's rows (K's pointer and strides).
+    check_view(v_cache, "decode step: v_cache", B, C, K, Dv, ViewUse::read);
+    check_view(out, "decode step: out", B, Tn, p.out_heads().count, Dv, ViewUse::write);
     for (std::int64_t b = 0; b < B; ++b)
       SEQPAR_CHECK(p.kv_len(b) <= pr.capacity - Tn, ConfigError, "decode step: sequence ", b, " holds ", p.kv_len(b),
                    " tokens: the step's ", Tn, " would exceed the capacity ", pr.capacity);
@@ -160,19 +176,20 @@ class DecodeEngine {
         p.row_key_end_[static_cast<std::size_t>(b * Tn + t)] = p.layout_.count(me, b, p.kv_len(b) + t + 1);
     KernelParams params;
     params.scale = DecodeEngine::scale(pr);
+    params.softcap = pr.softcap;
     params.q_positions = PositionMap::run(Tn, 0);
     params.k_positions = PositionMap::run(C, 0);
     params.group_size = H / K;
     params.mask.row_key_end = p.row_key_end_.data();
     params.mask.row_stride = Tn;
-    const auto o_view = TensorView<A, Space>::bshd(slots.template get<A>(workspace, part_o), B, Tn, H, D);
+    const auto o_view = TensorView<A, Space>::bshd(slots.template get<A>(workspace, part_o), B, Tn, H, Dv);
     const auto l_view = TensorView<A, Space>::bshd(slots.template get<A>(workspace, part_l), B, Tn, H, 1);
     if constexpr (kernel_writes_acc<Kernel, T>) {
       kernel_.forward(qa, k_cache, v_cache, o_view, l_view, params);
     } else {  // a kernel that writes only T: compute in T, widen
       T* t_out = slots.template get<T>(workspace, part_t);
-      kernel_.forward(qa, k_cache, v_cache, TensorView<T, Space>::bshd(t_out, B, Tn, H, D), l_view, params);
-      ops_.copy(TensorView<const T, Space>::bshd(t_out, B, Tn, H, D), o_view);
+      kernel_.forward(qa, k_cache, v_cache, TensorView<T, Space>::bshd(t_out, B, Tn, H, Dv), l_view, params);
+      ops_.copy(TensorView<const T, Space>::bshd(t_out, B, Tn, H, Dv), o_view);
     }
 
     StepExchange::send_partials(world_, ops_, p, o_view, l_view, workspace);
@@ -193,11 +210,11 @@ class DecodeEngine {
   static void declare_partials(DecodePlan& p) {
     const DecodeProblem& pr = p.problem_;
     const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens), H = static_cast<std::size_t>(pr.heads),
-               D = static_cast<std::size_t>(pr.head_dim);
+               Dv = static_cast<std::size_t>(pr.value_dim());
     const std::size_t a = acc_bytes(pr.dtype), e = dtype_bytes(pr.dtype);
-    p.slots_.declare(part_o, rows * H * D * a);
+    p.slots_.declare(part_o, rows * H * Dv * a);
     p.slots_.declare(part_l, rows * H * a);
-    if (e != a) p.slots_.declare(part_t, rows * H * D * e);
+    if (e != a) p.slots_.declare(part_t, rows * H * Dv * e);
   }
 
   static void check_problem(const DecodeProblem& pr) {
@@ -206,6 +223,8 @@ class DecodeEngine {
     SEQPAR_CHECK_ARG(pr.kv_head_count() >= 1 && pr.heads % pr.kv_head_count() == 0, "decode plan: kv_heads",
                      "a divisor of heads " + std::to_string(pr.heads), pr.kv_head_count());
     SEQPAR_CHECK_ARG(pr.head_dim >= 1, "decode plan: head_dim", ">= 1", pr.head_dim);
+    const std::string features = feature_values_reason(pr, "decode plan: ");
+    SEQPAR_CHECK(features.empty(), ConfigError, features);
     SEQPAR_CHECK_ARG(std::isfinite(pr.scale) && std::abs(pr.scale) <= scale_limit, "decode plan: scale",
                      "a finite number with |scale| <= 2^32 (or 0 for 1/sqrt(head_dim))", pr.scale);
     SEQPAR_CHECK_ARG(static_cast<int>(pr.dtype) <= static_cast<int>(DType::f64), "decode plan: dtype",
@@ -215,15 +234,18 @@ class DecodeEngine {
     SEQPAR_CHECK_ARG(pr.page >= 0, "decode plan: page", ">= 0 (0: contiguous)", pr.page);
     SEQPAR_CHECK_ARG(pr.capacity >= pr.new_tokens, "decode plan: capacity", ">= new_tokens " + std::to_string(pr.new_tokens),
                      pr.capacity);
-    // The largest tensor a rank may be given is a whole cache, batch x capacity x K x D
-    // elements of at most 8 bytes; the plan's sizes stay in 64 bits while that is below 2^58.
-    const std::int64_t cache[] = {8, pr.batch, pr.capacity, pr.kv_head_count(), pr.head_dim};
-    const std::int64_t rows[] = {8, pr.batch, pr.new_tokens, pr.heads, pr.head_dim + 1};
+    // The largest tensor a rank may be given is a whole cache, batch x capacity x K x
+    // max(D, D_v) elements of at most 8 bytes (a step's rows add one LSE value to D_v); the
+    // plan's sizes stay in 64 bits while that is below 2^58.
+    const std::int64_t dim = std::max(pr.head_dim, pr.value_dim());
+    const std::int64_t cache[] = {8, pr.batch, pr.capacity, pr.kv_head_count(), dim};
+    const std::int64_t rows[] = {8, pr.batch, pr.new_tokens, pr.heads, dim + 1};
     const std::optional<std::int64_t> cache_bytes = checked_product(cache), row_bytes = checked_product(rows);
     constexpr std::int64_t limit = std::int64_t{1} << 58;
     SEQPAR_CHECK(cache_bytes && *cache_bytes <= limit && row_bytes && *row_bytes <= limit, ConfigError,
                  "decode plan: size overflow: batch ", pr.batch, " x capacity ", pr.capacity, " x kv_heads ",
-                 pr.kv_head_count(), " (heads ", pr.heads, ") x head_dim ", pr.head_dim,
+                 pr.kv_head_count(), " (heads ", pr.heads, ")",
+                 pr.value_dim() > pr.head_dim ? " x head_dim_v " : " x head_dim ", dim,
                  " x 8 bytes exceeds the 2^58-byte limit on one tensor");
     SEQPAR_CHECK(static_cast<std::int64_t>(pr.kv_len.size()) == pr.batch, ConfigError,
                  "decode plan: kv_len: expected one length per sequence (", pr.batch, "), got ", pr.kv_len.size());
@@ -233,6 +255,10 @@ class DecodeEngine {
       SEQPAR_CHECK(pr.kv_len[b] >= 0 && pr.kv_len[b] <= pr.capacity - pr.new_tokens, ConfigError,
                    "decode plan: kv_len[", b, "]: expected 0..capacity - new_tokens = ", pr.capacity - pr.new_tokens,
                    ", got ", pr.kv_len[b]);
+    // What the kernel and the memory space's operations cannot do, in the attention plan's words.
+    std::string why = kernel_features_reason<Kernel>(pr, "decode plan: ");
+    if (why.empty()) why = sinks_reason<Space>(pr, "decode plan: ");
+    SEQPAR_CHECK(why.empty(), ConfigError, why);
   }
 
   static double scale(const DecodeProblem& pr) {
@@ -272,10 +298,11 @@ class SequenceParallelDecode {
   /// Collective: the plan for a cache layout, reused every step. On a refusal every rank
   /// throws the same ConfigError (naming the field, and for kv_len the differing entry).
   DecodePlan plan(const DecodeProblem& problem) { return engine_.plan(problem); }
-  /// One step: q [B, T, plan.q_heads(), D], the cache shards [B, plan.shard_capacity(), K, D]
-  /// holding the step's new K/V, out [B, T, plan.out_heads(), D] (T is deduced from it). The
-  /// plan's lengths and step count are not changed (advance does that); arguments are checked
-  /// before the first message, so a ConfigError from them leaves everything usable.
+  /// One step: q [B, T, plan.q_heads(), D], the cache shards k_cache [B, plan.shard_capacity(),
+  /// K, D] and v_cache [.., K, D_v] holding the step's new K/V (v_cache may be a column view of
+  /// k_cache's rows: MLA's latent cache), out [B, T, plan.out_heads(), D_v] (T is deduced from
+  /// it). The plan's lengths and step count are not changed (advance does that); arguments are
+  /// checked before the first message, so a ConfigError from them leaves everything usable.
   template <class T>
   void step(DecodePlan& plan, Input<T> q, Input<T> k_cache, Input<T> v_cache, TensorView<T, memory_space> out,
             std::span<std::byte> workspace) {

@@ -4,8 +4,9 @@
 /// as one component that brings its buffers, its share of the plan's checks, its traffic
 /// (DecodePlan::step_bytes) and its steps. With DecodeExchange::heads on more than one rank it
 /// first gathers the queries (each rank holds its heads); after the local partials it moves
-/// each partial (O, LSE) in the accumulation type to the ranks that merge it, and merges the
-/// pieces of this rank's heads in rank order with merge_row.
+/// each partial (O of D_v values, LSE) in the accumulation type to the ranks that merge it,
+/// merges the pieces of this rank's heads in rank order with merge_row and, with sinks, joins
+/// each merged row's sink: the merged row is the only place where it counts exactly once.
 ///
 /// Every message ends in an 8-byte tag of the step (its lengths and count), so a rank whose
 /// plan advanced differently is named on every rank instead of merged. The tags received are
@@ -30,6 +31,7 @@
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/decode/decode_plan.hpp"
 #include "seqpar/ops/host_ops.hpp"
+#include "seqpar/policy/join_sinks.hpp"
 
 namespace seqpar::detail {
 
@@ -44,7 +46,7 @@ struct StepExchange {
     static constexpr Slot q_send{"q_send"};  ///< this rank's heads of the queries, and the tag
     static constexpr Slot q_recv{"q_recv"};  ///< every rank's pieces of the queries
     static constexpr Slot q_full{"q_full"};  ///< [B, T, H, D]: the queries of every head
-    static constexpr Slot send{"send"};      ///< [O (B, T, h, D) | LSE (B, T, h) | tag] per merging rank
+    static constexpr Slot send{"send"};      ///< [O (B, T, h, D_v) | LSE (B, T, h) | tag] per merging rank
     static constexpr Slot recv{"recv"};      ///< the pieces of this rank's heads from every rank
     static constexpr Slot tags{"tags"};      ///< this step's tag, then those received (partials, queries)
   };
@@ -67,9 +69,10 @@ struct StepExchange {
   static void schedule(DecodePlan& p) {
     const DecodeProblem& pr = p.problem_;
     const int P = p.layout_.ranks();
-    const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens), D = static_cast<std::size_t>(pr.head_dim);
+    const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens), D = static_cast<std::size_t>(pr.head_dim),
+               Dv = static_cast<std::size_t>(pr.value_dim());
     const std::size_t a = acc_bytes(pr.dtype), e = dtype_bytes(pr.dtype);
-    auto partial = [&](HeadRange h) { return rows * static_cast<std::size_t>(h.count) * (D + 1) * a + tag_bytes; };
+    auto partial = [&](HeadRange h) { return rows * static_cast<std::size_t>(h.count) * (Dv + 1) * a + tag_bytes; };
     const bool by_heads = pr.exchange == DecodeExchange::heads;
     AllToAllTable& s = p.partials_;
     AllToAllTable& q = p.queries_;
@@ -157,7 +160,7 @@ struct StepExchange {
   static void send_partials(Comm& world, TensorOps<Space>& ops, const DecodePlan& p, TensorView<A, Space> o,
                             TensorView<A, Space> l, std::span<std::byte> ws) {
     const DecodeProblem& pr = p.problem_;
-    const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, D = pr.head_dim;
+    const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, Dv = pr.value_dim();
     const AllToAllTable& t = p.partials_;
     std::byte* send = p.slots_.get<std::byte>(ws, Slots::send);
     std::byte* recv = p.slots_.get<std::byte>(ws, Slots::recv);
@@ -168,9 +171,9 @@ struct StepExchange {
       const HeadRange h = by_heads ? p.heads_of_[i] : HeadRange{0, H};
       std::byte* at = send + t.send_displs[i];
       ops.copy(TensorView<const A, Space>(o.slice_heads(h.begin, h.count)),
-               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at), B, Tn, h.count, D));
+               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at), B, Tn, h.count, Dv));
       ops.copy(TensorView<const A, Space>(l.slice_heads(h.begin, h.count)),
-               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at) + B * Tn * h.count * D, B, Tn, h.count, 1));
+               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at) + B * Tn * h.count * Dv, B, Tn, h.count, 1));
       copy_tag(ops, tag_at(p, ws, 0), at + t.send_counts[i] - tag_bytes);
     }
     world.all_to_all_v(send, t.send_counts, t.send_displs, recv, t.recv_counts, t.recv_displs);
@@ -178,21 +181,23 @@ struct StepExchange {
 
   /// Checks every tag received against this step's `tag` (one read-back; the queries' first:
   /// a step that disagrees is named for its first message), then merges the pieces of this
-  /// rank's heads in rank order (the same order, so the same bits, everywhere) into `out`.
+  /// rank's heads in rank order (the same order, so the same bits, everywhere), joins each
+  /// merged row's sink when the problem has sinks (in the accumulation type, the sink of the
+  /// head's global index), and writes the result to `out`.
   template <class T, class Space>
   static void merge(TensorOps<Space>& ops, DecodePlan& p, std::int64_t tag, TensorView<T, Space> out,
                     std::span<std::byte> ws) {
     using A = acc_t<T>;
     const DecodeProblem& pr = p.problem_;
-    const std::int64_t B = pr.batch, Tn = pr.new_tokens, D = pr.head_dim, h = p.out_heads().count;
+    const std::int64_t B = pr.batch, Tn = pr.new_tokens, Dv = pr.value_dim(), h = p.out_heads().count;
     const int P = p.layout_.ranks();
     const bool gather_q = gathers_queries(p);
     const AllToAllTable& t = p.partials_;
     std::byte* recv = p.slots_.get<std::byte>(ws, Slots::recv);
     auto piece = [&](int v) {
       A* o = reinterpret_cast<A*>(recv + t.recv_displs[static_cast<std::size_t>(v)]);
-      return std::pair{TensorView<A, Space>::bshd(o, B, Tn, h, D),
-                       TensorView<A, Space>::bshd(o + B * Tn * h * D, B, Tn, h, 1)};
+      return std::pair{TensorView<A, Space>::bshd(o, B, Tn, h, Dv),
+                       TensorView<A, Space>::bshd(o + B * Tn * h * Dv, B, Tn, h, 1)};
     };
     for (int v = 0; v < P; ++v) {
       const auto i = static_cast<std::size_t>(v);
@@ -207,6 +212,8 @@ struct StepExchange {
       const auto [ov, lv] = piece(v);
       ops.merge(o0, l0, TensorView<const A, Space>(ov), TensorView<const A, Space>(lv));
     }
+    if constexpr (ops_have_sinks<Space>)  // otherwise a plan with sinks was refused (sinks_reason)
+      if (pr.sinks != nullptr) ops.join_sinks(o0, l0, pr.sinks + p.out_heads().begin);
     ops.copy(TensorView<const A, Space>(o0), out);
   }
 

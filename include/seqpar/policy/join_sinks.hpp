@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "seqpar/core/mesh.hpp"
 #include "seqpar/core/plan.hpp"
@@ -45,11 +46,13 @@ inline constexpr bool ops_have_sinks =
       ops.sink_grads(c, c, c, s, d);
     };
 
-/// Why a plan with sinks cannot run on memory space `Space` ("" when it can).
-template <class Space>
-std::string sinks_reason(const AttentionProblem& problem) {
+/// Why a plan (attention or decode) with sinks cannot run on memory space `Space` ("" when it
+/// can); the reason follows `who`.
+template <class Space, class Problem>
+std::string sinks_reason(const Problem& problem, std::string_view who = "plan: ") {
   if (problem.sinks == nullptr || ops_have_sinks<Space>) return "";
-  return "plan: sinks are not available on this memory space yet (its TensorOps has no join_sinks / sink_grads)";
+  return std::string(who) + "sinks are not available on this memory space yet (its TensorOps has no join_sinks / "
+         "sink_grads)";
 }
 
 /// The sinks as a phase: an exchange that changes no operand on the way in (but the LSE's

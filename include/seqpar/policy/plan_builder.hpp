@@ -19,6 +19,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "seqpar/core/agreement.hpp"
@@ -183,6 +184,17 @@ inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::
   return "";
 }
 
+/// The value rules of today's models' features, shared by the attention and the decode plans:
+/// "" when `pr.head_dim_v` and `pr.softcap` are legal, else the reason, after `who` ("plan: ").
+template <class Problem>
+std::string feature_values_reason(const Problem& pr, std::string_view who) {
+  std::ostringstream why;
+  if (pr.head_dim_v < 0) why << who << "head_dim_v: expected >= 1, or 0 for head_dim, got " << pr.head_dim_v;
+  else if (!(pr.softcap >= 0) || !std::isfinite(pr.softcap))
+    why << who << "softcap: expected 0 (off) or a finite number > 0, got " << pr.softcap;
+  return why.str();
+}
+
 /// The shape rules of a resolved mesh under the phases `Phases`: "" when `problem` with these
 /// per-rank lengths (indexed by world rank) runs, else the reason (naming the rule and the fix).
 /// The rules every policy shares come first, then each phase's, in list order; AnythingPolicy
@@ -198,9 +210,7 @@ std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem
   else if (H < 1) why << "plan: heads: expected >= 1, got " << H;
   else if (K < 1 || H % K != 0) why << "plan: kv_heads: expected a divisor of heads " << H << ", got " << K;
   else if (D < 1) why << "plan: head_dim: expected >= 1, got " << D;
-  else if (problem.head_dim_v < 0) why << "plan: head_dim_v: expected >= 1, or 0 for head_dim, got " << problem.head_dim_v;
-  else if (!(problem.softcap >= 0) || !std::isfinite(problem.softcap))
-    why << "plan: softcap: expected 0 (off) or a finite number > 0, got " << problem.softcap;
+  else if (const std::string f = feature_values_reason(problem, "plan: "); !f.empty()) why << f;
   else if (!std::isfinite(scale) || std::abs(scale) > scale_limit)
     why << "plan: scale: expected a finite number with |scale| <= 2^32 (or 0 for 1/sqrt(head_dim)), got "
         << problem.scale;
@@ -231,6 +241,23 @@ std::string shape_reason(const MeshConfig& mesh, const AttentionProblem& problem
   return Phases::divisibility_reason(mesh, problem, q_len, kv_len);
 }
 
+/// The kernel's share of the feature rules, shared by the attention and the decode plans: ""
+/// when kernel K can take `pr`'s soft-cap and value head dim, else the reason after `who`,
+/// naming the trait the kernel lacks.
+template <class Kernel, class Problem>
+std::string kernel_features_reason(const Problem& pr, std::string_view who) {
+  if (pr.softcap > 0 && !kernel_supports_softcap<Kernel>)
+    return std::string(who) + "this kernel does not soft-cap logits (softcap " + std::to_string(pr.softcap) +
+           "): a kernel declares supports_softcap = true when it does; ReferenceKernel, CpuFlashKernel and "
+           "CudaFlashKernel do";
+  if (pr.value_dim() != pr.head_dim && !kernel_supports_value_dim<Kernel>)
+    return std::string(who) + "this kernel needs V's head dim equal to Q's and K's (head_dim " +
+           std::to_string(pr.head_dim) + ", head_dim_v " + std::to_string(pr.value_dim()) +
+           "): a kernel declares supports_value_dim = true when it takes another; ReferenceKernel, CpuFlashKernel "
+           "and CudaFlashKernel do";
+  return "";
+}
+
 /// The kernel's share of the shape rules: "" when kernel K can take `problem`'s mask and
 /// features, else the reason, naming what the kernel lacks. Windows, documents and key padding
 /// need `supports_masks`; causal (of either alignment) needs nothing; soft-capping needs
@@ -241,16 +268,7 @@ std::string kernel_reason(const AttentionProblem& problem) {
   if (problem.has_extra_mask() && !kernel_supports_masks<Kernel>)
     return "plan: this kernel handles causal masks only, not windows, documents or key padding (a kernel "
            "declares supports_masks = true when it does; ReferenceKernel does)";
-  if (problem.softcap > 0 && !kernel_supports_softcap<Kernel>)
-    return "plan: this kernel does not soft-cap logits (softcap " + std::to_string(problem.softcap) +
-           "): a kernel declares supports_softcap = true when it does; ReferenceKernel, CpuFlashKernel and "
-           "CudaFlashKernel do";
-  if (problem.value_dim() != problem.head_dim && !kernel_supports_value_dim<Kernel>)
-    return "plan: this kernel needs V's head dim equal to Q's and K's (head_dim " + std::to_string(problem.head_dim) +
-           ", head_dim_v " + std::to_string(problem.value_dim()) +
-           "): a kernel declares supports_value_dim = true when it takes another; ReferenceKernel, CpuFlashKernel "
-           "and CudaFlashKernel do";
-  return "";
+  return kernel_features_reason<Kernel>(problem, "plan: ");
 }
 
 /// Builds this rank's plan from the gathered fields (validated already): its layouts and heads,
