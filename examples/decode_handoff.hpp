@@ -44,17 +44,21 @@ inline std::vector<CacheToken> packed_tokens(const PositionMap& rows, const std:
 
 /// Moves K/V rows to their decode cache slots (collective: every rank calls it).
 /// `tokens[r]`: the token of each of rank r's rows, in row order, for every rank r;
-/// `k`, `v`: this rank's rows, [tokens[me].size(), K, D] contiguous; `k_cache`, `v_cache`:
-/// this rank's shards, [B, plan.shard_capacity(), K, D] contiguous. Returns the bytes this
-/// rank sent to other ranks (a token's K and V row each).
+/// `k`, `v`: this rank's rows, [tokens[me].size(), K, D] and [.., K, D_v] contiguous;
+/// `k_cache`, `v_cache`: this rank's shards, [B, plan.shard_capacity(), K, D] and [.., K, D_v]
+/// contiguous. `v` and `v_cache` null: V lives in K's rows (MLA's latent cache, V a column view
+/// of K), so only K moves. Returns the bytes this rank sent to other ranks (a token's K and V
+/// row each).
 template <class T, class Comm>
 std::size_t hand_off_kv(Comm& comm, const std::vector<std::vector<CacheToken>>& tokens, const DecodePlan& plan,
                         const T* k, const T* v, T* k_cache, T* v_cache) {
   const auto P = static_cast<std::size_t>(comm.size());
   const int me = comm.rank();
   const DecodeProblem& pr = plan.problem();
-  const auto row = static_cast<std::size_t>(pr.kv_head_count() * pr.head_dim);  // elements of one K (or V) row
-  const std::size_t row_bytes = row * sizeof(T), token_bytes = 2 * row_bytes;  // a message holds K then V
+  const auto row = static_cast<std::size_t>(pr.kv_head_count() * pr.head_dim);  // elements of one K row
+  const auto v_row = v ? static_cast<std::size_t>(pr.kv_head_count() * pr.value_dim()) : 0;  // and of one V row
+  const std::size_t row_bytes = row * sizeof(T), v_row_bytes = v_row * sizeof(T);
+  const std::size_t token_bytes = row_bytes + v_row_bytes;  // a message holds K then V
   auto owner = [&](const CacheToken& t) { return static_cast<std::size_t>(plan.owner(t.b, t.pos)); };
 
   std::vector<std::size_t> send_counts(P), send_displs(P), recv_counts(P), recv_displs(P);
@@ -74,7 +78,7 @@ std::size_t hand_off_kv(Comm& comm, const std::vector<std::vector<CacheToken>>& 
   for (std::size_t i = 0; i < mine.size(); ++i) {
     std::byte* to = send.data() + std::exchange(at[owner(mine[i])], at[owner(mine[i])] + token_bytes);
     std::memcpy(to, k + i * row, row_bytes);
-    std::memcpy(to + row_bytes, v + i * row, row_bytes);
+    if (v) std::memcpy(to + row_bytes, v + i * v_row, v_row_bytes);
   }
   comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs);
 
@@ -84,9 +88,9 @@ std::size_t hand_off_kv(Comm& comm, const std::vector<std::vector<CacheToken>>& 
     const std::byte* from = recv.data() + recv_displs[r];
     for (const CacheToken& t : tokens[r]) {
       if (owner(t) != static_cast<std::size_t>(me)) continue;
-      const std::size_t at_slot = (static_cast<std::size_t>(t.b) * C + static_cast<std::size_t>(plan.slot(t.b, t.pos))) * row;
-      std::memcpy(k_cache + at_slot, from, row_bytes);
-      std::memcpy(v_cache + at_slot, from + row_bytes, row_bytes);
+      const std::size_t slot = static_cast<std::size_t>(t.b) * C + static_cast<std::size_t>(plan.slot(t.b, t.pos));
+      std::memcpy(k_cache + slot * row, from, row_bytes);
+      if (v) std::memcpy(v_cache + slot * v_row, from + row_bytes, v_row_bytes);
       from += token_bytes;
     }
   }

@@ -30,7 +30,8 @@ inline ex::GlobalInputs prompt_inputs(const ex::GlobalInputs& full, const std::v
   p.shape = full.shape;
   p.shape.seq_q = 0;
   p.shape.documents = {prompts};
-  const std::int64_t q_row = full.shape.heads * full.shape.head_dim, kv_row = full.shape.kv_head_count() * full.shape.head_dim;
+  const std::int64_t q_row = full.shape.heads * full.shape.head_dim, kv_row = full.shape.kv_head_count() * full.shape.head_dim,
+                     v_row = full.shape.kv_head_count() * full.shape.value_dim();
   std::int64_t at = 0;  // the sequence's first row in `full`
   for (std::size_t b = 0; b < prompts.size(); ++b) {
     auto copy = [&](const std::vector<double>& from, std::vector<double>& to, std::int64_t row) {
@@ -38,7 +39,7 @@ inline ex::GlobalInputs prompt_inputs(const ex::GlobalInputs& full, const std::v
     };
     copy(full.q, p.q, q_row);
     copy(full.k, p.k, kv_row);
-    copy(full.v, p.v, kv_row);
+    copy(full.v, p.v, v_row);
     p.shape.seq_q += prompts[b];
     at += full.shape.documents.front()[b];
   }
@@ -48,7 +49,7 @@ inline ex::GlobalInputs prompt_inputs(const ex::GlobalInputs& full, const std::v
 /// What one rank's prefill left: its K/V rows (for the hand-off) and its figures.
 template <class T>
 struct Prefilled {
-  std::vector<T> k, v;                                   ///< this rank's K/V rows, [lkv, K, D]
+  std::vector<T> k, v;                                   ///< this rank's K/V rows, [lkv, K, D] and [lkv, K, D_v]
   std::vector<std::vector<ex::CacheToken>> tokens;       ///< every rank's rows' tokens, in row order
   ex::ErrorStats err;                                    ///< the prefill's output error (all ranks)
   std::uint64_t bytes = 0;                               ///< bytes this rank sent
@@ -69,12 +70,12 @@ Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& 
   ex::LocalSlices<T> l = ex::local_slices<T>(prompts, qpos, kvpos);
   std::vector<std::byte> workspace(plan.workspace_bytes());
   using CV = TensorView<const T>;
-  const auto K = s.kv_head_count(), D = s.head_dim;
+  const auto K = s.kv_head_count(), D = s.head_dim, Dv = s.value_dim();
   comm.stats().reset();
   const auto t0 = std::chrono::steady_clock::now();
   attn.forward(plan, CV::bshd(l.q.data(), 1, l.lq, s.heads, D), CV::bshd(l.k.data(), 1, l.lkv, K, D),
-                           CV::bshd(l.v.data(), 1, l.lkv, K, D), TensorView<T>::bshd(l.out.data(), 1, l.lq, s.heads, D),
-               {}, workspace);
+               CV::bshd(l.v.data(), 1, l.lkv, K, Dv), TensorView<T>::bshd(l.out.data(), 1, l.lq, s.heads, Dv), {},
+               workspace);
   Prefilled<T> r;
   r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   r.bytes = comm.stats().bytes_sent;
@@ -100,27 +101,36 @@ template <class T, class Comm>
 int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   const int me = comm.rank(), world = comm.size();
   const ex::GlobalShape& fs = full.shape;
-  const std::int64_t B = o.batch, Tn = o.new_tokens, H = fs.heads, K = fs.kv_head_count(), D = fs.head_dim;
+  const std::int64_t B = o.batch, Tn = o.new_tokens, H = fs.heads, K = fs.kv_head_count(), D = fs.head_dim,
+                     Dv = fs.value_dim();
   // The decode plan first: it is collective too, so a wrong shape fails on every rank alike.
   SequenceParallelDecode<Comm, CpuFlashKernel> decode(comm, make_kernel<CpuFlashKernel>(o, false));
-  DecodePlan dp = decode.plan({.batch = B, .heads = H, .kv_heads = K, .head_dim = D, .dtype = dtype_v<T>,
-                               .new_tokens = Tn, .kv_len = o.kv_len,
-                               .capacity = *std::max_element(o.kv_len.begin(), o.kv_len.end()) + o.steps * Tn,
-                               .page = o.page, .exchange = o.exchange});
+  DecodeProblem problem{.batch = B, .heads = H, .kv_heads = K, .head_dim = D, .scale = fs.scale, .dtype = dtype_v<T>,
+                        .new_tokens = Tn, .kv_len = o.kv_len,
+                        .capacity = *std::max_element(o.kv_len.begin(), o.kv_len.end()) + o.steps * Tn,
+                        .page = o.page, .exchange = o.exchange};
+  problem.head_dim_v = fs.head_dim_v;
+  problem.softcap = fs.softcap;
+  problem.sinks = fs.sinks.empty() ? nullptr : fs.sinks.data();
+  DecodePlan dp = decode.plan(problem);
   const ex::GlobalInputs prompts = prompt_inputs(full, o.kv_len);
   Prefilled<T> pre = prefill_rank<T>(comm, o, prompts);
 
-  // The hand-off: every prefilled K/V row to the rank and slot the decode cache gives it.
+  // The hand-off: every prefilled K/V row to the rank and slot the decode cache gives it. With
+  // V in K's rows (MLA's latent cache) there is one cache, and V is a column view of it.
   const std::int64_t C = dp.shard_capacity();
-  std::vector<T> k_cache(static_cast<std::size_t>(B * C * K * D)), v_cache(k_cache.size());
-  const std::size_t handoff_bytes =
-      ex::hand_off_kv<T>(comm, pre.tokens, dp, pre.k.data(), pre.v.data(), k_cache.data(), v_cache.data());
+  std::vector<T> k_cache(static_cast<std::size_t>(B * C * K * D)), v_cache(o.v_in_k ? 0 : static_cast<std::size_t>(B * C * K * Dv));
+  const std::size_t handoff_bytes = ex::hand_off_kv<T>(comm, pre.tokens, dp, pre.k.data(), o.v_in_k ? nullptr : pre.v.data(),
+                                                       k_cache.data(), o.v_in_k ? nullptr : v_cache.data());
+  const TensorView<const T> k_view = TensorView<const T>::bshd(k_cache.data(), B, C, K, D);
+  TensorView<const T> v_view = o.v_in_k ? k_view : TensorView<const T>::bshd(v_cache.data(), B, C, K, Dv);
+  if (o.v_in_k) v_view.extent[3] = Dv;  // the first D_v columns of each K row: K's pointer and strides
 
   // The steps. Sequence b is document b of `full`: its prompt, then the steps' tokens.
   std::vector<std::int64_t> first(static_cast<std::size_t>(B));  // the sequence's first row in `full`
   for (std::size_t b = 1; b < first.size(); ++b) first[b] = first[b - 1] + fs.documents.front()[b - 1];
   const HeadRange qh = dp.q_heads(), oh = dp.out_heads();
-  std::vector<T> q(static_cast<std::size_t>(B * Tn * qh.count * D)), out(static_cast<std::size_t>(B * Tn * oh.count * D));
+  std::vector<T> q(static_cast<std::size_t>(B * Tn * qh.count * D)), out(static_cast<std::size_t>(B * Tn * oh.count * Dv));
   std::vector<std::byte> workspace(dp.workspace_bytes());
   ex::ErrorStats err;
   double pairs = 0;
@@ -131,12 +141,13 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t t = 0; t < Tn; ++t) {
         const std::int64_t pos = dp.kv_len(b) + t, row = first[static_cast<std::size_t>(b)] + pos;
-        if (dp.owner(b, pos) == me)  // the new token's K/V go to its owner's slot
-          for (std::int64_t e = 0; e < K * D; ++e) {
-            const auto to = static_cast<std::size_t>((b * C + dp.slot(b, pos)) * K * D + e);
-            k_cache[to] = static_cast<T>(full.k[static_cast<std::size_t>(row * K * D + e)]);
-            v_cache[to] = static_cast<T>(full.v[static_cast<std::size_t>(row * K * D + e)]);
-          }
+        if (dp.owner(b, pos) == me) {  // the new token's K/V go to its owner's slot
+          const std::int64_t slot = b * C + dp.slot(b, pos);
+          for (std::int64_t e = 0; e < K * D; ++e)
+            k_cache[static_cast<std::size_t>(slot * K * D + e)] = static_cast<T>(full.k[static_cast<std::size_t>(row * K * D + e)]);
+          for (std::int64_t e = 0; !o.v_in_k && e < K * Dv; ++e)
+            v_cache[static_cast<std::size_t>(slot * K * Dv + e)] = static_cast<T>(full.v[static_cast<std::size_t>(row * K * Dv + e)]);
+        }
         for (std::int64_t e = 0; e < qh.count * D; ++e)  // my query heads
           q[static_cast<std::size_t>((b * Tn + t) * qh.count * D + e)] =
               static_cast<T>(full.q[static_cast<std::size_t>((row * H + qh.begin) * D + e)]);
@@ -145,18 +156,16 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     decode.template step<T>(dp, TensorView<const T>::bshd(q.data(), B, Tn, qh.count, D),
-                            TensorView<const T>::bshd(k_cache.data(), B, C, K, D),
-                            TensorView<const T>::bshd(v_cache.data(), B, C, K, D),
-                            TensorView<T>::bshd(out.data(), B, Tn, oh.count, D), workspace);
+                            k_view, v_view, TensorView<T>::bshd(out.data(), B, Tn, oh.count, Dv), workspace);
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (o.check)  // the step's rows of each whole sequence, causal over the prompt and the tokens so far
       for (std::int64_t b = 0; b < B; ++b) {
         const std::vector<double> want =
             ex::reference_rows(full, PositionMap::run(Tn, first[static_cast<std::size_t>(b)] + dp.kv_len(b)));
         for (std::int64_t t = 0; t < Tn; ++t)
-          for (std::int64_t e = 0; e < oh.count * D; ++e)
-            err.add_out(static_cast<double>(out[static_cast<std::size_t>((b * Tn + t) * oh.count * D + e)]),
-                        want[static_cast<std::size_t>((t * H + oh.begin) * D + e)]);
+          for (std::int64_t e = 0; e < oh.count * Dv; ++e)
+            err.add_out(static_cast<double>(out[static_cast<std::size_t>((b * Tn + t) * oh.count * Dv + e)]),
+                        want[static_cast<std::size_t>((t * H + oh.begin) * Dv + e)]);
       }
     dp.advance(Tn);
   }
@@ -176,12 +185,15 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   const std::string lens = comma_list(o.kv_len);
   std::printf("seqpar_demo  decode after a %s prefill  mesh %d (ulysses) x %d (ring)  comm=%s  ranks=%d\n",
               policy_type_name(o).c_str(), pre.ulysses, pre.ring, o.comm.c_str(), world);
-  std::printf("problem      prompts=%s heads=%lld kv_heads=%lld head_dim=%lld dtype=%s new_tokens=%lld steps=%lld "
+  std::printf("problem      prompts=%s heads=%lld kv_heads=%lld head_dim=%lld head_dim_v=%lld dtype=%s new_tokens=%lld steps=%lld "
               "cache=%s exchange=%s\n",
               lens.c_str(), static_cast<long long>(H), static_cast<long long>(K), static_cast<long long>(D),
-              o.f64 ? "f64" : "f32", static_cast<long long>(Tn), static_cast<long long>(o.steps),
+              static_cast<long long>(Dv), o.f64 ? "f64" : "f32", static_cast<long long>(Tn), static_cast<long long>(o.steps),
               o.page > 0 ? ("pages of " + std::to_string(o.page) + " round-robin").c_str() : "contiguous",
               o.exchange == DecodeExchange::heads ? "heads" : "all-gather");
+  if (!o.model.empty()) std::printf("model        %s, layer kind %s\n", o.model.c_str(), o.layer.c_str());
+  if (features_name(fs) != "none") std::printf("features     %s%s\n", features_name(fs).c_str(),
+                                               o.v_in_k ? " (V: the first D_v columns of the cached K rows)" : "");
   print_kernel(o);
   std::printf("prefill      the prompts packed as causal documents of one sequence of %lld tokens, one forward\n",
               static_cast<long long>(prompts.shape.seq_q));
@@ -200,8 +212,8 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
                 static_cast<long long>(r[4]), std::bit_cast<double>(r[5]), static_cast<long long>(r[6]),
                 static_cast<unsigned long long>(per_step), std::bit_cast<double>(r[3]));
   }
-  // FLOPs: 4 x D per visible (query, key) pair, every query head.
-  const double gflops = 4.0 * static_cast<double>(D * H) * pairs / (max_ms * static_cast<double>(o.steps) * 1e6);
+  // FLOPs: 2 x (D + D_v) per visible (query, key) pair, every query head.
+  const double gflops = 2.0 * static_cast<double>((D + Dv) * H) * pairs / (max_ms * static_cast<double>(o.steps) * 1e6);
   std::printf("traffic      bytes sent per step %s plan.step_bytes() on every rank\n", bytes_match ? "equal" : "DIFFER FROM");
   const double tol = o.f64 ? 1e-12 : 1e-5;
   bool ok = true;
@@ -214,13 +226,14 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   std::snprintf(tail, sizeof tail,
                 " cpu_isa=%s layout=%s mode=decode kv_len=%s new_tokens=%lld steps=%lld page=%lld exchange=%s "
                 "mesh=%dx%d dtype=%s gflops=%.2f prefill_max_rel_err=%s prefill_bytes_sent_per_rank=%llu prefill_ms=%.3f "
-                "handoff_bytes_sent_per_rank=%llu",
+                "handoff_bytes_sent_per_rank=%llu features=%s%s",
                 cpu_isa_name(default_cpu_isa()),
                 o.policy == PolicyKind::ulysses ? "none" : layout_names[static_cast<int>(o.layout)], lens.c_str(),
                 static_cast<long long>(Tn), static_cast<long long>(o.steps), static_cast<long long>(o.page),
                 o.exchange == DecodeExchange::heads ? "heads" : "all-gather", pre.ulysses, pre.ring,
                 o.f64 ? "f64" : "f32", gflops, error_text(o.check, pre.err.rel()).c_str(),
-                static_cast<unsigned long long>(max_pre_bytes), max_pre_ms, static_cast<unsigned long long>(max_handoff));
+                static_cast<unsigned long long>(max_pre_bytes), max_pre_ms, static_cast<unsigned long long>(max_handoff),
+                features_name(fs).c_str(), model_keys(o).c_str());
   g_results.push_back(result_head(o, world, prompts.shape.seq_q, err, max_step_bytes, max_ms) + tail);
   std::fflush(stdout);
   return ok && bytes_match ? 0 : 1;

@@ -62,7 +62,14 @@ ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
       shape.seq_q += n + o.steps * o.new_tokens;
     }
   }
-  return ex::make_inputs(shape);
+  ex::GlobalInputs g = ex::make_inputs(shape);
+  if (o.v_in_k) {  // MLA's latent cache: V is the first D_v columns of each K row
+    const std::int64_t rows = shape.batch * shape.kv_len() * shape.kv_head_count(), D = shape.head_dim,
+                       Dv = shape.value_dim();
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::copy_n(g.k.begin() + r * D, Dv, g.v.begin() + r * Dv);
+  }
+  return g;
 }
 
 /// True when an MPI launcher started this process (mpirun, mpiexec, srun).

@@ -163,8 +163,6 @@ void check_combinations(Options& o) {
   if (o.policy == PolicyKind::ulysses && o.layout != LayoutKind::contiguous)
     throw UsageError("--layout: --policy ulysses has no ring, so no layout; use --policy unified --ring-degree R");
   if (o.local && o.model.empty()) throw UsageError("--local: sizes a --model's sliding windows or chunks; add --model");
-  if (o.head_dim_v && o.decode && o.model.empty())
-    throw UsageError("--head-dim-v: the decode run takes V's head dim from --model (deepseek-v3); not with --decode");
 }
 
 Options parse(int argc, char** argv) {
