@@ -26,7 +26,7 @@
 # the mpi-offset mutant needs MPI (tests test_mpi_3, test_mpi_4). The build is the project's
 # Release build without CUDA, examples and benchmarks.
 #
-# Time: about 30 minutes on 2 cores for the 12 mutants of mutants.txt from an empty scratch
+# Time: about 30 minutes on 2 cores for the 16 mutants of mutants.txt from an empty scratch
 # directory: the baseline build of the ten test programs involved takes ~8 minutes, each mutant
 # rebuilds one to three of them (30 s to 4 minutes; test_cpu_flash_kernel, which compiles its
 # kernels once per vector instruction set, is the slowest). The tests themselves take seconds.
