@@ -60,83 +60,119 @@ Visibility visibility(const AttentionProblem& p, i64 sq, i64 skv) {
   return v;
 }
 
+double softcapped(double s, double cap) { return cap > 0 ? cap * std::tanh(s / cap) : s; }
+
 ReferenceResult reference_attention(const AttentionProblem& p, const Visibility& vis, const GlobalTensors& x,
-                                    bool backward) {
+                                    bool backward, const std::vector<float>& sinks) {
   const i64 B = vis.batch, Sq = vis.sq, Skv = vis.skv, H = p.heads, K = p.kv_heads == 0 ? p.heads : p.kv_heads;
-  const i64 D = p.head_dim, G = H / K;
+  const i64 D = p.head_dim, Dv = p.head_dim_v == 0 ? D : p.head_dim_v, G = H / K;
   const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(D));
-  const double ninf = -std::numeric_limits<double>::infinity();
+  const double ninf = -std::numeric_limits<double>::infinity(), inf = std::numeric_limits<double>::infinity();
   auto qi = [&](i64 b, i64 i, i64 h) { return static_cast<std::size_t>(((b * Sq + i) * H + h) * D); };
+  auto oi = [&](i64 b, i64 i, i64 h) { return static_cast<std::size_t>(((b * Sq + i) * H + h) * Dv); };
   auto ki = [&](i64 b, i64 j, i64 h) { return static_cast<std::size_t>(((b * Skv + j) * K + h) * D); };
+  auto vi = [&](i64 b, i64 j, i64 h) { return static_cast<std::size_t>(((b * Skv + j) * K + h) * Dv); };
+  const bool with_sinks = !sinks.empty();
   ReferenceResult r;
-  r.out.assign(static_cast<std::size_t>(B * Sq * H * D), 0.0);
+  r.out.assign(static_cast<std::size_t>(B * Sq * H * Dv), 0.0);
   r.lo.assign(r.out.size(), 0.0);
   r.hi.assign(r.out.size(), 0.0);
   r.mag.assign(r.out.size(), 0.0);
   r.lse.assign(static_cast<std::size_t>(B * Sq * H), ninf);
   if (backward) {
-    r.dq.assign(r.out.size(), 0.0);
+    r.dq.assign(static_cast<std::size_t>(B * Sq * H * D), 0.0);
     r.dk.assign(static_cast<std::size_t>(B * Skv * K * D), 0.0);
-    r.dv.assign(r.dk.size(), 0.0);
+    r.dv.assign(static_cast<std::size_t>(B * Skv * K * Dv), 0.0);
+    r.dq_mag.assign(r.dq.size(), 0.0), r.dk_mag.assign(r.dk.size(), 0.0), r.dv_mag.assign(r.dv.size(), 0.0);
+    if (with_sinks) r.d_sinks.assign(static_cast<std::size_t>(H), 0.0), r.d_sinks_mag.assign(static_cast<std::size_t>(H), 0.0);
   }
-  std::vector<double> s(static_cast<std::size_t>(Skv));
+  // capped and scaled-only scores, and exp(s - max) of each
+  std::vector<double> s(static_cast<std::size_t>(Skv)), raw(s.size()), ws(s.size());
   for (i64 b = 0; b < B; ++b)
     for (i64 h = 0; h < H; ++h) {
       const i64 kh = h / G;
+      const double z = with_sinks ? static_cast<double>(sinks[static_cast<std::size_t>(h)]) : ninf;
       for (i64 i = 0; i < Sq; ++i) {
-        if (vis.keys(b, i) == 0) continue;  // O = 0, LSE = -inf; Q is never read
+        double* o = &r.out[oi(b, i, h)];
+        double& row_lse = r.lse[static_cast<std::size_t>((b * Sq + i) * H + h)];
+        if (std::isnan(z)) {  // NaN joins every row of its head
+          std::fill(o, o + Dv, z);
+          row_lse = z;
+          if (backward) r.d_sinks[static_cast<std::size_t>(h)] = z;
+          continue;
+        }
+        if (z == inf) {  // the sink takes the whole row: O = 0, L = +inf, no gradient flows
+          row_lse = inf;
+          continue;
+        }
+        if (vis.keys(b, i) == 0) {  // O = 0, LSE = the sink (-inf without); Q is never read
+          row_lse = z;
+          continue;
+        }
         const double* q = &x.q[qi(b, i, h)];
-        double mx = ninf;
+        double mx = z;
         for (i64 j = 0; j < Skv; ++j) {
           if (!vis(b, i, j)) continue;
           const double* k = &x.k[ki(b, j, kh)];
           double dot = 0;
           for (i64 e = 0; e < D; ++e) dot += q[e] * k[e];
-          s[static_cast<std::size_t>(j)] = dot * scale;
+          raw[static_cast<std::size_t>(j)] = dot * scale;
+          s[static_cast<std::size_t>(j)] = softcapped(dot * scale, p.softcap);
           mx = std::max(mx, s[static_cast<std::size_t>(j)]);
         }
-        double sum = 0;
-        double* o = &r.out[qi(b, i, h)];
-        double* lo = &r.lo[qi(b, i, h)];
-        double* hi = &r.hi[qi(b, i, h)];
-        double* mag = &r.mag[qi(b, i, h)];
-        std::fill(lo, lo + D, std::numeric_limits<double>::infinity());
-        std::fill(hi, hi + D, ninf);
+        double sum = z == ninf ? 0.0 : std::exp(z - mx);
+        double* lo = &r.lo[oi(b, i, h)];
+        double* hi = &r.hi[oi(b, i, h)];
+        double* mag = &r.mag[oi(b, i, h)];
+        std::fill(lo, lo + Dv, with_sinks ? 0.0 : inf);  // a sink scales the combination toward 0
+        std::fill(hi, hi + Dv, with_sinks ? 0.0 : ninf);
         for (i64 j = 0; j < Skv; ++j) {
           if (!vis(b, i, j)) continue;
-          const double w = std::exp(s[static_cast<std::size_t>(j)] - mx);
+          const double w = ws[static_cast<std::size_t>(j)] = std::exp(s[static_cast<std::size_t>(j)] - mx);
           sum += w;
-          const double* v = &x.v[ki(b, j, kh)];
-          for (i64 e = 0; e < D; ++e) {
+          const double* v = &x.v[vi(b, j, kh)];
+          for (i64 e = 0; e < Dv; ++e) {
             o[e] += w * v[e];
             mag[e] += w * std::abs(v[e]);
             lo[e] = std::min(lo[e], v[e]);
             hi[e] = std::max(hi[e], v[e]);
           }
         }
-        for (i64 e = 0; e < D; ++e) o[e] /= sum, mag[e] /= sum;
+        for (i64 e = 0; e < Dv; ++e) o[e] /= sum, mag[e] /= sum;
         const double lse = mx + std::log(sum);
-        r.lse[static_cast<std::size_t>((b * Sq + i) * H + h)] = lse;
+        row_lse = lse;
         if (!backward) continue;
-        const double* dout = &x.dout[qi(b, i, h)];
-        double delta = 0;
-        for (i64 e = 0; e < D; ++e) delta += dout[e] * o[e];
+        const double* dout = &x.dout[oi(b, i, h)];
+        double delta = 0, delta_mag = 0;
+        for (i64 e = 0; e < Dv; ++e) delta += dout[e] * o[e], delta_mag += std::abs(dout[e] * o[e]);
+        if (with_sinks) {
+          const double share = std::exp(z - lse);
+          r.d_sinks[static_cast<std::size_t>(h)] -= share * delta;
+          r.d_sinks_mag[static_cast<std::size_t>(h)] += share * delta_mag;
+        }
         for (i64 j = 0; j < Skv; ++j) {
           if (!vis(b, i, j)) continue;
           const double* k = &x.k[ki(b, j, kh)];
-          const double* v = &x.v[ki(b, j, kh)];
-          const double pr = std::exp(s[static_cast<std::size_t>(j)] - lse);
-          double dp = 0;
-          for (i64 e = 0; e < D; ++e) dp += dout[e] * v[e];
-          const double ds = pr * (dp - delta) * scale;
+          const double* v = &x.v[vi(b, j, kh)];
+          const double pr = ws[static_cast<std::size_t>(j)] / sum;
+          double dp = 0, dp_mag = 0;
+          for (i64 e = 0; e < Dv; ++e) dp += dout[e] * v[e], dp_mag += std::abs(dout[e] * v[e]);
+          const double th = p.softcap > 0 ? std::tanh(raw[static_cast<std::size_t>(j)] / p.softcap) : 0.0;
+          const double ds = pr * (dp - delta) * scale * (1 - th * th);
+          const double ds_mag = pr * (dp_mag + delta_mag) * std::abs(scale);
           double* dq = &r.dq[qi(b, i, h)];
           double* dk = &r.dk[ki(b, j, kh)];
-          double* dv = &r.dv[ki(b, j, kh)];
+          double* dv = &r.dv[vi(b, j, kh)];
+          double* dq_mag = &r.dq_mag[qi(b, i, h)];
+          double* dk_mag = &r.dk_mag[ki(b, j, kh)];
+          double* dv_mag = &r.dv_mag[vi(b, j, kh)];
           for (i64 e = 0; e < D; ++e) {
             dq[e] += ds * k[e];
             dk[e] += ds * q[e];
-            dv[e] += pr * dout[e];
+            dq_mag[e] += ds_mag * std::abs(k[e]);
+            dk_mag[e] += ds_mag * std::abs(q[e]);
           }
+          for (i64 e = 0; e < Dv; ++e) dv[e] += pr * dout[e], dv_mag[e] += pr * std::abs(dout[e]);
         }
       }
     }

@@ -32,24 +32,40 @@ struct Visibility {
 /// different documents; key padding hides j >= kv_valid[b].
 Visibility visibility(const AttentionProblem& p, std::int64_t sq, std::int64_t skv);
 
-/// Global tensors in double: Q [B, S_q, H, D], K and V [B, S_kv, K, D].
+/// Global tensors in double: Q [B, S_q, H, D], K [B, S_kv, K, D], V [B, S_kv, K, D_v], dO
+/// [B, S_q, H, D_v].
 struct GlobalTensors {
   std::vector<double> q, k, v, dout;
 };
 
-/// The exact answer: O [B, S_q, H, D], LSE [B, S_q, H] (-inf for a row that sees nothing),
-/// the bounds of each output element (min and max of the visible V values: a softmax is a
-/// convex combination), and with backward the gradients dQ [B, S_q, H, D], dK and dV
-/// [B, S_kv, K, D].
+/// The exact answer: O [B, S_q, H, D_v], LSE [B, S_q, H] (-inf for a row that sees nothing and
+/// has no sink), the bounds of each output element (min and max of the visible V values: a
+/// softmax is a convex combination; with a sink, a sub-convex one, so 0 is in the bounds too),
+/// and with backward the gradients dQ [B, S_q, H, D], dK [B, S_kv, K, D], dV [B, S_kv, K, D_v]
+/// and, with sinks, d_sinks [H] (the sum over every row).
+///
+/// A soft-cap c makes each scaled score s into c tanh(s / c) before the mask (its derivative
+/// 1 - tanh^2 scales dS); a sink z_h joins each row's denominator: L = log(sum_j e^{s_j} + e^{z_h}),
+/// O = sum_j e^{s_j - L} v_j, d z_h = -sum over rows e^{z_h - L} (dO . O). A sink of +inf is the
+/// limit (O = 0, L = +inf, no gradient), -inf none at all, NaN makes its head's rows NaN.
 struct ReferenceResult {
   std::vector<double> out, lse, lo, hi;
   std::vector<double> mag;  ///< per output element: sum_j p_j |v_j| (the size of the terms O sums)
   std::vector<double> dq, dk, dv;
+  /// Per gradient element: the sum of its terms' sizes, each dS term taken as P (|dP| + |dO . O|)
+  /// (dS = P (dP - dO . O) cancels to 0 where a row sees one key: its float error is relative
+  /// to those terms, not to the difference).
+  std::vector<double> dq_mag, dk_mag, dv_mag;
+  std::vector<double> d_sinks, d_sinks_mag;  ///< [H] with sinks: the gradient and sum of its terms' sizes
 };
 
-/// Forward (and with `backward`, the gradients) in double of problem `p` on `x` under `vis`.
+/// Forward (and with `backward`, the gradients) in double of problem `p` on `x` under `vis`,
+/// with one sink logit per query head in `sinks` (empty: none; p.sinks is not read).
 ReferenceResult reference_attention(const AttentionProblem& p, const Visibility& vis, const GlobalTensors& x,
-                                    bool backward);
+                                    bool backward, const std::vector<float>& sinks = {});
+
+/// The soft-capped score: c tanh(s / c), or s when c is 0.
+double softcapped(double s, double cap);
 
 /// The normwise error max|got - want| / max(|want|, magnitude) of a set of values (absolute
 /// when every wanted value and magnitude is 0); a NaN or infinity where a finite value is

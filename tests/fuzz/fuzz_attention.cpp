@@ -141,10 +141,12 @@ void report_error(Report& rep, const char* property, const char* tensor, const N
   rep.fail(property, os.str());
 }
 
-/// Forward rows against the reference: exactly (tame scale) or within the visible V values.
+/// Forward rows against the reference: exactly (tame scale) or within the visible V values (and
+/// 0, with sinks). A head whose sink is not finite may give NaN where the reference's limit is
+/// finite (fuzz_case.hpp's model_words says the contract).
 void check_forward(const AttentionCase& c, const CaseData& d, const AttentionRun& run, Report& rep) {
   const double tol = c.f64 ? 1e-12 : 1e-5, slack = c.f64 ? 1e-12 : 1e-5;
-  const i64 H = d.H, D = d.D;
+  const i64 H = d.H, D = d.Dv;
   NormError out, lse;
   std::string bound;
   for (const RankResult& r : run.ranks) {
@@ -153,9 +155,11 @@ void check_forward(const AttentionCase& c, const CaseData& d, const AttentionRun
       for (i64 li = 0; li < L; ++li)
         for (i64 h = 0; h < H; ++h) {
           const i64 i = r.qpos(li), g = ((b * d.Sq + i) * H + h), l = ((b * L + li) * H + h);
+          const bool wild = d.wild_sink[static_cast<std::size_t>(h)] != 0;
           for (i64 e = 0; e < D; ++e) {
             const double got = r.out[static_cast<std::size_t>(l * D + e)];
             const double want = as_element(d.ref.out[static_cast<std::size_t>(g * D + e)], c.f64);
+            if (wild && std::isnan(got)) continue;
             if (d.exact) {
               out.add(got, want, g * D + e, d.ref.mag[static_cast<std::size_t>(g * D + e)]);
             } else if (bound.empty()) {
@@ -170,8 +174,9 @@ void check_forward(const AttentionCase& c, const CaseData& d, const AttentionRun
           if (!c.problem.with_lse) continue;
           const double got = r.lse[static_cast<std::size_t>(l)];
           const double want = as_element(d.ref.lse[static_cast<std::size_t>(g)], c.f64);
+          if (wild && (std::isnan(got) || got == want)) continue;
           if (d.exact) lse.add(got, want, g);
-          else if (bound.empty() && (d.vis.keys(b, i) > 0 ? !std::isfinite(got) : got != want))
+          else if (bound.empty() && (d.vis.keys(b, i) > 0 && std::isfinite(want) ? !std::isfinite(got) : got != want))
             bound = "LSE[b " + std::to_string(b) + ", pos " + std::to_string(i) + ", head " + std::to_string(h) + "] = " +
                     std::to_string(got) + (d.vis.keys(b, i) > 0 ? " (not finite)" : ", want -inf");
         }
@@ -200,30 +205,48 @@ void check_traffic(const AttentionRun& run, bool backward, Report& rep) {
   }
 }
 
-/// Gradients against the reference (tame scales only).
+/// Gradients against the reference (tame scales only), and the sinks' gradient summed over the
+/// ranks' shares (float: its error bound is the float one in both element types). Rows of a
+/// head whose sink is not finite, and K/V rows of its group, may be NaN.
 void check_backward(const AttentionCase& c, const CaseData& d, const AttentionRun& run, Report& rep) {
   const double tol = c.f64 ? 1e-10 : 1e-4;
-  NormError dq, dk, dv;
+  const i64 G = d.H / d.K;
+  auto wild_kv = [&](i64 kh) {
+    return std::any_of(d.wild_sink.begin() + kh * G, d.wild_sink.begin() + (kh + 1) * G, [](unsigned char w) { return w != 0; });
+  };
+  NormError dq, dk, dv, ds;
   for (const RankResult& r : run.ranks) {
-    auto add = [&](NormError& err, const std::vector<double>& got, const std::vector<double>& want, const PositionMap& pos,
-                   i64 S, i64 heads) {
+    auto add = [&](NormError& err, const std::vector<double>& got, const std::vector<double>& want,
+                   const std::vector<double>& mag, const PositionMap& pos, i64 S, i64 heads, i64 D) {
       const i64 L = pos.size();
       for (i64 b = 0; b < d.B; ++b)
         for (i64 li = 0; li < L; ++li)
-          for (i64 h = 0; h < heads; ++h)
-            for (i64 e = 0; e < d.D; ++e) {
-              const i64 g = ((b * S + pos(li)) * heads + h) * d.D + e;
-              err.add(got[static_cast<std::size_t>(((b * L + li) * heads + h) * d.D + e)],
-                      as_element(want[static_cast<std::size_t>(g)], c.f64), g);
+          for (i64 h = 0; h < heads; ++h) {
+            const bool wild = heads == d.H ? d.wild_sink[static_cast<std::size_t>(h)] != 0 : wild_kv(h);
+            for (i64 e = 0; e < D; ++e) {
+              const i64 g = ((b * S + pos(li)) * heads + h) * D + e;
+              const double x = got[static_cast<std::size_t>(((b * L + li) * heads + h) * D + e)];
+              if (!(wild && std::isnan(x)))
+                err.add(x, as_element(want[static_cast<std::size_t>(g)], c.f64), g, mag[static_cast<std::size_t>(g)]);
             }
+          }
     };
-    add(dq, r.dq, d.ref.dq, r.qpos, d.Sq, d.H);
-    add(dk, r.dk, d.ref.dk, r.kvpos, d.Skv, d.K);
-    add(dv, r.dv, d.ref.dv, r.kvpos, d.Skv, d.K);
+    add(dq, r.dq, d.ref.dq, d.ref.dq_mag, r.qpos, d.Sq, d.H, d.D);
+    add(dk, r.dk, d.ref.dk, d.ref.dk_mag, r.kvpos, d.Skv, d.K, d.D);
+    add(dv, r.dv, d.ref.dv, d.ref.dv_mag, r.kvpos, d.Skv, d.K, d.Dv);
   }
   report_error(rep, prop::backward, "dQ", dq, tol, d.Sq, d.H, d.D);
   report_error(rep, prop::backward, "dK", dk, tol, d.Skv, d.K, d.D);
-  report_error(rep, prop::backward, "dV", dv, tol, d.Skv, d.K, d.D);
+  report_error(rep, prop::backward, "dV", dv, tol, d.Skv, d.K, d.Dv);
+  if (run.ranks.front().d_sinks.empty()) return;
+  for (i64 h = 0; h < d.H; ++h) {
+    double sum = 0;
+    for (const RankResult& r : run.ranks) sum += r.d_sinks[static_cast<std::size_t>(h)];
+    if (d.wild_sink[static_cast<std::size_t>(h)] != 0 && std::isnan(sum)) continue;
+    ds.add(sum, d.ref.d_sinks[static_cast<std::size_t>(h)], h, d.ref.d_sinks_mag[static_cast<std::size_t>(h)]);
+  }
+  report_error(rep, prop::backward, "d_sinks", ds, c.f64 ? 1e-6 : 1e-4, 1, d.H, 1);
+  rep.note("attention: sinks' gradient checked");
 }
 
 }  // namespace
@@ -237,14 +260,18 @@ CaseData prepare_attention(const AttentionCase& c) {
   CaseData d;
   const AttentionProblem& p = c.problem;
   const i128 sq = total_q(c), skv = total_kv(c);
-  const i64 K = p.kv_heads == 0 ? p.heads : p.kv_heads;
+  const i64 K = p.kv_heads == 0 ? p.heads : p.kv_heads, Dv = p.head_dim_v == 0 ? p.head_dim : p.head_dim_v;
   bool lengths_ok = true;
   for (const LocalLengths& l : c.lengths) lengths_ok = lengths_ok && l.q >= 0 && l.q <= 4096 && l.kv >= -1 && l.kv <= 4096;
   const bool small = lengths_ok && p.batch >= 0 && p.batch <= 16 && sq <= 4096 && skv <= 4096 && p.heads >= 1 &&
                      p.heads <= 64 && K >= 1 && K <= p.heads && p.heads % K == 0 && p.head_dim >= 1 && p.head_dim <= 512 &&
-                     p.batch * sq * skv <= 4'000'000 && p.batch * std::max(sq, skv) * p.heads * p.head_dim <= 4'000'000;
+                     Dv >= 1 && Dv <= 512 && p.batch * sq * skv <= 4'000'000 &&
+                     p.batch * std::max(sq, skv) * p.heads * std::max(p.head_dim, Dv) <= 4'000'000;
   if (!small) return d;
   d.B = p.batch, d.Sq = static_cast<i64>(sq), d.Skv = static_cast<i64>(skv), d.H = p.heads, d.K = K, d.D = p.head_dim;
+  d.Dv = Dv;
+  for (i64 h = 0; h < d.H; ++h)
+    d.wild_sink.push_back(!c.sinks.empty() && !std::isfinite(c.sinks[static_cast<std::size_t>(h)]));
   d.vis = visibility(p, d.Sq, d.Skv);
   Rng rng(c.data_seed);
   auto fill = [&](std::vector<double>& x, i64 n) {  // uniform in [-1, 1], never 0, rounded to T
@@ -257,16 +284,16 @@ CaseData prepare_attention(const AttentionCase& c) {
   const i64 nq = d.B * d.Sq * d.H * d.D, nkv = d.B * d.Skv * d.K * d.D;
   fill(d.x.q, nq);
   fill(d.x.k, nkv);
-  fill(d.x.v, nkv);
-  fill(d.x.dout, nq);
+  fill(d.x.v, d.B * d.Skv * d.K * d.Dv);
+  fill(d.x.dout, d.B * d.Sq * d.H * d.Dv);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (i64 b = 0; b < d.B; ++b) {
     if (c.nan_hidden_kv)
       for (i64 j = 0; j < d.Skv; ++j)
         if (!d.vis.key_seen(b, j)) {
-          const auto at = static_cast<std::size_t>((b * d.Skv + j) * d.K * d.D);
-          std::fill(d.x.k.begin() + at, d.x.k.begin() + at + d.K * d.D, nan);
-          std::fill(d.x.v.begin() + at, d.x.v.begin() + at + d.K * d.D, nan);
+          const auto at = static_cast<std::size_t>((b * d.Skv + j) * d.K);
+          std::fill(d.x.k.begin() + at * d.D, d.x.k.begin() + (at + d.K) * d.D, nan);
+          std::fill(d.x.v.begin() + at * d.Dv, d.x.v.begin() + (at + d.K) * d.Dv, nan);
         }
     if (c.nan_hidden_q)
       for (i64 i = 0; i < d.Sq; ++i)
@@ -277,7 +304,7 @@ CaseData prepare_attention(const AttentionCase& c) {
   }
   const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(d.D));
   d.exact = std::abs(scale) * std::sqrt(static_cast<double>(d.D)) <= 4.0;
-  d.ref = reference_attention(p, d.vis, d.x, c.backward);
+  d.ref = reference_attention(p, d.vis, d.x, c.backward, c.sinks);
   d.ready = true;
   return d;
 }
@@ -324,13 +351,17 @@ void analyse_attention(const AttentionCase& c, const CaseData& d, const Attentio
                                        ": " + planned.text());
     else if (planned.what.find("hash") != std::string::npos)
       rep.fail(prop::disagreement, planned.what);
+    else if (const std::string name = library_field_name(c.disagree_field);
+             planned.what.find("disagree on " + name) == std::string::npos)
+      rep.fail(prop::disagreement, "rank " + std::to_string(c.disagree_rank) + " planned another " + name +
+                                       ", the refusal names another field: " + planned.what);
     return;
   }
   // A kernel that cannot allocate its scratch (head_dim 2^20 under the case's 4 GiB cap) is
   // refused by plan alone: no pure function can know. The free function knows the policy, not
   // the kernel: a refusal for the kernel's masks is the member's to predict.
   if (planned.what.find("could not allocate") != std::string::npos) return;
-  const bool for_kernel = planned.what.find("supports_masks") != std::string::npos;
+  const bool for_kernel = planned.what.find("a kernel declares supports_") != std::string::npos;
   if (!(for_kernel && run.free_verdict.ok)) check_verdict(run.free_verdict, planned, prop::can_implement, "can_implement", rep);
   for (std::size_t w = 0; w < run.ranks.size(); ++w)
     if (run.ranks[w].member_asked) {
@@ -342,6 +373,9 @@ void analyse_attention(const AttentionCase& c, const CaseData& d, const Attentio
     }
   if (planned.ok() && !rules.empty()) rep.fail(prop::rules, "plan accepts what the rules refuse: " + rules);
   if (!planned.ok() && rules.empty()) rep.fail(prop::rules, "plan refuses what the rules accept: " + planned.text());
+  if (const std::string words = model_words(rules);
+      !planned.ok() && !words.empty() && planned.what.find(words) == std::string::npos)
+    rep.fail(prop::reason_words, "the rules refuse for " + rules + ", the refusal (no \"" + words + "\") says: " + planned.what);
   if (const std::size_t at = planned.what.find("x global length "); at != std::string::npos) {
     const i128 longest = std::max(total_q(c), total_kv(c));
     const std::string printed = planned.what.substr(at + 16, planned.what.find(' ', at + 16) - at - 16);
@@ -381,6 +415,11 @@ void analyse_attention(const AttentionCase& c, const CaseData& d, const Attentio
   check_forward(c, d, run, rep);
   check_traffic(run, false, rep);
   rep.note(d.exact ? "attention: forward checked exactly" : "attention: forward checked within bounds (huge scale)");
+  const bool cap = c.problem.softcap > 0, dv = d.Dv != d.D, sinks = !c.sinks.empty();
+  if (cap) rep.note("attention: forward checked with a soft-cap");
+  if (dv) rep.note("attention: forward checked with D_v != D");
+  if (sinks) rep.note("attention: forward checked with sinks");
+  if (cap + dv + sinks > 1) rep.note("attention: forward checked with 2-3 features combined");
   if (!c.backward) return;
   if (const std::string m = mixed(run, &RankResult::backward); !m.empty()) {
     rep.fail(prop::backward, "backward ended differently on the ranks:" + m);
@@ -394,6 +433,7 @@ void analyse_attention(const AttentionCase& c, const CaseData& d, const Attentio
   if (!d.exact) return;
   check_backward(c, d, run, rep);
   rep.note("attention: backward checked");
+  if (cap || dv || sinks) rep.note("attention: backward checked with a feature");
 }
 
 }  // namespace seqpar::fuzz

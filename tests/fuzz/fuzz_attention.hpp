@@ -133,17 +133,17 @@ void run_rank_data(const AttentionCase& c, const CaseData& d, Attn& attn, RankRe
       r.forward.what = "rank " + std::to_string(w) + " holds positions outside the sequence";
       throw std::runtime_error(r.forward.what);
     }
-  const std::int64_t B = d.B, H = d.H, K = d.K, D = d.D, Lq = r.qpos.size(), Lkv = r.kvpos.size();
+  const std::int64_t B = d.B, H = d.H, K = d.K, D = d.D, Dv = d.Dv, Lq = r.qpos.size(), Lkv = r.kvpos.size();
   const std::vector<T> q = take_rows<T>(d.x.q, B, d.Sq, H, D, r.qpos), k = take_rows<T>(d.x.k, B, d.Skv, K, D, r.kvpos),
-                       v = take_rows<T>(d.x.v, B, d.Skv, K, D, r.kvpos);
-  std::vector<T> out(q.size());
+                       v = take_rows<T>(d.x.v, B, d.Skv, K, Dv, r.kvpos);
+  std::vector<T> out(static_cast<std::size_t>(B * Lq * H * Dv));
   std::vector<A> lse(c.problem.with_lse ? static_cast<std::size_t>(B * Lq * H) : 0);
   const std::size_t need = std::max(p.workspace_bytes(), c.backward ? p.backward_workspace_bytes() : 0);
   if (need > workspace_limit) {
     r.forward.kind = "bounded";
     r.forward.what = "workspace_bytes " + std::to_string(p.workspace_bytes()) + ", backward_workspace_bytes " +
                      std::to_string(p.backward_workspace_bytes()) + " for tensors of " +
-                     std::to_string((q.size() + 2 * k.size()) * sizeof(T)) + " bytes";
+                     std::to_string((q.size() + k.size() + v.size()) * sizeof(T)) + " bytes";
     throw std::length_error(r.forward.what);
   }
   std::vector<std::byte> ws(need);
@@ -165,7 +165,7 @@ void run_rank_data(const AttentionCase& c, const CaseData& d, Attn& attn, RankRe
       std::fill(lse.begin(), lse.end(), A(12345));
       const std::uint64_t bytes = stats.bytes_sent, gathers = stats.host_gathers;
       attn.template forward<T>(p, CV::bshd((real ? q : q0).data(), B, Lq, H, D), CV::bshd((real ? k : k0).data(), B, Lkv, K, D),
-                               CV::bshd((real ? v : v0).data(), B, Lkv, K, D), TensorView<T>::bshd(out.data(), B, Lq, H, D),
+                               CV::bshd((real ? v : v0).data(), B, Lkv, K, Dv), TensorView<T>::bshd(out.data(), B, Lq, H, Dv),
                                lse_view, ws);
       r.forward_traffic = {stats.bytes_sent - bytes, p.forward_bytes(w), stats.host_gathers - gathers};
     }
@@ -174,19 +174,30 @@ void run_rank_data(const AttentionCase& c, const CaseData& d, Attn& attn, RankRe
   r.out = as_double(out);
   r.lse = lse_rows(lse, B, Lq, H);
   if (!c.backward) return;
-  const std::vector<T> dout = take_rows<T>(d.x.dout, B, d.Sq, H, D, r.qpos);
-  std::vector<T> dq(q.size()), dk(k.size()), dv(k.size());
+  const std::vector<T> dout = take_rows<T>(d.x.dout, B, d.Sq, H, Dv, r.qpos);
+  std::vector<T> dq(q.size()), dk(k.size()), dv(v.size());
+  // With sinks, the overload that also gives their gradient (this rank's share), now and then
+  // the one without (the gradients of Q, K and V must not depend on the choice).
+  const bool d_sinks = p.problem().sinks != nullptr && (c.data_seed & 2) == 0;
+  std::vector<float> ds(d_sinks ? static_cast<std::size_t>(H) : 0);
   record(r.backward, [&] {
     for (int call = twice ? 0 : 1; call < 2; ++call) {  // backward overwrites dq, dk, dv: a sentinel first
       std::fill(dq.begin(), dq.end(), T(777));
       std::fill(dk.begin(), dk.end(), T(777));
       std::fill(dv.begin(), dv.end(), T(777));
+      std::fill(ds.begin(), ds.end(), 777.0f);
       const std::uint64_t bytes = stats.bytes_sent, gathers = stats.host_gathers;
-      attn.template backward<T>(p, CV::bshd(dout.data(), B, Lq, H, D), CV::bshd(q.data(), B, Lq, H, D),
-                                CV::bshd(k.data(), B, Lkv, K, D), CV::bshd(v.data(), B, Lkv, K, D),
-                                CV::bshd(out.data(), B, Lq, H, D), TensorView<const A>::lse_bhs(lse.data(), B, Lq, H),
-                                TensorView<T>::bshd(dq.data(), B, Lq, H, D), TensorView<T>::bshd(dk.data(), B, Lkv, K, D),
-                                TensorView<T>::bshd(dv.data(), B, Lkv, K, D), ws);
+      const auto dq_view = TensorView<T>::bshd(dq.data(), B, Lq, H, D);
+      const auto dk_view = TensorView<T>::bshd(dk.data(), B, Lkv, K, D), dv_view = TensorView<T>::bshd(dv.data(), B, Lkv, K, Dv);
+      const auto lse_in = TensorView<const A>::lse_bhs(lse.data(), B, Lq, H);
+      const CV dout_view = CV::bshd(dout.data(), B, Lq, H, Dv), q_view = CV::bshd(q.data(), B, Lq, H, D),
+               k_view = CV::bshd(k.data(), B, Lkv, K, D), v_view = CV::bshd(v.data(), B, Lkv, K, Dv),
+               out_view = CV::bshd(out.data(), B, Lq, H, Dv);
+      if (d_sinks)
+        attn.template backward<T>(p, dout_view, q_view, k_view, v_view, out_view, lse_in, dq_view, dk_view, dv_view,
+                                  ds.data(), ws);
+      else
+        attn.template backward<T>(p, dout_view, q_view, k_view, v_view, out_view, lse_in, dq_view, dk_view, dv_view, ws);
       r.backward_traffic = {stats.bytes_sent - bytes, p.backward_bytes(w), stats.host_gathers - gathers};
     }
   });
@@ -194,6 +205,7 @@ void run_rank_data(const AttentionCase& c, const CaseData& d, Attn& attn, RankRe
   r.dq = as_double(dq);
   r.dk = as_double(dk);
   r.dv = as_double(dv);
+  r.d_sinks = as_double(ds);
 }
 
 /// Every rank of case `c` under `policy` with Kernel and T; the outcomes and outputs.
@@ -201,7 +213,7 @@ template <class Kernel, class T, class Policy>
 AttentionRun run_attention_ranks(const AttentionCase& c, Policy policy, const CaseData& d) {
   AttentionRun run;
   run.ranks.resize(static_cast<std::size_t>(c.world));
-  run.free_verdict = can_implement(policy, c.problem, std::span<const LocalLengths>(c.lengths));
+  run.free_verdict = can_implement(policy, problem_of(c, 0), std::span<const LocalLengths>(c.lengths));
   try {
     run_ranks(
         c.world,
@@ -209,7 +221,7 @@ AttentionRun run_attention_ranks(const AttentionCase& c, Policy policy, const Ca
           const int w = comm.rank();
           RankResult& r = run.ranks[static_cast<std::size_t>(w)];
           const Policy mine = w == c.mesh_disagree_rank ? with_degrees(policy, c.other_policy) : policy;
-          const AttentionProblem& prob = w == c.disagree_rank ? c.other_problem : c.problem;
+          const AttentionProblem prob = problem_of(c, w);
           std::optional<SequenceParallelAttention<Policy, ThreadCommunicator, Kernel>> attn;
           record(r.construct, [&] { attn.emplace(comm, mine, make_kernel<Kernel>(c.kernel, c.isa)); });
           r.member = attn->can_implement(prob, std::span<const LocalLengths>(c.lengths));

@@ -133,6 +133,47 @@ double edge_scale(Rng& r) {
   return r.pick(v);
 }
 
+/// A legal value head dim D_v for head dim D: equal (0 or D), narrower, wider.
+i64 value_dim(Rng& r, i64 D) {
+  const std::vector<i64> v{0, D, 1, std::max<i64>(1, D / 2), std::max<i64>(1, D - 1), D + 1, 2 * D, 16, 33};
+  return r.pick(v);
+}
+
+/// A legal soft-cap: ones that bite (the scores reach a few units), and now and then the ends of
+/// the range (denormal, huge: legal, and in float they leave the float range).
+double softcap_value(Rng& r) {
+  if (r.chance(0.8)) return r.pick(std::vector<double>{0.5, 1.0, 2.0, 5.0, 30.0, 50.0});
+  return r.pick(std::vector<double>{-0.0, 5e-324, 1e-300, 1e-30, 1e-5, 1e30, 1e300, std::numeric_limits<double>::max()});
+}
+
+/// A value the rules refuse for a soft-cap.
+double bad_softcap(Rng& r) {
+  const double inf = std::numeric_limits<double>::infinity();
+  return r.pick(std::vector<double>{std::nan(""), inf, -inf, -1.0, -5e-324, -std::numeric_limits<double>::max()});
+}
+
+/// A head dim of V that is refused: negative, or so wide that the sizes pass 2^58 bytes.
+i64 bad_value_dim(Rng& r) {
+  return r.pick(std::vector<i64>{-1, kMin, kMax, i64{1} << 40, i64{1} << 55, i64{1} << 62});
+}
+
+/// One sink logit per head: mostly moderate, some that dominate the row or vanish in it.
+std::vector<float> sink_values(Rng& r, i64 heads) {
+  std::vector<float> s(static_cast<std::size_t>(std::clamp<i64>(heads, 0, 4096)));
+  for (float& x : s) x = r.chance(0.85) ? static_cast<float>(r.unit() * 8 - 4) : r.pick(std::vector<float>{30.0f, -30.0f, 0.0f});
+  return s;
+}
+
+/// Sinks past the finite values (the plan cannot see them, a call reads them): one head or
+/// every head NaN, +inf, -inf, or the float range's ends.
+void poison_sinks(Rng& r, std::vector<float>& s) {
+  if (s.empty()) return;
+  const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
+  const float v = r.pick(std::vector<float>{std::numeric_limits<float>::quiet_NaN(), inf, -inf, big, -big});
+  if (r.chance(0.5)) s[static_cast<std::size_t>(r.range(0, static_cast<i64>(s.size()) - 1))] = v;
+  else std::fill(s.begin(), s.end(), v);
+}
+
 /// Clamps what the skipped known classes need out of an attention case.
 void apply_skips(AttentionCase& c, const GenOptions& o) {
   AttentionProblem* probs[2] = {&c.problem, &c.other_problem};
@@ -144,6 +185,10 @@ void apply_skips(AttentionCase& c, const GenOptions& o) {
     if (o.skips('e'))  // documents whose lengths sum past 2^63: drop them
       for (auto& list : p->documents)
         if (std::any_of(list.begin(), list.end(), [](i64 n) { return n > kHuge; })) p->documents.clear();
+  }
+  for (AttentionProblem* p : probs) {
+    if (o.skips('r') && p->softcap > 0 && (p->softcap < 0x1p-32 || p->softcap > 0x1p32)) p->softcap = 5.0;
+    if (o.skips('s') && p->head_dim_v > (i64{1} << 40) && p->batch == 0) p->batch = 1;  // the size rules refuse it
   }
   if (o.skips('k'))  // scores past the float range
     for (AttentionProblem* p : probs)
@@ -193,7 +238,13 @@ void random_masks(Rng& r, AttentionProblem& p, i64 sq, i64 skv) {
 void mutate_attention(Rng& r, AttentionCase& c, i64 sq, i64 skv, const GenOptions& o) {
   AttentionProblem& p = c.problem;
   const i64 s = std::max(sq, skv);
-  switch (r.range(0, 12)) {
+  switch (r.range(0, 15)) {
+    case 13: p.softcap = bad_softcap(r); break;
+    case 14: p.head_dim_v = bad_value_dim(r); break;
+    case 15:
+      if (c.sinks.empty()) c.sinks = sink_values(r, p.heads);
+      poison_sinks(r, c.sinks);
+      break;
     case 0: p.batch = r.pick(std::vector<i64>{0, 0, -1, kMax, kMin, i64{1} << 40}); break;
     case 1:
       if (r.chance(0.5)) p.heads = r.pick(std::vector<i64>{0, -1, kMax, kMin, i64{1} << 40});
@@ -245,8 +296,9 @@ void mutate_attention(Rng& r, AttentionCase& c, i64 sq, i64 skv, const GenOption
     case 10: {  // one rank plans another value of one field (made last, by disagree())
       if (c.world < 2) break;
       c.disagree_rank = static_cast<int>(r.range(1, c.world - 1));
-      const std::vector<std::string> fields{"batch", "heads", "head_dim", "causal", "scale", "with_lse",
-                                            "causal_align", "window.left", "window.right", "documents", "kv_valid"};
+      const std::vector<std::string> fields{"batch",        "heads",       "head_dim",     "causal",    "scale",
+                                            "with_lse",     "causal_align", "window.left", "window.right", "documents",
+                                            "kv_valid",     "head_dim_v",  "softcap",      "sinks"};
       c.disagree_field = r.pick(fields);
       break;
     }
@@ -281,6 +333,9 @@ void disagree(AttentionCase& c) {
     o.causal_align = p.causal_align == CausalAlign::top_left ? CausalAlign::bottom_right : CausalAlign::top_left;
   else if (f == "window.left") o.window.left = p.window.left == 3 ? 4 : 3;
   else if (f == "window.right") o.window.right = p.window.right == 3 ? 4 : 3;
+  else if (f == "head_dim_v") o.head_dim_v = p.value_dim() == 8 ? 16 : 8;
+  else if (f == "softcap") o.softcap = p.softcap == 1.0 ? 2.0 : 1.0;
+  else if (f == "sinks") c.other_sinks = c.sinks.empty();
   else if (f == "documents") o.documents = p.documents == std::vector<std::vector<i64>>{{1}} ? std::vector<std::vector<i64>>{{2}} : std::vector<std::vector<i64>>{{1}};
   else o.kv_valid.push_back(3);
 }
@@ -313,6 +368,11 @@ AttentionCase make_attention(Rng& r, const GenOptions& o) {
   if (p.heads * p.head_dim > width) p.head_dim = std::max<i64>(1, width / p.heads);
   p.scale = tame_scale(r, p.head_dim);
   p.with_lse = r.chance(0.7);
+  // Today's models' features, each alone or with the others: D_v (as wide as the rows allow),
+  // a soft-cap, sinks.
+  if (r.chance(0.3)) p.head_dim_v = std::min(value_dim(r, p.head_dim), std::max<i64>(1, width / p.heads));
+  if (r.chance(0.25)) p.softcap = softcap_value(r);
+  if (r.chance(0.25)) c.sinks = sink_values(r, p.heads);
 
   // Lengths: plain policies need equal lengths (zigzag: even blocks); Anything takes any split.
   i64 sq, skv;
@@ -382,8 +442,23 @@ DecodeCase make_decode(Rng& r, const GenOptions& o) {
   p.exchange = r.chance(0.5) ? DecodeExchange::all_gather : DecodeExchange::heads;
   p.scale = r.chance(0.6) ? 0.0 : tame_scale(r, p.head_dim);
   p.dtype = c.f64 ? DType::f64 : DType::f32;
+  // Today's models' features: D_v (now and then V a column view of K's rows, MLA's latent
+  // cache, which needs D_v <= D), a soft-cap, sinks.
+  if (r.chance(0.3)) p.head_dim_v = value_dim(r, p.head_dim);
+  c.v_in_k = p.head_dim_v <= p.head_dim && r.chance(0.4);
+  if (r.chance(0.25)) p.softcap = softcap_value(r);
+  if (r.chance(0.25)) c.sinks = sink_values(r, p.heads);
   if (r.chance(0.35)) {
-    switch (r.range(0, 10)) {
+    switch (r.range(0, 13)) {
+      case 11: p.softcap = bad_softcap(r); break;
+      case 12:
+        p.head_dim_v = bad_value_dim(r);
+        c.v_in_k = false;
+        break;
+      case 13:
+        if (c.sinks.empty()) c.sinks = sink_values(r, p.heads);
+        poison_sinks(r, c.sinks);
+        break;
       case 0: p.batch = r.pick(std::vector<i64>{0, -1, kMin}); break;
       case 1: p.heads = r.pick(std::vector<i64>{0, -1}); break;
       case 2: p.kv_heads = r.pick(std::vector<i64>{-1, p.heads + 1, kMin}); break;
@@ -409,6 +484,7 @@ DecodeCase make_decode(Rng& r, const GenOptions& o) {
   }
   if (o.skips('k') && std::abs(p.scale) > 1e30) p.scale = std::copysign(1e5, p.scale);
   if (o.skips('m') && static_cast<int>(p.dtype) > 3) p.dtype = DType::f32;
+  if (o.skips('r') && p.softcap > 0 && (p.softcap < 0x1p-32 || p.softcap > 0x1p32)) p.softcap = 5.0;
   if (o.skips('h')) {
     if (!std::isfinite(p.scale)) p.scale = 0.0;
     if (static_cast<int>(p.exchange) > 1) p.exchange = DecodeExchange::all_gather;
@@ -416,6 +492,14 @@ DecodeCase make_decode(Rng& r, const GenOptions& o) {
   if (o.skips('e'))  // kv_len + new_tokens past 2^63
     for (i64& l : p.kv_len)
       if (p.new_tokens > 0 && l > kMax - p.new_tokens) l = p.capacity > kHuge ? 0 : -1;
+  if (c.world > 1 && r.chance(0.04)) {  // one rank plans another value of a feature
+    c.disagree_rank = static_cast<int>(r.range(1, c.world - 1));
+    c.disagree_field = r.pick(std::vector<std::string>{"head_dim_v", "softcap", "sinks", "scale"});
+    DecodeProblem& other = c.other_problem = p;
+    if (c.disagree_field == "head_dim_v") other.head_dim_v = p.value_dim() == 8 ? 16 : 8;
+    else if (c.disagree_field == "softcap") other.softcap = p.softcap == 1.0 ? 2.0 : 1.0;
+    else if (c.disagree_field == "scale") other.scale = p.scale == 0.5 ? 0.25 : 0.5;
+  }
 
   // advance(k) probes, tried on a copy of the plan before each step.
   const i64 lo = p.kv_len.empty() ? 0 : *std::min_element(p.kv_len.begin(), p.kv_len.end());
@@ -473,7 +557,15 @@ std::string problem_text(const AttentionProblem& p) {
      << "} documents={";
   for (std::size_t i = 0; i < p.documents.size(); ++i) os << (i ? "," : "") << list(p.documents[i]);
   os << "} kv_valid=" << list(p.kv_valid) << " scale=" << p.scale << " dtype=" << static_cast<int>(p.dtype)
-     << " with_lse=" << p.with_lse;
+     << " with_lse=" << p.with_lse << " Dv=" << p.head_dim_v << " softcap=" << p.softcap;
+  return os.str();
+}
+
+std::string floats(const std::vector<float>& v) {
+  std::ostringstream os;
+  os << "{";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
+  os << "}";
   return os.str();
 }
 
@@ -519,24 +611,28 @@ std::string describe(const FuzzCase& fc) {
     const AttentionCase& c = fc.attention;
     os << "attention world=" << c.world << " policy=" << policy_name(c.policy) << " kernel=" << kernel_name(c.kernel, c.isa)
        << " T=" << (c.f64 ? "double" : "float") << (c.typed_plan ? " plan<T>" : " plan(problem)") << " "
-       << problem_text(c.problem) << " lengths(q/kv)=[";
+       << problem_text(c.problem) << " sinks=" << (c.sinks.empty() ? "none" : floats(c.sinks)) << " lengths(q/kv)=[";
     for (std::size_t w = 0; w < c.lengths.size(); ++w) os << (w ? " " : "") << c.lengths[w].q << "/" << c.lengths[w].kv;
     os << "] backward=" << c.backward << " nan_kv=" << c.nan_hidden_kv << " nan_q=" << c.nan_hidden_q;
     if (c.disagree_rank >= 0)
-      os << " [rank " << c.disagree_rank << " plans " << c.disagree_field << " differently: " << problem_text(c.other_problem) << "]";
+      os << " [rank " << c.disagree_rank << " plans " << c.disagree_field << " differently: " << problem_text(c.other_problem)
+         << (c.disagree_field == "sinks" ? (c.other_sinks ? " with sinks" : " without sinks") : "") << "]";
     if (c.mesh_disagree_rank >= 0)
       os << " [rank " << c.mesh_disagree_rank << " constructs " << policy_name(c.other_policy) << "]";
   } else if (fc.kind == CaseKind::decode) {
     const DecodeCase& c = fc.decode;
     const DecodeProblem& p = c.problem;
     os << "decode world=" << c.world << " kernel=" << kernel_name(c.kernel, c.isa) << " T=" << (c.f64 ? "double" : "float")
-       << " B=" << p.batch << " H=" << p.heads << " K=" << p.kv_heads << " D=" << p.head_dim << " scale=" << p.scale
+       << " B=" << p.batch << " H=" << p.heads << " K=" << p.kv_heads << " D=" << p.head_dim << " Dv=" << p.head_dim_v
+       << (c.v_in_k ? " (V in K's rows)" : "") << " softcap=" << p.softcap
+       << " sinks=" << (c.sinks.empty() ? "none" : floats(c.sinks)) << " scale=" << p.scale
        << " dtype=" << static_cast<int>(p.dtype) << " new_tokens=" << p.new_tokens << " kv_len=" << list(p.kv_len)
        << " capacity=" << p.capacity << " page=" << p.page << " exchange=" << static_cast<int>(p.exchange)
        << " steps=" << c.steps << " advance_probes=" << list(c.advance_probes) << " position_probes={";
     for (std::size_t i = 0; i < c.position_probes.size(); ++i)
       os << (i ? "," : "") << "(" << c.position_probes[i].first << "," << c.position_probes[i].second << ")";
     os << "}";
+    if (c.disagree_rank >= 0) os << " [rank " << c.disagree_rank << " plans another " << c.disagree_field << "]";
   } else {
     const TimeoutCase& c = fc.timeout;
     os << "timeout world=" << c.world;
@@ -544,6 +640,30 @@ std::string describe(const FuzzCase& fc) {
     else os << " ThreadRunOptions.timeout=" << c.timeout_ms << " ms";
   }
   return os.str();
+}
+
+namespace {
+/// Sinks for a rank that gives some where the case has none (read only if a plan wrongly accepts).
+const float* spare_sinks() {
+  static const std::vector<float> zeros(4096, 0.0f);
+  return zeros.data();
+}
+}  // namespace
+
+AttentionProblem problem_of(const AttentionCase& c, int rank) {
+  const bool other = rank == c.disagree_rank;
+  AttentionProblem p = other ? c.other_problem : c.problem;
+  const bool given = other && c.disagree_field == "sinks" ? c.other_sinks : !c.sinks.empty();
+  p.sinks = !given ? nullptr : c.sinks.empty() ? spare_sinks() : c.sinks.data();
+  return p;
+}
+
+DecodeProblem problem_of(const DecodeCase& c, int rank) {
+  const bool other = rank == c.disagree_rank;
+  DecodeProblem p = other ? c.other_problem : c.problem;
+  const bool given = other && c.disagree_field == "sinks" ? c.sinks.empty() : !c.sinks.empty();
+  p.sinks = !given ? nullptr : c.sinks.empty() ? spare_sinks() : c.sinks.data();
+  return p;
 }
 
 __int128 total_q(const AttentionCase& c) {
@@ -558,6 +678,31 @@ __int128 total_kv(const AttentionCase& c) {
   return s;
 }
 
+namespace {
+/// The value rules of today's models' features, shared by attention and decode: D_v >= 0
+/// (0: D), a soft-cap 0 (off) or finite and positive. Sinks have none the plan can check: their
+/// values are read by each call (see fuzz_case.hpp's model_words).
+template <class Problem>
+std::string feature_rule(const Problem& p) {
+  if (p.head_dim_v < 0) return "head_dim_v < 0";
+  if (!(p.softcap >= 0) || !std::isfinite(p.softcap)) return "softcap negative or not finite";
+  return "";
+}
+}  // namespace
+
+std::string model_words(const std::string& reason) {
+  if (reason == "head_dim_v < 0") return "head_dim_v: expected";
+  if (reason == "softcap negative or not finite") return "softcap: expected";
+  if (reason == "the kernel has no supports_softcap") return "supports_softcap";
+  if (reason == "the kernel has no supports_value_dim") return "supports_value_dim";
+  if (reason.ends_with("(D_v the widest)")) return " x head_dim_v ";
+  return "";
+}
+
+std::string library_field_name(const std::string& field) {
+  return field == "sinks" ? "sinks (given or not)" : field;
+}
+
 std::string attention_model_reason(const AttentionCase& c) {
   const AttentionProblem& p = c.problem;
   const auto [U, R] = model_mesh(c.policy, c.world);
@@ -569,6 +714,9 @@ std::string attention_model_reason(const AttentionCase& c) {
   if (H < 1) return "heads < 1";
   if (K < 1 || H % K != 0) return "kv_heads does not divide heads";
   if (D < 1) return "head_dim < 1";
+  if (const std::string f = feature_rule(p); !f.empty()) return f;
+  const i64 Dv = p.head_dim_v == 0 ? D : p.head_dim_v, dim = std::max(D, Dv);
+  const std::string widest = Dv > D ? " (D_v the widest)" : "";
   const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(D));
   if (!std::isfinite(scale)) return "scale not finite";
   if (std::abs(scale) > 4294967296.0) return "|scale| above 2^32";
@@ -578,15 +726,15 @@ std::string attention_model_reason(const AttentionCase& c) {
   }
   const __int128 sq = total_q(c), skv = total_kv(c), limit = static_cast<__int128>(1) << 58;
   if (sq > kMax || skv > kMax) return "global lengths past 2^63";
-  // One token's rows, batch x max(H, K) x D x 8 bytes, and batch x max(S) x max(H, K) x D x 8
-  // bytes, both <= 2^58 (multiplied with saturation; the first bounds the loops over batch and
-  // heads even for an empty sequence).
+  // One token's rows, batch x max(H, K) x max(D, D_v) x 8 bytes, and batch x max(S) x max(H, K)
+  // x max(D, D_v) x 8 bytes, both <= 2^58 (multiplied with saturation; the first bounds the loops
+  // over batch and heads even for an empty sequence).
   __int128 bytes = 8;
-  for (__int128 f : {static_cast<__int128>(B), static_cast<__int128>(std::max(H, K)), static_cast<__int128>(D)})
+  for (__int128 f : {static_cast<__int128>(B), static_cast<__int128>(std::max(H, K)), static_cast<__int128>(dim)})
     bytes = f == 0 || bytes == 0 ? 0 : bytes > limit / f ? limit + 1 : bytes * f;
-  if (bytes > limit) return "one token's rows above 2^58 bytes";
+  if (bytes > limit) return "one token's rows above 2^58 bytes" + widest;
   const __int128 s = std::max(sq, skv);
-  if (s != 0 && bytes > limit / s) return "a tensor above 2^58 bytes";
+  if (s != 0 && bytes > limit / s) return "a tensor above 2^58 bytes" + widest;
   if (p.causal_align != CausalAlign::top_left && p.causal_align != CausalAlign::bottom_right) return "causal_align outside its enum";
   if (p.window.left < -1 || p.window.right < -1) return "a window side below -1";
   if (!p.documents.empty()) {
@@ -629,6 +777,9 @@ std::string attention_model_reason(const AttentionCase& c) {
           return "stripe lengths that do not follow from the total";
     }
   }
+  // The kernel's features come after every shape rule (sinks need nothing of a kernel).
+  if (c.kernel == KernelKind::causal_only && p.softcap > 0) return "the kernel has no supports_softcap";
+  if (c.kernel == KernelKind::causal_only && Dv != D) return "the kernel has no supports_value_dim";
   return "";
 }
 
@@ -639,6 +790,7 @@ std::string decode_model_reason(const DecodeCase& c) {
   if (p.heads < 1) return "heads < 1";
   if (K < 1 || p.heads % K != 0) return "kv_heads does not divide heads";
   if (p.head_dim < 1) return "head_dim < 1";
+  if (const std::string f = feature_rule(p); !f.empty()) return f;
   if (p.new_tokens < 1 || p.new_tokens > 16) return "new_tokens outside 1..16";
   if (p.page < 0) return "page < 0";
   if (static_cast<i64>(p.kv_len.size()) != p.batch) return "kv_len: not one length per sequence";
@@ -647,16 +799,17 @@ std::string decode_model_reason(const DecodeCase& c) {
   const double scale = p.scale != 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   if (!std::isfinite(scale)) return "scale not finite";
   if (std::abs(p.scale) > 4294967296.0) return "|scale| above 2^32";
-  // The whole cache (batch x capacity x K x D) and one step's rows (batch x T x H x (D + 1)),
-  // 8 bytes an element, each <= 2^58.
+  // The whole cache (batch x capacity x K x max(D, D_v)) and one step's rows (batch x T x H x
+  // (max(D, D_v) + 1)), 8 bytes an element, each <= 2^58.
+  const i64 Dv = p.head_dim_v == 0 ? p.head_dim : p.head_dim_v, dim = std::max(p.head_dim, Dv);
   const __int128 limit = static_cast<__int128>(1) << 58;
   auto bytes = [&](std::initializer_list<__int128> fs) {
     __int128 b = 8;
     for (__int128 f : fs) b = f == 0 || b == 0 ? 0 : b > limit / f ? limit + 1 : b * f;
     return b;
   };
-  if (bytes({p.batch, p.capacity, K, p.head_dim}) > limit || bytes({p.batch, p.new_tokens, p.heads, p.head_dim + 1}) > limit)
-    return "a cache or step tensor above 2^58 bytes";
+  if (bytes({p.batch, p.capacity, K, dim}) > limit || bytes({p.batch, p.new_tokens, p.heads, dim + 1}) > limit)
+    return std::string("a cache or step tensor above 2^58 bytes") + (Dv > p.head_dim ? " (D_v the widest)" : "");
   if (static_cast<int>(p.exchange) > 1) return "exchange outside its enum";
   if (static_cast<int>(p.dtype) > 3) return "dtype outside its enum";
   return "";

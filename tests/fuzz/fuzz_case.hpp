@@ -81,6 +81,10 @@ struct AttentionCase {
   int disagree_rank = -1;              ///< >= 0: this rank plans `other_problem` instead
   std::string disagree_field;          ///< the field that differs (for the description)
   AttentionProblem other_problem;      ///< the disagreeing rank's problem
+  /// The sink logits, one per query head (empty: none; NaN and infinities are drawn too). The
+  /// problems hold no pointer (a case is copied); problem_of points them here.
+  std::vector<float> sinks;
+  bool other_sinks = false;            ///< the disagreeing rank gives sinks (`sinks`, or ones of its own)
   std::vector<LocalLengths> lengths;   ///< per world rank
   bool backward = false;               ///< also run and check backward (needs with_lse)
   bool nan_hidden_kv = false;          ///< NaN in K/V rows no query sees
@@ -95,6 +99,11 @@ struct DecodeCase {
   int isa = -1;
   bool f64 = false;
   DecodeProblem problem;
+  std::vector<float> sinks;            ///< one logit per query head (empty: none); problem_of points to them
+  int disagree_rank = -1;              ///< >= 0: this rank plans `other_problem` instead
+  std::string disagree_field;          ///< the field that differs
+  DecodeProblem other_problem;         ///< the disagreeing rank's problem (its sinks: given or not)
+  bool v_in_k = false;                 ///< V is a column view of K's rows (MLA's latent cache; D_v <= D)
   int steps = 1;                       ///< steps run (when the plan accepts)
   std::vector<i64> advance_probes;     ///< advance(k) tried on a copy of the plan before each step
   std::vector<std::pair<i64, i64>> position_probes;  ///< (b, pos) outside the cache: owner/slot must refuse
@@ -139,11 +148,31 @@ FuzzCase make_case(std::uint64_t seed, std::uint64_t index, const GenOptions& op
 /// One line with every field of the case (enough to rebuild it by hand).
 std::string describe(const FuzzCase& c);
 
+/// The problem rank `rank` plans: the case's (or the disagreeing rank's), its sinks pointing
+/// into the case (which must outlive it).
+AttentionProblem problem_of(const AttentionCase& c, int rank);
+/// The decode problem rank `rank` plans, its sinks pointing into the case.
+DecodeProblem problem_of(const DecodeCase& c, int rank);
+
 /// The documented rules as an independent model: "" when `c`'s plan must succeed, else why
 /// it must be refused (the model's words, not the library's). Meaningless when ranks disagree.
 std::string attention_model_reason(const AttentionCase& c);
 /// The same for a decode problem on `world` ranks.
 std::string decode_model_reason(const DecodeCase& c);
+/// The words the library's refusal must hold when the model refuses for `reason` ("" where the
+/// model names no words: the other rules' words are can_implement's to match). The feature
+/// rules have them: D_v and the soft-cap by name, the kernel's missing trait, head_dim_v in a
+/// size overflow where D_v is the widest row.
+///
+/// Sinks have no rule a plan can check: their values are read by each call (device memory for
+/// CUDA), and every rank must hold the same ones. The fuzzer's contract for values past the
+/// finite ones: the rows of a head whose sink is NaN are NaN (O and LSE); +inf is the limit (the
+/// sink takes the whole row: O = 0, LSE = +inf) and -inf the answer without the sink, where a
+/// row may instead be NaN; every other head is exact. Never a finite value off the limit.
+std::string model_words(const std::string& reason);
+/// The library's name of a field the generator makes a rank disagree on ("sinks" is agreed as
+/// given or not: the values are the caller's to keep alike).
+std::string library_field_name(const std::string& field);
 
 /// The mesh a policy runs on for `world` ranks, by the documented rules: {U, R}, or {0, 0}
 /// when the degrees do not fit.

@@ -2,7 +2,9 @@
 // silently wrong". Each case is generated from (seed, case number) alone, biased toward edge
 // values (0, 1, -1, S +- 1, INT64_MAX, INT64_MIN, sums past 2^63, every mask family, batch 0,
 // odd head dims, NaN/inf/denormal scales, enums out of range, worlds of 1-8 ranks, ranks with
-// no tokens, S_q != S_kv, GQA/MQA) and checked against an independent brute-force reference:
+// no tokens, S_q != S_kv, GQA/MQA; today's models' D_v, soft-cap and sinks, alone and combined,
+// with their illegal values, sinks of NaN and +-inf, and V as a column view of K's rows in
+// decode) and checked against an independent brute-force reference:
 // can_implement says what plan does, plan refuses alike on every rank or runs exactly,
 // plan.work counts the visible pairs, decode steps equal attention over the whole cache,
 // advance is all or nothing, owner/slot refuse positions outside the cache, and a huge

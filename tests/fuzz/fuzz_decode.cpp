@@ -17,13 +17,16 @@ namespace {
 using i128 = __int128;
 
 /// The whole truth of a decode case: K and V of every position the steps reach, every step's
-/// queries [B, T, H, D], all uniform in [-1, 1] (never 0) and rounded to the element type.
+/// queries [B, T, H, D], all uniform in [-1, 1] (never 0) and rounded to the element type; with
+/// V in K's rows, V is the first D_v columns of K. The soft-cap and the sinks of the problem.
 struct DecodeTruth {
-  i64 B = 0, cap = 0, H = 0, K = 0, D = 0, T = 0;
-  std::vector<double> k, v;             // [B, cap, K, D]
+  i64 B = 0, cap = 0, H = 0, K = 0, D = 0, Dv = 0, T = 0;
+  double softcap = 0;
+  std::vector<float> sinks;             // [H] or empty
+  std::vector<double> k, v;             // [B, cap, K, D], [B, cap, K, D_v]
   std::vector<std::vector<double>> q;   // per step
   const double* krow(i64 b, i64 pos, i64 h) const { return &k[static_cast<std::size_t>(((b * cap + pos) * K + h) * D)]; }
-  const double* vrow(i64 b, i64 pos, i64 h) const { return &v[static_cast<std::size_t>(((b * cap + pos) * K + h) * D)]; }
+  const double* vrow(i64 b, i64 pos, i64 h) const { return &v[static_cast<std::size_t>(((b * cap + pos) * K + h) * Dv)]; }
 };
 
 /// What one rank left behind.
@@ -43,21 +46,27 @@ struct RowAnswer {
   std::vector<double> mag;  // sum_j p_j |v_j| per element (NormError's magnitude)
 };
 
-/// Step s's query (b, t, h) over cache positions 0..len + t.
+/// Step s's query (b, t, h) over cache positions 0..len + t (soft-capped scores; the head's sink
+/// one more term of the denominator: +inf takes the row, O = 0; NaN makes it NaN).
 RowAnswer decode_reference(const DecodeTruth& tr, double scale, int s, i64 b, i64 t, i64 h, i64 len) {
   const double* q = &tr.q[static_cast<std::size_t>(s)][static_cast<std::size_t>(((b * tr.T + t) * tr.H + h) * tr.D)];
   const i64 kh = h / (tr.H / tr.K), n = len + t + 1;
-  const auto D = static_cast<std::size_t>(tr.D);
+  const auto D = static_cast<std::size_t>(tr.Dv);
+  const double inf = std::numeric_limits<double>::infinity();
+  const double z = tr.sinks.empty() ? -inf : static_cast<double>(tr.sinks[static_cast<std::size_t>(h)]);
   std::vector<double> sc(static_cast<std::size_t>(n));
-  RowAnswer a{std::vector<double>(D, 0.0), std::vector<double>(D, std::numeric_limits<double>::infinity()),
-              std::vector<double>(D, -std::numeric_limits<double>::infinity()), std::vector<double>(D, 0.0)};
-  double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+  RowAnswer a{std::vector<double>(D, 0.0), std::vector<double>(D, tr.sinks.empty() ? inf : 0.0),
+              std::vector<double>(D, tr.sinks.empty() ? -inf : 0.0), std::vector<double>(D, 0.0)};
+  if (std::isnan(z)) std::fill(a.o.begin(), a.o.end(), z);
+  if (std::isnan(z) || z == inf) return a;
+  double mx = z, sum = 0;
   for (i64 j = 0; j < n; ++j) {
     double dot = 0;
     for (i64 e = 0; e < tr.D; ++e) dot += q[e] * tr.krow(b, j, kh)[e];
-    sc[static_cast<std::size_t>(j)] = dot * scale;
+    sc[static_cast<std::size_t>(j)] = softcapped(dot * scale, tr.softcap);
     mx = std::max(mx, sc[static_cast<std::size_t>(j)]);
   }
+  if (z != -inf) sum += std::exp(z - mx);
   for (i64 j = 0; j < n; ++j) sum += std::exp(sc[static_cast<std::size_t>(j)] - mx);
   for (i64 j = 0; j < n; ++j)
     for (std::size_t e = 0; e < D; ++e) {
@@ -156,33 +165,42 @@ std::vector<DecodeRank> run_decode_ranks(const DecodeCase& c, const std::optiona
           DecodeRank& r = ranks[static_cast<std::size_t>(me)];
           SequenceParallelDecode<ThreadCommunicator, Kernel> dec(world, make_kernel<Kernel>(c.kernel, c.isa));
           DecodePlan plan;
-          record(r.plan, [&] { plan = dec.plan(p); });
+          record(r.plan, [&] { plan = dec.plan(problem_of(c, me)); });
           r.planned = true;
           check_slots(c, plan, r.found);
-          const i64 B = p.batch, Tn = p.new_tokens, K = p.kv_head_count(), D = p.head_dim, C = plan.shard_capacity();
+          const i64 B = p.batch, Tn = p.new_tokens, K = p.kv_head_count(), D = p.head_dim, Dv = p.value_dim(),
+                    C = plan.shard_capacity();
           // Every rank decides alike whether the steps run: on the largest shard of any rank.
           i128 largest = 0;
           for (int r = 0; truth && r < c.world; ++r)
             for (i64 b = 0; b < B; ++b) largest = std::max<i128>(largest, plan.layout().count(r, b, p.capacity));
-          const bool fits = truth && C >= 0 && largest * B * K * D <= 20'000'000 && plan.workspace_bytes() <= workspace_limit;
+          const bool fits = truth && C >= 0 && largest * B * K * std::max(D, Dv) <= 20'000'000 &&
+                            plan.workspace_bytes() <= workspace_limit;
           if (fits) {
             const double nan = std::numeric_limits<double>::quiet_NaN();
-            std::vector<T> kc(static_cast<std::size_t>(B * C * K * D), static_cast<T>(c.nan_unwritten ? nan : 0.0));
-            std::vector<T> vc(kc.size(), kc.empty() ? T(0) : kc[0]);
+            const T unwritten = static_cast<T>(c.nan_unwritten ? nan : 0.0);
+            std::vector<T> kc(static_cast<std::size_t>(B * C * K * D), unwritten);
+            std::vector<T> vc(c.v_in_k ? 0 : static_cast<std::size_t>(B * C * K * Dv), unwritten);
             auto put = [&](i64 b, i64 pos) {
               if (plan.owner(b, pos) != me) return;
               const i64 s = plan.slot(b, pos);
               if (s < 0 || s >= C) throw std::runtime_error("slot " + std::to_string(s) + " outside the shard");
-              for (i64 e = 0; e < K * D; ++e) {
+              for (i64 e = 0; e < K * D; ++e)
                 kc[static_cast<std::size_t>((b * C + s) * K * D + e)] = static_cast<T>(truth->krow(b, pos, 0)[e]);
-                vc[static_cast<std::size_t>((b * C + s) * K * D + e)] = static_cast<T>(truth->vrow(b, pos, 0)[e]);
-              }
+              for (i64 e = 0; e < K * Dv && !c.v_in_k; ++e)
+                vc[static_cast<std::size_t>((b * C + s) * K * Dv + e)] = static_cast<T>(truth->vrow(b, pos, 0)[e]);
             };
             for (i64 b = 0; b < B; ++b)
               for (i64 pos = 0; pos < p.kv_len[static_cast<std::size_t>(b)]; ++pos) put(b, pos);
             const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
             r.out_heads = oh;
-            std::vector<T> q(static_cast<std::size_t>(B * Tn * qh.count * D)), out(static_cast<std::size_t>(B * Tn * oh.count * D));
+            std::vector<T> q(static_cast<std::size_t>(B * Tn * qh.count * D)), out(static_cast<std::size_t>(B * Tn * oh.count * Dv));
+            const auto k_view = TensorView<const T>::bshd(kc.data(), B, C, K, D);
+            TensorView<const T> v_view = TensorView<const T>::bshd(vc.data(), B, C, K, Dv);
+            if (c.v_in_k) {  // MLA's latent cache: V is the first D_v columns of K's rows, the same memory
+              v_view = k_view;
+              v_view.extent[3] = Dv;
+            }
             std::vector<std::byte> ws(plan.workspace_bytes());
             for (int s = 0; s < c.steps; ++s) {
               if (static_cast<std::size_t>(s) < c.advance_probes.size())
@@ -198,10 +216,8 @@ std::vector<DecodeRank> run_decode_ranks(const DecodeCase& c, const std::optiona
               std::fill(out.begin(), out.end(), T(12345));
               const std::uint64_t bytes = world.stats().bytes_sent;
               record(r.step, [&] {
-                dec.template step<T>(plan, TensorView<const T>::bshd(q.data(), B, Tn, qh.count, D),
-                                     TensorView<const T>::bshd(kc.data(), B, C, K, D),
-                                     TensorView<const T>::bshd(vc.data(), B, C, K, D),
-                                     TensorView<T>::bshd(out.data(), B, Tn, oh.count, D), ws);
+                dec.template step<T>(plan, TensorView<const T>::bshd(q.data(), B, Tn, qh.count, D), k_view, v_view,
+                                     TensorView<T>::bshd(out.data(), B, Tn, oh.count, Dv), ws);
               });
               r.out.push_back(as_double(out));
               if (world.stats().bytes_sent - bytes != plan.step_bytes() && !r.traffic_reported) {
@@ -244,19 +260,24 @@ std::optional<DecodeTruth> make_truth(const DecodeCase& c) {
     if (l < 0 || l > 100000) return std::nullopt;
     longest = std::max(longest, l);
   }
+  if (p.value_dim() < 1 || p.value_dim() > 512 || (c.v_in_k && p.value_dim() > p.head_dim)) return std::nullopt;
   DecodeTruth tr;
-  tr.B = p.batch, tr.H = p.heads, tr.K = K, tr.D = p.head_dim, tr.T = p.new_tokens;
+  tr.B = p.batch, tr.H = p.heads, tr.K = K, tr.D = p.head_dim, tr.Dv = p.value_dim(), tr.T = p.new_tokens;
+  tr.softcap = p.softcap;
+  tr.sinks = c.sinks;
   tr.cap = longest + tr.T * c.steps;
-  if (tr.B * tr.cap * tr.K * tr.D > 4'000'000) return std::nullopt;
+  if (tr.B * tr.cap * tr.K * std::max(tr.D, tr.Dv) > 4'000'000) return std::nullopt;
   Rng rng(c.data_seed);
   auto value = [&] {
     const double u = (0.001 + 0.999 * rng.unit()) * (rng.chance(0.5) ? 1 : -1);
     return c.f64 ? u : static_cast<double>(static_cast<float>(u));
   };
   tr.k.resize(static_cast<std::size_t>(tr.B * tr.cap * tr.K * tr.D));
-  tr.v.resize(tr.k.size());
+  tr.v.resize(static_cast<std::size_t>(tr.B * tr.cap * tr.K * tr.Dv));
   for (double& x : tr.k) x = value();
-  for (double& x : tr.v) x = value();
+  for (std::size_t i = 0; i < tr.v.size(); ++i)
+    tr.v[i] = c.v_in_k ? tr.k[i / static_cast<std::size_t>(tr.Dv) * static_cast<std::size_t>(tr.D) + i % static_cast<std::size_t>(tr.Dv)]
+                       : value();
   for (int s = 0; s < c.steps; ++s) {
     tr.q.emplace_back(static_cast<std::size_t>(tr.B * tr.T * tr.H * tr.D));
     for (double& x : tr.q.back()) x = value();
@@ -276,8 +297,25 @@ void decode_with(const DecodeCase& c, Report& rep) {
   }
   const Outcome& planned = ranks[0].plan;
   if (!planned.ok() && planned.kind != "ConfigError") rep.fail(prop::refusal_type, "decode plan: " + planned.text());
+  if (c.disagree_rank >= 0) {
+    const std::string name = library_field_name(c.disagree_field);
+    if (planned.ok())
+      rep.fail(prop::same_refusal, "rank " + std::to_string(c.disagree_rank) + " planned another " + name +
+                                       ", and every decode plan succeeded");
+    else if (planned.what.find("ranks disagree on " + name) == std::string::npos)
+      rep.fail(prop::disagreement, "rank " + std::to_string(c.disagree_rank) + " planned another " + name + ": " +
+                                       planned.text());
+    return;
+  }
   if (planned.ok() && !rules.empty()) rep.fail(prop::rules, "decode plan accepts what the rules refuse: " + rules);
-  if (!planned.ok() && rules.empty()) rep.fail(prop::rules, "decode plan refuses what the rules accept: " + planned.text());
+  // A kernel that cannot allocate its scratch (a huge D_v under the case's 4 GiB cap) is refused
+  // by plan alone, on every rank: no pure rule can know.
+  const bool no_scratch = planned.what.find("could not allocate its scratch") != std::string::npos;
+  if (!planned.ok() && rules.empty() && !no_scratch)
+    rep.fail(prop::rules, "decode plan refuses what the rules accept: " + planned.text());
+  if (const std::string words = model_words(rules);
+      !planned.ok() && !words.empty() && planned.what.find(words) == std::string::npos)
+    rep.fail(prop::reason_words, "the rules refuse for " + rules + ", the refusal (no \"" + words + "\") says: " + planned.what);
   if (!planned.ok()) {
     rep.note("decode: refused");
     return;
@@ -320,9 +358,11 @@ void decode_with(const DecodeCase& c, Report& rep) {
           for (i64 h = 0; h < oh.count; ++h) {
             const RowAnswer want = decode_reference(*truth, scale, s, b, t, oh.begin + h,
                                                     p.kv_len[static_cast<std::size_t>(b)] + s * truth->T);
-            for (i64 e = 0; e < truth->D; ++e) {
+            const bool wild = !truth->sinks.empty() && !std::isfinite(truth->sinks[static_cast<std::size_t>(oh.begin + h)]);
+            for (i64 e = 0; e < truth->Dv; ++e) {
               const auto ue = static_cast<std::size_t>(e);
-              const double got = r.out[static_cast<std::size_t>(s)][static_cast<std::size_t>(((b * truth->T + t) * oh.count + h) * truth->D + e)];
+              const double got = r.out[static_cast<std::size_t>(s)][static_cast<std::size_t>(((b * truth->T + t) * oh.count + h) * truth->Dv + e)];
+              if (wild && std::isnan(got)) continue;  // a head whose sink is not finite may be NaN (model_words)
               if (exact)
                 err.add(got, c.f64 ? want.o[ue] : static_cast<double>(static_cast<float>(want.o[ue])),
                         ((static_cast<i64>(w) * truth->B + b) * truth->T + t) * 64 + oh.begin + h, want.mag[ue]);
@@ -349,6 +389,9 @@ void decode_with(const DecodeCase& c, Report& rep) {
     }
   }
   rep.note(exact ? "decode: steps checked exactly" : "decode: steps checked within bounds (huge scale)");
+  if (p.softcap > 0) rep.note("decode: steps checked with a soft-cap");
+  if (p.value_dim() != p.head_dim) rep.note(c.v_in_k ? "decode: steps checked with D_v < D, V in K's rows" : "decode: steps checked with D_v != D");
+  if (!c.sinks.empty()) rep.note("decode: steps checked with sinks");
 }
 
 }  // namespace

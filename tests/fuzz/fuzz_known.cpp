@@ -12,6 +12,9 @@ namespace {
 
 constexpr i64 kHuge = i64{1} << 61;
 
+/// A legal soft-cap CpuFlashKernel does not compute (class r): below 2^-32 or above 2^32.
+bool extreme_softcap(double cap) { return cap > 0 && (cap < 0x1p-32 || cap > 0x1p32); }
+
 bool huge_window(const AttentionProblem& p) { return p.window.left > kHuge || p.window.right > kHuge; }
 
 bool huge_documents(const AttentionProblem& p) {
@@ -40,6 +43,12 @@ std::string known_class(const FuzzCase& c, const Failure& f) {
     const bool wide_degrees = a.policy.kind == PolicyKind::unified &&
                               static_cast<i64>(a.policy.ulysses_degree) * a.policy.ring_degree > std::numeric_limits<int>::max();
     if (wide_degrees) return "p";
+    if (extreme_softcap(a.problem.softcap) && a.kernel != KernelKind::reference && a.kernel != KernelKind::causal_only &&
+        (p == prop::forward || p == prop::lse || p == prop::backward))
+      return "r";
+    if (a.problem.head_dim_v > (i64{1} << 40) && d.find("vector::") != std::string::npos)
+      return "s";
+    if (p == prop::forward && d.find("slot sink_lse") != std::string::npos) return "t";
     if (p == prop::same_refusal && d.find("could not allocate its scratch") != std::string::npos) return "q";
     if (p == prop::message || (p == prop::rules && d.find("size overflow") != std::string::npos)) return "o";
     if (a.kernel == KernelKind::causal_only && a.problem.has_extra_mask() && p == prop::member_can_implement) return "f";
@@ -63,6 +72,7 @@ std::string known_class(const FuzzCase& c, const Failure& f) {
   if (c.kind == CaseKind::decode) {
     const DecodeProblem& d = c.decode.problem;
     if (p == prop::advance) return "b";
+    if (extreme_softcap(d.softcap) && c.decode.kernel != KernelKind::reference && p == prop::decode_step) return "r";
     if (p == prop::position) return "g";
     if (p == prop::rules && f.detail.find("dtype outside") != std::string::npos) return "m";
     if (p == prop::decode_step && f.detail.find("outside the visible V") != std::string::npos) return "k";

@@ -24,6 +24,7 @@ inline constexpr const char* backward = "backward equals the reference";
 inline constexpr const char* traffic = "the plan's byte counts are the bytes sent";
 inline constexpr const char* disagreement = "a disagreement names the values";
 inline constexpr const char* message = "a refusal names the actual values";
+inline constexpr const char* reason_words = "a refusal names the rule the documented rules apply";
 inline constexpr const char* no_crash = "no crash";
 inline constexpr const char* no_hang = "no hang";
 inline constexpr const char* bounded = "allocation stays bounded";

@@ -55,7 +55,9 @@ std::string strip_location(const std::string& message);
 struct CaseData {
   bool ready = false;   ///< shapes small enough: inputs and reference exist
   bool exact = true;    ///< the scale is tame enough for the tolerances (else only bounds are checked)
-  std::int64_t B = 0, Sq = 0, Skv = 0, H = 0, K = 0, D = 0;
+  std::int64_t B = 0, Sq = 0, Skv = 0, H = 0, K = 0, D = 0, Dv = 0;
+  /// Per query head: its sink is not finite (its rows may be NaN where the limit is wanted).
+  std::vector<unsigned char> wild_sink;
   Visibility vis;
   GlobalTensors x;
   ReferenceResult ref;
@@ -80,6 +82,7 @@ struct RankResult {
   PositionMap qpos, kvpos;
   std::vector<double> out, lse;  ///< [B, Lq, H, D] and [B, Lq, H]
   std::vector<double> dq, dk, dv;
+  std::vector<double> d_sinks;  ///< [H] this rank's share of the sinks' gradient (empty: not asked)
   bool forwarded = false, backwarded = false;
   Traffic forward_traffic, backward_traffic;  ///< of the checked calls
 };

@@ -212,6 +212,57 @@ TEST_CASE("fuzz regression (p): Unified degrees whose product wraps int are refu
   expect_contract(attention(1, wide, KernelKind::reference, small(), {{4}}), 'p', prop::rules);
 }
 
+TEST_CASE("fuzz regression (r): a soft-cap at the ends of its legal range is computed or refused") {
+  AttentionProblem p = small();
+  p.softcap = 5e-324;  // denormal: scale / softcap overflows, 0 x inf is NaN
+  expect_contract(attention(1, ulysses(), KernelKind::cpu_flash_1, p, {{8}}), 'r', prop::forward);
+  p.softcap = 1e300;  // in float the cap is inf: inf x tanh(0) is NaN
+  expect_contract(attention(1, ulysses(), KernelKind::cpu_flash_1, p, {{8}}), 'r', prop::forward);
+}
+
+TEST_CASE("fuzz regression (s): a head_dim_v past any allocation is refused with ConfigError") {
+  AttentionProblem p = small();
+  p.batch = 0;                          // every tensor is empty: the size rules pass
+  p.head_dim_v = std::int64_t{1} << 55;  // the kernel's scratch passes vector::max_size
+  expect_contract(attention(1, ulysses(), KernelKind::cpu_flash_1, p, {{4}}), 's', prop::refusal_type);
+}
+
+TEST_CASE("fuzz regression (t): with sinks and an LSE, a rank holding no query rows runs forward") {
+  AttentionProblem p = small(2);
+  FuzzCase c = attention(2, {PolicyKind::ring, LayoutKind::contiguous, true}, KernelKind::reference, p, {{0, 3}, {4, 1}});
+  c.attention.sinks = {0.5f, -1.0f};
+  c.attention.backward = true;
+  expect_contract(c, 't', prop::forward);
+}
+
+TEST_CASE("fuzz regression: D_v, soft-cap and sinks together keep every contract, sinks past the finite too") {
+  // GQA, a window, D_v > D, a soft-cap that bites and sinks on a 2 x 1 mesh, forward and backward.
+  AttentionProblem p = small(4);
+  p.kv_heads = 2;
+  p.causal = true;
+  p.window = {3, -1};
+  p.head_dim_v = 12;
+  p.softcap = 2.0;
+  FuzzCase c = attention(2, {PolicyKind::unified, LayoutKind::zigzag, true, 2, 1}, KernelKind::cpu_flash_1, p, {{5}, {3}});
+  c.attention.sinks = {0.5f, -2.0f, 3.0f, 30.0f};
+  c.attention.backward = true;
+  Report r = run_isolated(c, 60);
+  CHECK(r.failures.empty());
+  CHECK(std::find(r.notes.begin(), r.notes.end(), "attention: sinks' gradient checked") != r.notes.end());
+  // A NaN, +inf and -inf sink: their heads NaN or the limit, the others exact.
+  c.attention.sinks = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity(), 1.0f};
+  expect_clean(c);
+  // Decode with MLA's latent cache: V the first D_v columns of K's rows, a soft-cap and sinks.
+  FuzzCase d = decode(3, {.batch = 2, .heads = 4, .kv_heads = 1, .head_dim = 16, .head_dim_v = 8, .softcap = 5.0,
+                          .new_tokens = 2, .kv_len = {7, 0}, .capacity = 12, .page = 2});
+  d.decode.v_in_k = true;
+  d.decode.sinks = {0.25f, -1.0f, 2.0f, std::numeric_limits<float>::quiet_NaN()};
+  r = run_isolated(d, 60);
+  CHECK(r.failures.empty());
+  CHECK(std::find(r.notes.begin(), r.notes.end(), "decode: steps checked with D_v < D, V in K's rows") != r.notes.end());
+}
+
 TEST_CASE("fuzz regression: the corpus's cases keep every other contract") {
   // A case of each kind that no known class touches: the checks themselves pass on it.
   AttentionProblem p = small(4);
@@ -253,41 +304,52 @@ bool breaks(const Report& r, const char* property) {
 }  // namespace
 
 TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and none on the right one") {
-  // Two ranks of RingPolicy<Contiguous>, GQA, causal with a window: a run fabricated from the
-  // reference itself (plans built the way plan builds them), then broken one way at a time.
+  // Two ranks of RingPolicy<Contiguous>, GQA, causal with a window, D_v != D, a soft-cap and
+  // sinks: a run fabricated from the reference itself (plans built the way plan builds them),
+  // then broken one way at a time.
   AttentionProblem p = small(2, 4);
   p.kv_heads = 1;
   p.causal = true;
   p.window = {2, -1};
+  p.head_dim_v = 6;
+  p.softcap = 1.5;
   const RingPolicy<Contiguous> policy;
   FuzzCase fc = attention(2, {PolicyKind::ring, LayoutKind::contiguous}, KernelKind::reference, p, {{3}, {3}});
   AttentionCase& c = fc.attention;
   c.backward = true;
+  c.sinks = {0.3f, -0.7f};
+  const MeshConfig mesh = mesh_config(policy, 2);
+  // The run the reference of case `k` (with data `d`) gives; the sinks' gradient all on rank 0.
+  auto fabricate = [&](const AttentionCase& k, const CaseData& d) {
+    std::vector<std::int64_t> all;
+    for (int w = 0; w < 2; ++w)
+      for (std::int64_t v : detail::plan_fields(problem_of(k, w), mesh, k.lengths[static_cast<std::size_t>(w)]))
+        all.push_back(v);
+    AttentionRun run;
+    run.free_verdict = can_implement(policy, problem_of(k, 0), std::span<const LocalLengths>(k.lengths));
+    for (int w = 0; w < 2; ++w) {
+      RankResult r;
+      r.plan = detail::build_plan<policy_phases_of<RingPolicy<Contiguous>>>(all, problem_of(k, w), mesh, w, 1);
+      r.member_asked = true;
+      r.member = run.free_verdict;
+      r.planned = r.forwarded = r.backwarded = true;
+      r.qpos = r.plan.q_positions(w);
+      r.kvpos = r.plan.kv_positions(w);
+      r.out = rows_at(d.ref.out, d.B, d.Sq, d.H, d.Dv, r.qpos);
+      r.lse = rows_at(d.ref.lse, d.B, d.Sq, d.H, 1, r.qpos);
+      r.dq = rows_at(d.ref.dq, d.B, d.Sq, d.H, d.D, r.qpos);
+      r.dk = rows_at(d.ref.dk, d.B, d.Skv, d.K, d.D, r.kvpos);
+      r.dv = rows_at(d.ref.dv, d.B, d.Skv, d.K, d.Dv, r.kvpos);
+      r.d_sinks = w == 0 ? d.ref.d_sinks : std::vector<double>(d.ref.d_sinks.size(), 0.0);
+      r.forward_traffic = {r.plan.forward_bytes(w), r.plan.forward_bytes(w), 0};
+      r.backward_traffic = {r.plan.backward_bytes(w), r.plan.backward_bytes(w), 0};
+      run.ranks.push_back(std::move(r));
+    }
+    return run;
+  };
   const CaseData d = prepare_attention(c);
   REQUIRE(d.ready);
-  const MeshConfig mesh = mesh_config(policy, 2);
-  std::vector<std::int64_t> all;
-  for (const LocalLengths& l : c.lengths)
-    for (std::int64_t v : detail::plan_fields(p, mesh, l)) all.push_back(v);
-  AttentionRun good;
-  good.free_verdict = can_implement(policy, p, std::span<const LocalLengths>(c.lengths));
-  for (int w = 0; w < 2; ++w) {
-    RankResult r;
-    r.plan = detail::build_plan<policy_phases_of<RingPolicy<Contiguous>>>(all, p, mesh, w, 1);
-    r.member_asked = true;
-    r.member = good.free_verdict;
-    r.planned = r.forwarded = r.backwarded = true;
-    r.qpos = r.plan.q_positions(w);
-    r.kvpos = r.plan.kv_positions(w);
-    r.out = rows_at(d.ref.out, d.B, d.Sq, d.H, d.D, r.qpos);
-    r.lse = rows_at(d.ref.lse, d.B, d.Sq, d.H, 1, r.qpos);
-    r.dq = rows_at(d.ref.dq, d.B, d.Sq, d.H, d.D, r.qpos);
-    r.dk = rows_at(d.ref.dk, d.B, d.Skv, d.K, d.D, r.kvpos);
-    r.dv = rows_at(d.ref.dv, d.B, d.Skv, d.K, d.D, r.kvpos);
-    r.forward_traffic = {r.plan.forward_bytes(w), r.plan.forward_bytes(w), 0};
-    r.backward_traffic = {r.plan.backward_bytes(w), r.plan.backward_bytes(w), 0};
-    good.ranks.push_back(std::move(r));
-  }
+  const AttentionRun good = fabricate(c, d);
   auto analyse = [&](const AttentionRun& run) {
     Report rep;
     analyse_attention(c, d, run, rep);
@@ -308,6 +370,9 @@ TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and no
   broken([](AttentionRun& r) { r.ranks[0].lse[1] += 1e-3; }, prop::lse);
   broken([](AttentionRun& r) { r.ranks[1].dk[2] += 1e-2; }, prop::backward);
   broken([](AttentionRun& r) { r.ranks[0].dq[0] = std::nan(""); }, prop::backward);
+  broken([](AttentionRun& r) { r.ranks[1].dv[5] += 1e-2; }, prop::backward);  // V's last column (D_v > D)
+  broken([](AttentionRun& r) { r.ranks[1].d_sinks[1] += 1e-2; }, prop::backward);
+  broken([](AttentionRun& r) { r.ranks[0].out[0] = std::nan(""); }, prop::forward);  // a finite sink: no NaN
   broken([](AttentionRun& r) { r.ranks[1].forward_traffic.sent += 4; }, prop::traffic);
   broken([](AttentionRun& r) { r.ranks[0].backward_traffic.gathers = 1; }, prop::traffic);
   broken([](AttentionRun& r) { r.ranks[1].qpos = r.ranks[0].qpos; }, prop::layout);
@@ -319,6 +384,26 @@ TEST_CASE("fuzz self-test: every attention check fails on a wrong answer, and no
     for (RankResult& rank : r.ranks) rank.plan_call.kind = "ConfigError", rank.plan_call.what = "plan: something";
     r.free_verdict = {false, "plan: something else"};
   }, prop::can_implement);
+
+  // A NaN sink on head 0: its rows must be NaN (a finite value there is wrong), head 1 exact.
+  AttentionCase nan_case = c;
+  nan_case.sinks = {std::numeric_limits<float>::quiet_NaN(), 0.3f};
+  const CaseData dn = prepare_attention(nan_case);
+  const AttentionRun nan_run = fabricate(nan_case, dn);
+  Report rn;
+  analyse_attention(nan_case, dn, nan_run, rn);
+  for (const Failure& f : rn.failures) INFO(f.property << ": " << f.detail);
+  CHECK(rn.failures.empty());
+  AttentionRun wrong = nan_run;
+  wrong.ranks[0].out[0] = 0.25;  // row 0, head 0, element 0: finite where NaN is the answer
+  rn = {};
+  analyse_attention(nan_case, dn, wrong, rn);
+  CHECK(breaks(rn, prop::forward));
+  wrong = nan_run;
+  wrong.ranks[0].out[6] = std::nan("");  // row 0, head 1: its sink is finite
+  rn = {};
+  analyse_attention(nan_case, dn, wrong, rn);
+  CHECK(breaks(rn, prop::forward));
 }
 
 TEST_CASE("fuzz regression (q): every rank refuses alike when the kernel cannot allocate its scratch") {

@@ -76,7 +76,9 @@ struct JoinSinks : NoShapeRules {
   template <class Call, class T, class Space>
   static ForwardOperands<T, Space> in(Call& call, const ForwardOperands<T, Space>& x) {
     ForwardOperands<T, Space> in = x;
-    if (in.lse.absent())
+    // The slot exists when the caller asks for no LSE; an LSE of no rows (a rank holding no
+    // query) looks absent too, and needs none.
+    if (in.lse.absent() && !call.plan.problem().with_lse)
       in.lse = TensorView<acc_t<T>, Space>::bshd(call.ws.template get<acc_t<T>>(lse), x.out.batch(), x.out.seq(),
                                                  x.out.heads(), 1);
     return in;
