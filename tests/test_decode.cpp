@@ -218,7 +218,7 @@ TEST_CASE("decode: bad feature values, a kernel that lacks a feature and ranks t
   for (const double cap : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
     CAPTURE(cap);
     CHECK(test::all_same_config_error(plan_outcomes(2, with([cap](DecodeProblem& p, int) { p.softcap = cap; })),
-                                      "decode plan: softcap: expected 0 (off) or a finite number > 0, got "));
+                                      "decode plan: softcap: expected 0 (off) or a number from 2^-32 to 2^32, got "));
   }
   CHECK(test::all_same_config_error(plan_outcomes(2, with([](DecodeProblem& p, int) { p.head_dim_v = -3; })),
                                     "decode plan: head_dim_v: expected >= 1, or 0 for head_dim, got -3"));

@@ -326,10 +326,18 @@ TEST_CASE("bad feature values are refused on every rank: a negative head_dim_v, 
   AttentionProblem bad_dim = p;
   bad_dim.head_dim_v = -1;
   CHECK(can_implement(RingPolicy<>{}, bad_dim, lengths).reason == "plan: head_dim_v: expected >= 1, or 0 for head_dim, got -1");
-  for (const double cap : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+  // Negative, not finite, or past 2^+-32 (where kernels that fold 1 / cap into the scale, or keep
+  // the cap in bf16, would leave their range); the ends themselves are legal.
+  for (const double cap : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(),
+                           5e-324, 0x1p-33, 0x1p33, 1e300}) {
     AttentionProblem bad_cap = p;
     bad_cap.softcap = cap;
     CHECK(can_implement(RingPolicy<>{}, bad_cap, lengths).reason.find("plan: softcap: expected 0 (off)") == 0);
+  }
+  for (const double cap : {0x1p-32, 0x1p32}) {
+    AttentionProblem cap_at_end = p;
+    cap_at_end.softcap = cap;
+    CHECK(can_implement(RingPolicy<>{}, cap_at_end, lengths));
   }
   // Ranks that disagree on a feature are told which.
   run_ranks(2, [&](ThreadCommunicator& c) {

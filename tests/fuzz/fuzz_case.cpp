@@ -139,11 +139,12 @@ i64 value_dim(Rng& r, i64 D) {
   return r.pick(v);
 }
 
-/// A legal soft-cap: ones that bite (the scores reach a few units), and now and then the ends of
-/// the range (denormal, huge: legal, and in float they leave the float range).
+/// A soft-cap: ones that bite (the scores reach a few units), now and then the ends of the legal
+/// range (0 off, 2^-32 and 2^32), and values past them the rules refuse (denormal, huge).
 double softcap_value(Rng& r) {
   if (r.chance(0.8)) return r.pick(std::vector<double>{0.5, 1.0, 2.0, 5.0, 30.0, 50.0});
-  return r.pick(std::vector<double>{-0.0, 5e-324, 1e-300, 1e-30, 1e-5, 1e30, 1e300, std::numeric_limits<double>::max()});
+  return r.pick(std::vector<double>{-0.0, 0x1p-32, 1e-5, 1e5, 0x1p32, 5e-324, 1e-300, 1e-30, 1e30, 1e300,
+                                    std::numeric_limits<double>::max()});
 }
 
 /// A value the rules refuse for a soft-cap.
@@ -680,19 +681,19 @@ __int128 total_kv(const AttentionCase& c) {
 
 namespace {
 /// The value rules of today's models' features, shared by attention and decode: D_v >= 0
-/// (0: D), a soft-cap 0 (off) or finite and positive. Sinks have none the plan can check: their
+/// (0: D), a soft-cap 0 (off) or from 2^-32 to 2^32. Sinks have none the plan can check: their
 /// values are read by each call (see fuzz_case.hpp's model_words).
 template <class Problem>
 std::string feature_rule(const Problem& p) {
   if (p.head_dim_v < 0) return "head_dim_v < 0";
-  if (!(p.softcap >= 0) || !std::isfinite(p.softcap)) return "softcap negative or not finite";
+  if (!(p.softcap == 0 || (p.softcap >= 0x1p-32 && p.softcap <= 0x1p32))) return "softcap outside 0, 2^-32..2^32";
   return "";
 }
 }  // namespace
 
 std::string model_words(const std::string& reason) {
   if (reason == "head_dim_v < 0") return "head_dim_v: expected";
-  if (reason == "softcap negative or not finite") return "softcap: expected";
+  if (reason == "softcap outside 0, 2^-32..2^32") return "softcap: expected";
   if (reason == "the kernel has no supports_softcap") return "supports_softcap";
   if (reason == "the kernel has no supports_value_dim") return "supports_value_dim";
   if (reason.ends_with("(D_v the widest)")) return " x head_dim_v ";

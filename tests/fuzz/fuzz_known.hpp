@@ -36,12 +36,12 @@ namespace seqpar::fuzz {
 ///  q  plan refuses on some ranks only when the kernel cannot allocate its scratch (a huge
 ///     batch: the ranks whose share needs scratch throw, the others return a plan and wait)
 /// Found when the fuzzer learnt today's models' features (D_v, soft-cap, sinks):
-///  r  CpuFlashKernel with a legal soft-cap at the ends of the range (denormal or tiny, or past
+///  r  (fixed) CpuFlashKernel with a legal soft-cap at the ends of the range (denormal or tiny, or past
 ///     the float range in float) gives NaN, or no cap at all: it divides the scale by the cap
-///     and casts the cap to the element type
-///  s  a head_dim_v so wide that the kernel's scratch passes vector::max_size (with batch 0 the
+///     and casts the cap to the element type (fixed: plans refuse a cap outside 2^-32..2^32)
+///  s  (fixed) a head_dim_v so wide that the kernel's scratch passes vector::max_size (with batch 0 the
 ///     size rules pass) escapes plan as std::length_error, not ConfigError (allocation_disagreement
-///     catches std::bad_alloc only)
+///     caught std::bad_alloc only; fixed: it takes std::length_error as the same refusal)
 ///  t  (fixed) with sinks and with_lse, a rank holding no query rows failed forward with
 ///     "slot sink_lse was not declared" (its empty LSE view reads as absent)
 std::string known_class(const FuzzCase& c, const Failure& f);

@@ -142,6 +142,8 @@ std::string allocation_disagreement(Comm& comm, const char* prefix, Allocate&& a
     allocate();
   } catch (const std::bad_alloc&) {
     failed[0] = 1;
+  } catch (const std::length_error&) {  // a size past what a vector can hold: the same refusal
+    failed[0] = 1;
   }
   std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
   comm.all_gather_host(std::span<const std::int64_t>(failed), all);
@@ -150,7 +152,7 @@ std::string allocation_disagreement(Comm& comm, const char* prefix, Allocate&& a
     if (all[w] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
   if (ranks.empty()) return "";
   return std::string(prefix) + "the kernel could not allocate its scratch on rank(s) " + ranks +
-         " (std::bad_alloc): the shape needs more memory than those ranks have";
+         " (std::bad_alloc or std::length_error): the shape needs more memory than those ranks have";
 }
 
 }  // namespace seqpar::detail

@@ -47,6 +47,7 @@ SEQPAR_HOST_DEVICE constexpr void merge_row(A* o1, A& l1, const P* o2, A l2, std
 template <class A, class O>
 SEQPAR_HOST_DEVICE constexpr void join_sink(O* o, A& l, A sink, std::int64_t dim) {
   const A hi = l > sink ? l : sink, lo = l > sink ? sink : l;
+  if (hi == -std::numeric_limits<A>::infinity()) return;  // no key and a -inf sink: nothing to join, O = 0 stays
   const A joined = l != l ? l : hi + std::log1p(std::exp(lo - hi));
   const A factor = std::exp(l - joined);  // exp(-inf) = 0 for a row that saw no key
   for (std::int64_t d = 0; d < dim; ++d) o[d] = static_cast<O>(static_cast<A>(o[d]) * factor);

@@ -185,13 +185,15 @@ inline std::string mask_reason(const AttentionProblem& pr, std::span<const std::
 }
 
 /// The value rules of today's models' features, shared by the attention and the decode plans:
-/// "" when `pr.head_dim_v` and `pr.softcap` are legal, else the reason, after `who` ("plan: ").
+/// "" when `pr.head_dim_v` and `pr.softcap` (0, or 2^-32..2^32) are legal, else the reason, after `who` ("plan: ").
 template <class Problem>
 std::string feature_values_reason(const Problem& pr, std::string_view who) {
   std::ostringstream why;
   if (pr.head_dim_v < 0) why << who << "head_dim_v: expected >= 1, or 0 for head_dim, got " << pr.head_dim_v;
-  else if (!(pr.softcap >= 0) || !std::isfinite(pr.softcap))
-    why << who << "softcap: expected 0 (off) or a finite number > 0, got " << pr.softcap;
+  else if (!(pr.softcap == 0 || (pr.softcap >= 0x1p-32 && pr.softcap <= 0x1p32)))
+    // Kernels fold 1 / cap into the scale and keep the cap in the element type (bf16, half):
+    // caps past 2^+-32 would leave their range, and no model uses one.
+    why << who << "softcap: expected 0 (off) or a number from 2^-32 to 2^32, got " << pr.softcap;
   return why.str();
 }
 
