@@ -59,6 +59,27 @@ KernelParams params_of(const FeatureCase& c, const AttentionProblem& pr, const M
   return p;
 }
 
+/// The downloaded results of a forward.
+struct ForwardResult {
+  std::vector<double> out, lse;
+};
+
+/// `kernel`'s forward of (q, k, v) on `stream` into buffers poisoned with NaN (every element
+/// must be written): O [B, S_q, H, D_v] and the LSE.
+template <class T>
+ForwardResult run_forward(const CudaFlashKernel& kernel, Stream& stream, const Tensor<T>& q, const Tensor<T>& k,
+                          const Tensor<T>& v, const KernelParams& p) {
+  const std::int64_t B = q.b, Sq = q.s, H = q.h, Dv = v.d;
+  DeviceBuffer<T> out(static_cast<std::size_t>(B * Sq * H * Dv));
+  DeviceBuffer<float> lse(static_cast<std::size_t>(B * Sq * H));
+  out.poison();
+  lse.poison();
+  kernel.forward(q.view(), k.view(), v.view(), TensorView<T, CudaSpace>::bshd(out.data(), B, Sq, H, Dv),
+                 TensorView<float, CudaSpace>::bshd(lse.data(), B, Sq, H, 1), p);
+  stream.sync();
+  return {out.download(), lse.download()};
+}
+
 /// How a case is run: the kernel's options.
 struct PathChoice {
   bool tensor_cores = true;
@@ -67,12 +88,13 @@ struct PathChoice {
   bool backward = true;
 };
 
-/// Whether the tensor-core kernels take (D, D_v) = (d, dv): prefill (forward and backward), or
-/// MLA decode (forward only).
+/// Whether the tensor-core kernels take (D, D_v) = (d, dv), as the kernel's doc comment lists
+/// them: prefill (forward and backward), or MLA decode (forward only); the MLA pairs only where
+/// they are compiled in (SEQPAR_CUDA_MLA_KERNELS).
 bool prefill_mma_dims(std::int64_t d, std::int64_t dv) {
-  return (d == 64 && dv == 64) || (d == 128 && dv == 128) || (d == 192 && dv == 128);
+  return (d == 64 && dv == 64) || (d == 128 && dv == 128) || (CudaFlashKernel::mla_kernels && d == 192 && dv == 128);
 }
-bool decode_mma_dims(std::int64_t d, std::int64_t dv) { return d == 576 && dv == 512; }
+bool decode_mma_dims(std::int64_t d, std::int64_t dv) { return CudaFlashKernel::mla_kernels && d == 576 && dv == 512; }
 
 /// Forward and backward of `c` in element type T through the path `how` selects, against the
 /// brute force: O within tolerance<T> (half 5e-3, bf16 2.5e-2, float 1e-5) and the LSE within
@@ -125,15 +147,9 @@ void check_case(const FeatureCase& c, PathChoice how = {}) {
   kernel.set_query_tile(how.query_tile);
   kernel.set_ldmatrix(how.ldmatrix);
   CHECK(kernel.forward_path<T>(q.view(), k.view(), v.view()) == fwd_path);
-  DeviceBuffer<T> out(static_cast<std::size_t>(B * Sq * H * Dv));
-  DeviceBuffer<float> lse(static_cast<std::size_t>(B * Sq * H));
-  out.poison();
-  lse.poison();
-  kernel.forward(q.view(), k.view(), v.view(), TensorView<T, CudaSpace>::bshd(out.data(), B, Sq, H, Dv),
-                 TensorView<float, CudaSpace>::bshd(lse.data(), B, Sq, H, 1), p);
-  stream.sync();
-  compare("O", out.download(), want.out, tolerance<T>, H * Dv);
-  compare("LSE", lse.download(), want.lse, 1e-5, H);
+  const ForwardResult got = run_forward(kernel, stream, q, k, v, p);
+  compare("O", got.out, want.out, tolerance<T>, H * Dv);
+  compare("LSE", got.lse, want.lse, 1e-5, H);
   if (!how.backward) return;
 
   std::vector<double> out_t = want.out;
@@ -186,9 +202,10 @@ TEST_CASE("CudaFlashKernel soft-caps the scores, forward and backward") {
 TEST_CASE("CudaFlashKernel with D_v != D: MLA prefill (192, 128) on tensor cores, any pair on SIMT") {
   check_all_types({"MLA prefill 192/128 causal", 1, 70, 70, 2, 1, 192, 128, 0.0, true});
   const FeatureCase mla{"MLA prefill 192/128", 1, 70, 70, 2, 2, 192, 128};
-  check_case<__half>(mla, {.query_tile = 128, .backward = false});  // two m-tiles per warp
-  check_case<__nv_bfloat16>(mla, {.ldmatrix = false, .backward = false});  // plain shared loads
-  check_case<__half>(mla, {.tensor_cores = false});                       // SIMT
+  // The 128-row tile and plain shared loads are options of (64, 64) and (128, 128) only: asked
+  // for at (192, 128), the tensor cores still run it (the one variant there).
+  check_case<__nv_bfloat16>(mla, {.query_tile = 128, .ldmatrix = false, .backward = false});
+  check_case<__half>(mla, {.tensor_cores = false});  // SIMT
   // Odd pairs: D past one 256-column chunk with a narrow D_v, and the reverse (two output slices).
   check_case<float>({"odd 270/20", 1, 40, 40, 2, 1, 270, 20, 0.0, true});
   check_case<__nv_bfloat16>({"odd 20/270", 1, 40, 40, 2, 1, 20, 270, 0.0, true});
@@ -223,20 +240,15 @@ void check_decode_head_share() {
   p.k_positions = PositionMap::run(Sk, 0);
   Stream stream;
   CudaFlashKernel kernel(stream);
-  CHECK(std::string(kernel.forward_path<T>(q.view(), k.view(), v.view())) == (tensor_core_device() ? "mma" : "simt"));
-  DeviceBuffer<T> out(static_cast<std::size_t>(B * Sq * H * Dv));
-  DeviceBuffer<float> lse(static_cast<std::size_t>(B * Sq * H));
-  out.poison();
-  lse.poison();
-  kernel.forward(q.view(), k.view(), v.view(), TensorView<T, CudaSpace>::bshd(out.data(), B, Sq, H, Dv),
-                 TensorView<float, CudaSpace>::bshd(lse.data(), B, Sq, H, 1), p);
-  stream.sync();
-  std::vector<double> want(out.size()), want_lse(lse.size());
+  CHECK(std::string(kernel.forward_path<T>(q.view(), k.view(), v.view())) ==
+        (tensor_core_device() && decode_mma_dims(D, Dv) ? "mma" : "simt"));
+  const ForwardResult got = run_forward(kernel, stream, q, k, v, p);
+  std::vector<double> want(got.out.size()), want_lse(got.lse.size());
   ReferenceKernel{}.forward(q.host_view(), k.host_view(), v.host_view(),
                             TensorView<double>::bshd(want.data(), B, Sq, H, Dv),
                             TensorView<double>::bshd(want_lse.data(), B, Sq, H, 1), p);
-  CHECK(rel_error(out.download(), want) <= tolerance<T>);
-  CHECK(rel_error(lse.download(), want_lse) <= 1e-5);
+  CHECK(rel_error(got.out, want) <= tolerance<T>);
+  CHECK(rel_error(got.lse, want_lse) <= 1e-5);
 }
 
 TEST_CASE("CudaFlashKernel MLA decode on part of the heads of each K/V head (a Ulysses rank's share)") {
@@ -253,7 +265,7 @@ TEST_CASE("CudaFlashKernel with D_v != D: a NaN or Inf reaches only the rows and
                             .kv_heads = 1, .dim = 192, .dim_v = 128, .softcap = 4.0, .causal = true,
                             .window = {63, -1}, .nan_v_key = 66, .inf_k_key = 100, .nan_q_row = 127};
   check_case<__half>(prefill);
-  check_case<__nv_bfloat16>(prefill, {.query_tile = 128});
+  check_case<__nv_bfloat16>(prefill);
   check_case<float>(prefill);
   // Decode: V[147] is seen by tokens 2-4 of batch element 0 only, K[149] by token 4; batch
   // element 1 sees neither (key padding).

@@ -11,14 +11,16 @@
 /// Which (D, D_v) pairs take the tensor cores (with or without a soft-cap): (64, 64),
 /// (128, 128) and (192, 128) (MLA prefill), forward and backward; (576, 512) (MLA decode),
 /// forward only, by a kernel of its own. Every other pair, D and D_v each up to max_head_dim,
-/// and the backward at (576, 512), take the SIMT path.
+/// and the backward at (576, 512), take the SIMT path. The two MLA pairs need
+/// SEQPAR_CUDA_MLA_KERNELS (on by default; without it they take SIMT too).
 ///
 /// Forward paths, chosen per call:
 /// - tensor cores (sm_80+, half/bf16, a (D, D_v) pair above, 16-byte aligned rows): 64 query
-///   rows x 64 keys per tile, four warps of 16 query rows (or, with set_query_tile(128), 128
-///   rows: two m-tiles per warp), mma.sync m16n8k16 for Q K^T and P V with P kept in
-///   registers, K/V fragments by ldmatrix, K/V tiles streamed into shared memory with cp.async
-///   (the V load overlaps Q K^T, the next K load overlaps softmax and P V);
+///   rows x 64 keys per tile, four warps of 16 query rows (or, with set_query_tile(128) at
+///   (64, 64) and (128, 128), 128 rows: two m-tiles per warp), mma.sync m16n8k16 for Q K^T
+///   and P V with P kept in registers, K/V fragments by ldmatrix, K/V tiles streamed into
+///   shared memory with cp.async (the V load overlaps Q K^T, the next K load overlaps softmax
+///   and P V);
 /// - tensor cores for MLA decode (sm_80+, half/bf16, (576, 512), the same alignment): the query
 ///   heads sharing a K/V head packed with the query rows into 32-row blocks, the warps
 ///   splitting the keys for S and the 512 output columns for P V
@@ -76,6 +78,15 @@
 #include "seqpar/kernel/local_attention_kernel.hpp"
 #include "seqpar/kernel/tile_math.hpp"
 
+/// 1 (the default): CudaFlashKernel compiles its tensor-core kernels for MLA's head dims,
+/// (D, D_v) = (192, 128) and (576, 512); 0: it leaves them out and runs those dims on SIMT,
+/// which saves a program that runs no MLA 6-9 s of nvcc CPU time per 16-bit element type and
+/// architecture (forward and backward, sm_90). A program must define it alike in all its
+/// translation units (per target).
+#ifndef SEQPAR_CUDA_MLA_KERNELS
+#define SEQPAR_CUDA_MLA_KERNELS 1
+#endif
+
 namespace seqpar {
 namespace cuda_detail {
 
@@ -132,6 +143,8 @@ class CudaFlashKernel {
   static constexpr bool supports_masks = true;        ///< windows, documents, key padding, row key ends
   static constexpr bool supports_softcap = true;      ///< logit soft-capping, forward and backward
   static constexpr bool supports_value_dim = true;    ///< D_v != D
+  /// Whether the MLA pairs (192, 128) and (576, 512) have tensor-core kernels (SEQPAR_CUDA_MLA_KERNELS).
+  static constexpr bool mla_kernels = SEQPAR_CUDA_MLA_KERNELS != 0;
 
   /// A kernel that launches on the legacy default stream (set_stream changes it).
   CudaFlashKernel() = default;
@@ -147,13 +160,15 @@ class CudaFlashKernel {
   /// Whether the tensor-core path may be used.
   bool tensor_cores() const { return tensor_cores_; }
   /// Tensor-core path: load K and V fragments with ldmatrix (default, faster) or with plain
-  /// shared loads (false; a cross-check of the ldmatrix layouts).
+  /// shared loads (false; a cross-check of the ldmatrix layouts, at (64, 64) and (128, 128):
+  /// the MLA kernels always use ldmatrix, as the layouts do not change with the dims).
   void set_ldmatrix(bool on) { ldmatrix_ = on; }
   /// Whether the tensor-core path uses ldmatrix.
   bool ldmatrix() const { return ldmatrix_; }
   /// Tensor-core path: query rows per block, 64 (default: one 16-row m-tile per warp, Q in
   /// registers) or 128 (two m-tiles per warp sharing every K and V fragment, Q in shared
-  /// memory: FlashAttention-2's H100 tile). tests/gpu/run.sh times both.
+  /// memory: FlashAttention-2's H100 tile). tests/gpu/run.sh times both. (192, 128) takes 64
+  /// rows either way: two m-tiles of its 128 output columns spill (ptxas, sm_90).
   void set_query_tile(int rows) {
     SEQPAR_CHECK(rows == 64 || rows == 128, ConfigError, "CudaFlashKernel::set_query_tile: expected 64 or 128, got ",
                  rows);
@@ -245,9 +260,9 @@ class CudaFlashKernel {
     return {q.batch(), q.seq(), q.heads(), v.dim()};
   }
 
-  /// Whether the tensor-core kernels have an instance for head dims (D, D_v).
+  /// Whether the prefill tensor-core kernels have an instance for head dims (D, D_v).
   static bool mma_dims(std::int64_t d, std::int64_t dv) {
-    return (d == 64 && dv == 64) || (d == 128 && dv == 128) || (d == 192 && dv == 128);
+    return (d == 64 && dv == 64) || (d == 128 && dv == 128) || (mla_kernels && d == 192 && dv == 128);
   }
 
   /// Whether a tensor-core kernel may run on these tensors at all: 16-bit elements, tensor
@@ -276,7 +291,8 @@ class CudaFlashKernel {
   template <class T>
   bool uses_decode_mma(const TensorView<const T, CudaSpace>& q, const TensorView<const T, CudaSpace>& k,
                        const TensorView<const T, CudaSpace>& v) const {
-    return q.dim() == cuda_detail::decode_dim && v.dim() == cuda_detail::decode_dim_v && tensor_core_ready(q, k, v);
+    return mla_kernels && q.dim() == cuda_detail::decode_dim && v.dim() == cuda_detail::decode_dim_v &&
+           tensor_core_ready(q, k, v);
   }
 
   template <class T>
@@ -298,18 +314,18 @@ class CudaFlashKernel {
     return cached_major_;
   }
 
-  template <class T, class O, int D, int DV>
+  /// The prefill forward at (D, D) in the variant set_query_tile and set_ldmatrix chose.
+  template <class T, class O, int D>
   void launch_mma(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
     if (query_tile_ == 128)
-      launch_mma_tiles<T, O, D, DV, 2>(a, q);
+      ldmatrix_ ? launch_mma_tiles<T, O, D, D, true, 2>(a, q) : launch_mma_tiles<T, O, D, D, false, 2>(a, q);
     else
-      launch_mma_tiles<T, O, D, DV, 1>(a, q);
+      ldmatrix_ ? launch_mma_tiles<T, O, D, D, true, 1>(a, q) : launch_mma_tiles<T, O, D, D, false, 1>(a, q);
   }
 
-  template <class T, class O, int D, int DV, int MT>
+  template <class T, class O, int D, int DV, bool ldsm, int MT>
   void launch_mma_tiles(const cuda_detail::FwdArgs<T, O>& a, const TensorView<const T, CudaSpace>& q) const {
-    auto* kernel = ldmatrix_ ? cuda_detail::flash_fwd_mma<T, O, D, DV, true, MT>
-                             : cuda_detail::flash_fwd_mma<T, O, D, DV, false, MT>;
+    auto* kernel = cuda_detail::flash_fwd_mma<T, O, D, DV, ldsm, MT>;
     constexpr std::size_t smem = cuda_detail::mma_fwd_smem<T, D, DV, MT>();
     cuda_detail::allow_smem(kernel, smem);
     cuda_detail::launch(kernel, grid_of(q, cuda_detail::mma_block_rows<MT>), cuda_detail::mma_threads, smem, stream_, a);
@@ -397,14 +413,15 @@ void CudaFlashKernel::forward(TensorView<const T, CudaSpace> q, TensorView<const
   if constexpr (!std::is_same_v<T, float>) {
     if (uses_mma(q, k, v)) {
       if (q.dim() == 64)
-        launch_mma<T, O, 64, 64>(a, q);
+        launch_mma<T, O, 64>(a, q);
       else if (q.dim() == 128)
-        launch_mma<T, O, 128, 128>(a, q);
-      else
-        launch_mma<T, O, 192, 128>(a, q);
+        launch_mma<T, O, 128>(a, q);
+      else if constexpr (mla_kernels)
+        launch_mma_tiles<T, O, 192, 128, true, 1>(a, q);
       return;
     }
-    if (uses_decode_mma(q, k, v)) return launch_decode_mma(a, q, k, p);
+    if constexpr (mla_kernels)
+      if (uses_decode_mma(q, k, v)) return launch_decode_mma(a, q, k, p);
   }
   switch (cuda_detail::simt_columns_per_lane(a.dim_v)) {
     case 2: return launch_simt<T, O, 2>(a, q);
@@ -441,7 +458,7 @@ void CudaFlashKernel::backward(TensorView<const T, CudaSpace> dout, TensorView<c
         launch_bwd_mma<T, 64, 64>(a, k, q);
       else if (q.dim() == 128)
         launch_bwd_mma<T, 128, 128>(a, k, q);
-      else
+      else if constexpr (mla_kernels)
         launch_bwd_mma<T, 192, 128>(a, k, q);
       return;
     }
