@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "seqpar/kernel/cuda/flash_args.cuh"
 #include "seqpar/kernel/cuda/flash_mask.cuh"
@@ -306,22 +307,20 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
     i0 = i1;
   }
 
+  // This warp's keys of the dK or dV accumulators `acc`, times `f`, added to `g`.
+  auto add_keys = [&](const auto& acc, const DeviceView<float>& g, float f) {
+    constexpr int tiles = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>>);
 #pragma unroll
-  for (int n = 0; n < nt_d; ++n)
+    for (int n = 0; n < tiles; ++n)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const tile::FragCoord c = tile::mma_c_coord(lane, i);
-      const int kr = key0 + c.row;
-      if (kr < nk) atomicAdd(a.dk.row(b, j0 + kr, kh) + n * 8 + c.col, dk[n][i] * a.scale);
-    }
-#pragma unroll
-  for (int n = 0; n < nt_v; ++n)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const tile::FragCoord c = tile::mma_c_coord(lane, i);
-      const int kr = key0 + c.row;
-      if (kr < nk) atomicAdd(a.dv.row(b, j0 + kr, kh) + n * 8 + c.col, dv[n][i]);
-    }
+      for (int i = 0; i < 4; ++i) {
+        const tile::FragCoord c = tile::mma_c_coord(lane, i);
+        const int kr = key0 + c.row;
+        if (kr < nk) atomicAdd(g.row(b, j0 + kr, kh) + n * 8 + c.col, acc[n][i] * f);
+      }
+  };
+  add_keys(dk, a.dk, a.scale);
+  add_keys(dv, a.dv, 1.0f);
 }
 
 }  // namespace cuda_detail
