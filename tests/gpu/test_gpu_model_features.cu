@@ -106,8 +106,8 @@ bool decode_mma_dims(std::int64_t d, std::int64_t dv) { return CudaFlashKernel::
 template <class T>
 void check_case(const FeatureCase& c, PathChoice how = {}) {
   const bool tc = how.tensor_cores && !std::is_same_v<T, float> && tensor_core_device();
-  const std::string name = c.name, type = type_name<T>(),
-                    fwd_path = tc && (prefill_mma_dims(c.dim, c.dim_v) || decode_mma_dims(c.dim, c.dim_v)) ? "mma" : "simt",
+  const bool fwd_mma = tc && (prefill_mma_dims(c.dim, c.dim_v) || decode_mma_dims(c.dim, c.dim_v));
+  const std::string name = c.name, type = type_name<T>(), fwd_path = fwd_mma ? "mma" : "simt",
                     bwd_path = tc && prefill_mma_dims(c.dim, c.dim_v) ? "mma" : "simt";
   CAPTURE(name);
   CAPTURE(type);
@@ -343,8 +343,7 @@ TEST_CASE("TensorOps<CudaSpace>::sink_grads matches TensorOps<HostSpace>, overwr
   DeviceBuffer<float> d_sinks(static_cast<std::size_t>(H));
   auto run = [&] {
     d_sinks.poison();  // NaN: every entry must be overwritten
-    ops.sink_grads(dout.view(), out.view(), l.view(), sinks.dev.data(),
-                   d_sinks.data());
+    ops.sink_grads(dout.view(), out.view(), l.view(), sinks.dev.data(), d_sinks.data());
     stream.sync();
     return d_sinks.download();
   };
@@ -356,7 +355,8 @@ TEST_CASE("TensorOps<CudaSpace>::sink_grads matches TensorOps<HostSpace>, overwr
     gh[i] = from_double<__nv_bfloat16>(dout.host[i]);
     oh[i] = from_double<__nv_bfloat16>(out.host[i]);
   }
-  std::vector<float> lf(lh.begin(), lh.end()), sf(sinks.host.begin(), sinks.host.end()), want(static_cast<std::size_t>(H));
+  std::vector<float> lf(lh.begin(), lh.end()), sf(sinks.host.begin(), sinks.host.end());
+  std::vector<float> want(static_cast<std::size_t>(H));
   TensorOps<HostSpace>::sink_grads(TensorView<const __nv_bfloat16>::bshd(gh.data(), B, S, H, D),
                                    TensorView<const __nv_bfloat16>::bshd(oh.data(), B, S, H, D),
                                    TensorView<const float>::bshd(lf.data(), B, S, H, 1), sf.data(), want.data());

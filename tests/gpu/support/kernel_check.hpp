@@ -50,8 +50,13 @@ struct Tensor {
         for (std::int64_t i = 0; i < d; ++i) host[((bb * s + j) * h + hh) * d + i] = value;
     upload();
   }
-  TensorView<const T, CudaSpace> view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
-  TensorView<T, CudaSpace> mut_view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
+  /// The device copy, read-only.
+  TensorView<const T, CudaSpace> view() const { return mut_view(); }
+  /// The device copy.
+  TensorView<T, CudaSpace> mut_view() const {
+    return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}};
+  }
+  /// The host values.
   TensorView<const double> host_view() const { return TensorView<const double>::bshd(host.data(), b, s, h, d); }
   /// The device values, contiguous BSHD.
   std::vector<double> values() const {

@@ -2,9 +2,10 @@
 /// \file
 /// What every CudaFlashKernel device kernel shares: the argument blocks FwdArgs and BwdArgs
 /// (the whole of what a kernel reads besides shared memory, passed by value at launch), the
-/// score map (scale and soft-cap), the warp reductions, and backward_row_stats (the per-query-row D_i and LSE that both backward
-/// kernels stage). Split out of kernel/cuda/flash_kernel.cuh so that the SIMT and tensor-core
-/// kernels (kernel/cuda/flash_simt.cuh, kernel/cuda/flash_tensor_core_forward.cuh,
+/// score map (scale and soft-cap), the warp reductions, and backward_row_stats (the
+/// per-query-row D_i and LSE that both backward kernels stage). Split out of
+/// kernel/cuda/flash_kernel.cuh so that the SIMT and tensor-core kernels
+/// (kernel/cuda/flash_simt.cuh, kernel/cuda/flash_tensor_core_forward.cuh,
 /// kernel/cuda/flash_tensor_core_backward.cuh) depend on one small header rather than on each
 /// other. Include kernel/cuda/flash_kernel.cuh to use the kernel.
 

@@ -1,10 +1,11 @@
 #pragma once
 /// \file
 /// The SIMT kernels of CudaFlashKernel: flash_fwd_simt and flash_bwd_simt, for every element
-/// type (__half, __nv_bfloat16, float), any D and D_v and any strides, float in shared
-/// memory, with or without a soft-cap. They are the path every call can take; the host class (kernel/cuda/flash_kernel.cuh)
-/// picks them whenever the tensor-core kernels do not apply. Kept apart from the tensor-core
-/// kernels because they share nothing with them but kernel/cuda/flash_args.cuh.
+/// type (__half, __nv_bfloat16, float), any D and D_v and any strides, float in shared memory,
+/// with or without a soft-cap. They are the path every call can take; the host class
+/// (kernel/cuda/flash_kernel.cuh) picks them whenever the tensor-core kernels do not apply.
+/// Kept apart from the tensor-core kernels because they share nothing with them but
+/// kernel/cuda/flash_args.cuh.
 
 #include <cuda_runtime.h>
 

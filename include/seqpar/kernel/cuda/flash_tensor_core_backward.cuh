@@ -174,10 +174,11 @@ __device__ __forceinline__ void clear_rows_missing_keys(T* sQ, T* sG, const KeyS
   __syncthreads();
 }
 
-/// The tensor-core backward, D columns of Q, K, dQ, dK and DV of V, dO, dV. Per query tile (on a cut one, after clear_rows_missing_keys),
-/// warp w (keys 16w .. 16w + 15):
+/// The tensor-core backward, D columns of Q, K, dQ, dK and DV of V, dO, dV. Per query tile
+/// (on a cut one, after clear_rows_missing_keys), warp w (keys 16w .. 16w + 15):
 ///   S^T = K Q^T and dP^T = V dO^T (mma, B operands by ldmatrix exactly as K^T in the forward);
-///   P^T = exp2(S^T scale log2e - LSE), dS^T = P^T (dP^T - D) on the accumulators;
+///   P^T = exp2(S^T scale log2e - LSE), dS^T = P^T (dP^T - D) on the accumulators (with a
+///   soft-cap, the score map's capped scores, and dS^T times 1 - (s / c)^2);
 ///   dV += P^T dO and dK += dS^T Q, with P^T and dS^T fed back as A operands from registers;
 ///   dS^T goes to shared memory as dS, and after one barrier each warp adds its share of
 ///   dQ = scale dS K into global memory (float atomics: other key blocks add to the same rows),
@@ -259,21 +260,18 @@ __global__ void __launch_bounds__(mma_threads) flash_bwd_mma(BwdArgs<T> a) {
     for (int nt = 0; nt < nt_q; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.0f;
+    // acc += k-chunk kc of (this warp's keys of `keys`) (the query tile's rows of `rows`)^T, both
+    // of row stride `st` (off: the B operand's ldmatrix offset): S^T from K, Q and dP^T from V, dO.
+    auto add_chunk = [&](float(&acc)[nt_q][4], const T* keys, const T* rows, int st, int off, int kc) {
+      std::uint32_t ka[4];
+      ldmatrix_x4<false>(ka, keys + key0 * st + kc * 16 + tile::ldmatrix_a_offset(lane, st));
+#pragma unroll
+      for (int nt = 0; nt < nt_q; nt += 2) mma_x2<false>(acc[nt], acc[nt + 1], ka, rows + nt * 8 * st + kc * 16 + off);
+    };
 #pragma unroll
     for (int kc = 0; kc < (D > DV ? D : DV) / 16; ++kc) {
-      if (kc < D / 16) {
-        std::uint32_t ka[4];
-        ldmatrix_x4<false>(ka, sK + key0 * stride + kc * 16 + tile::ldmatrix_a_offset(lane, stride));
-#pragma unroll
-        for (int nt = 0; nt < nt_q; nt += 2) mma_x2<false>(s[nt], s[nt + 1], ka, sQ + nt * 8 * stride + kc * 16 + off_b);
-      }
-      if (kc < DV / 16) {
-        std::uint32_t va[4];
-        ldmatrix_x4<false>(va, sV + key0 * stride_v + kc * 16 + tile::ldmatrix_a_offset(lane, stride_v));
-#pragma unroll
-        for (int nt = 0; nt < nt_q; nt += 2)
-          mma_x2<false>(dp[nt], dp[nt + 1], va, sG + nt * 8 * stride_v + kc * 16 + off_bv);
-      }
+      if (kc < D / 16) add_chunk(s, sK, sQ, stride, off_b, kc);
+      if (kc < DV / 16) add_chunk(dp, sV, sG, stride_v, off_bv, kc);
     }
     const bool cut = mask == TileClass::cut;
     if (cut)

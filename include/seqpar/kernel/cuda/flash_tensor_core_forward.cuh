@@ -118,12 +118,13 @@ __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4],
   }
 }
 
-/// The tensor-core forward, D columns of Q and K, DV of V and O. `ldsm`: K, V (and Q) fragments come from ldmatrix (four registers
-/// per instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant,
-/// kept as a cross-check and fallback). MT m-tiles of 16 query rows per warp: MT = 1 keeps Q
-/// in registers (64-row blocks, no dynamic shared memory); MT = 2 is FlashAttention-2's tile
-/// for H100 (128-row blocks): each K and V fragment feeds two m-tiles, halving shared-memory
-/// traffic per FLOP, and Q stays in shared memory to leave registers to the two accumulators.
+/// The tensor-core forward, D columns of Q and K, DV of V and O. `ldsm`: K, V (and Q) fragments
+/// come from ldmatrix (four registers per instruction); otherwise from 32- and 16-bit shared
+/// loads (the simpler, slower variant, kept as a cross-check and fallback). MT m-tiles of 16
+/// query rows per warp: MT = 1 keeps Q in registers (64-row blocks, no dynamic shared memory);
+/// MT = 2 is FlashAttention-2's tile for H100 (128-row blocks): each K and V fragment feeds two
+/// m-tiles, halving shared-memory traffic per FLOP, and Q stays in shared memory to leave
+/// registers to the two accumulators.
 template <class T, class O, int D, int DV, bool ldsm, int MT>
 __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   static_assert(MT == 1 || MT == 2, "flash_fwd_mma: one or two m-tiles per warp");
