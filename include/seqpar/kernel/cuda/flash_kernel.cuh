@@ -80,8 +80,8 @@
 
 /// 1 (the default): CudaFlashKernel compiles its tensor-core kernels for MLA's head dims,
 /// (D, D_v) = (192, 128) and (576, 512); 0: it leaves them out and runs those dims on SIMT,
-/// which saves a program that runs no MLA 6-9 s of nvcc CPU time per 16-bit element type and
-/// architecture (forward and backward, sm_90). A program must define it alike in all its
+/// which saves a program that runs no MLA about 12 s of nvcc CPU time per 16-bit element type
+/// and architecture (forward and backward, sm_90). A program must define it alike in all its
 /// translation units (per target).
 #ifndef SEQPAR_CUDA_MLA_KERNELS
 #define SEQPAR_CUDA_MLA_KERNELS 1
