@@ -13,79 +13,12 @@
 #include <vector>
 
 #include "support/gpu_check.hpp"
+#include "support/kernel_check.hpp"
 
 using namespace seqpar;
 using namespace seqpar::gpu_test;
 
 namespace {
-
-/// A logical [B, S, H, D] tensor: host values (rounded to T) and a device copy whose head
-/// stride is padded by `pad` elements (pad % 8 == 0 keeps rows 16-byte aligned; other pads
-/// force the SIMT path).
-template <class T>
-struct Tensor {
-  std::int64_t b, s, h, d, pad;
-  std::vector<double> host;  // contiguous BSHD
-  DeviceBuffer<T> dev;
-
-  Tensor(std::int64_t b_, std::int64_t s_, std::int64_t h_, std::int64_t d_, std::int64_t pad_, std::mt19937_64& rng,
-         double lo = -1.0, double hi = 1.0)
-      : b(b_), s(s_), h(h_), d(d_), pad(pad_), host(static_cast<std::size_t>(b_ * s_ * h_ * d_)),
-        dev(static_cast<std::size_t>(b_ * s_ * h_ * (d_ + pad_))) {
-    std::uniform_real_distribution<double> u(lo, hi);
-    for (auto& x : host) x = to_double(from_double<T>(u(rng)));
-    upload();
-  }
-  /// Copies the host values to the device.
-  void upload() {
-    std::vector<double> padded(dev.size(), 0.0);
-    for (std::int64_t r = 0; r < b * s * h; ++r)
-      for (std::int64_t i = 0; i < d; ++i) padded[r * (d + pad) + i] = host[r * d + i];
-    dev.upload(padded);
-  }
-  /// Sets every element of token `j` (all batches and heads) to `value`, here and on the device.
-  void set_token(std::int64_t j, double value) {
-    for (std::int64_t bb = 0; bb < b; ++bb)
-      for (std::int64_t hh = 0; hh < h; ++hh)
-        for (std::int64_t i = 0; i < d; ++i) host[((bb * s + j) * h + hh) * d + i] = value;
-    upload();
-  }
-  TensorView<const T, CudaSpace> view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
-  TensorView<T, CudaSpace> mut_view() const { return {dev.data(), {b, s, h, d}, {s * h * (d + pad), h * (d + pad), d + pad, 1}}; }
-  TensorView<const double> host_view() const { return TensorView<const double>::bshd(host.data(), b, s, h, d); }
-  /// The device values, contiguous BSHD.
-  std::vector<double> values() const {
-    const std::vector<double> padded = dev.download();
-    std::vector<double> out(host.size());
-    for (std::int64_t r = 0; r < b * s * h; ++r)
-      for (std::int64_t i = 0; i < d; ++i) out[r * d + i] = padded[r * (d + pad) + i];
-    return out;
-  }
-};
-
-/// max |a - b| / max |b|; infinite on NaN; -inf entries must match exactly.
-double rel_error(const std::vector<double>& got, const std::vector<double>& want) {
-  REQUIRE(got.size() == want.size());
-  double err = 0, ref = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(got[i])) return std::numeric_limits<double>::infinity();
-    if (std::isinf(want[i])) {
-      if (got[i] != want[i]) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    err = std::max(err, std::abs(got[i] - want[i]));
-    ref = std::max(ref, std::abs(want[i]));
-  }
-  return ref > 0 ? err / ref : err;
-}
-
-/// Whether the current device has the tensor-core paths (sm_80 and later).
-bool tensor_core_device() {
-  int dev = 0, major = 0;
-  SEQPAR_CUDA_CHECK(cudaGetDevice(&dev));
-  SEQPAR_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return major >= 8;
-}
 
 /// Shapes of a kernel check.
 struct KernelCase {
@@ -316,41 +249,6 @@ std::string poison_case(const char* type, const char* path, int layout, std::int
          (poison.in_v ? " V[" : " K[") + std::to_string(poison.key()) + "] = " + (std::isnan(poison.value) ? "NaN" : "Inf");
 }
 
-/// Poisoned results against the reference on the same poisoned inputs: where the reference is
-/// finite, `got` is finite, within `tol` (normwise over those entries) and, given `clean` (the
-/// same kernel on unpoisoned inputs), equal to it; where the reference is NaN, `got` is NaN;
-/// where it is infinite, `got` is NaN or infinite (an Inf times a rescale that underflowed to 0
-/// is NaN). `row_len` elements make a row, for the messages. Returns the reference's finite count.
-std::size_t check_poisoned(const char* what, const std::vector<double>& got, const std::vector<double>& want,
-                           double tol, const std::vector<double>* clean, std::int64_t row_len) {
-  REQUIRE(got.size() == want.size());
-  std::size_t finite = 0, leaked = 0, lost = 0, changed = 0;
-  std::int64_t first_leak = -1, first_lost = -1;
-  double err = 0, ref = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const auto row = static_cast<std::int64_t>(i) / row_len;
-    if (std::isfinite(want[i])) {
-      ++finite;
-      if (!std::isfinite(got[i])) {
-        if (leaked++ == 0) first_leak = row;
-        continue;
-      }
-      err = std::max(err, std::abs(got[i] - want[i]));
-      ref = std::max(ref, std::abs(want[i]));
-      if (clean && got[i] != (*clean)[i]) ++changed;
-    } else if (std::isnan(want[i]) ? !std::isnan(got[i]) : std::isfinite(got[i])) {
-      if (lost++ == 0) first_lost = row;
-    }
-  }
-  INFO(std::string(what) << ": " << finite << " finite of " << got.size() << ", first leaked row " << first_leak
-            << ", first row that lost its NaN/Inf " << first_lost);
-  CHECK(leaked == 0);
-  CHECK(lost == 0);
-  CHECK((ref > 0 ? err / ref : err) <= tol);
-  CHECK(changed == 0);
-  return finite;
-}
-
 /// The forward on poisoned inputs: rows that cannot see the poisoned key equal the same kernel
 /// on clean inputs bit for bit and the reference within the usual tolerance, O and LSE; rows
 /// that see it are NaN (or Inf) as the reference's.
@@ -537,10 +435,10 @@ TEST_CASE("CudaFlashKernel backward: a NaN or Inf at a hidden key reaches only t
   poison_backward_suite<__nv_bfloat16>(64, false, "simt");
 }
 
-TEST_CASE("CudaFlashKernel rejects head dims above 256 and mismatched shapes") {
+TEST_CASE("CudaFlashKernel rejects head dims above max_head_dim and mismatched shapes") {
   CudaFlashKernel kernel;
-  CHECK_THROWS_AS(kernel.prepare(257), ConfigError);
-  CHECK_NOTHROW(kernel.prepare(256));
+  CHECK_THROWS_AS(kernel.prepare(CudaFlashKernel::max_head_dim + 1), ConfigError);
+  CHECK_NOTHROW(kernel.prepare(CudaFlashKernel::max_head_dim));
   std::mt19937_64 rng(1);
   Tensor<float> q(1, 4, 2, 16, 0, rng), k(1, 5, 2, 16, 0, rng), v(1, 6, 2, 16, 0, rng);
   DeviceBuffer<float> out(q.host.size());

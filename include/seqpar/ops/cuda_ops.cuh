@@ -1,9 +1,10 @@
 #pragma once
 /// \file
 /// TensorOps<CudaSpace>: the operations the policies run between kernel calls (strided copy
-/// with type conversion for all-to-all packing, accumulate, fill, and the float32 LSE merge of
-/// ring partial results), as CUDA kernels on a caller-given stream. The merge runs the same
-/// merge_row as the host (kernel/merge_state.hpp).
+/// with type conversion for all-to-all packing, accumulate, fill, the float32 LSE merge of
+/// ring partial results, and the attention sinks: joining them to the merged rows and their
+/// gradient), as CUDA kernels on a caller-given stream. The merge and the sinks run the same
+/// row rules as the host, merge_row, join_sink and sink_grad_row (kernel/merge_state.hpp).
 
 #include <cuda_runtime.h>
 
@@ -133,6 +134,57 @@ __global__ void merge_kernel(DeviceView<A> o1, DeviceView<A> l1, DeviceView<cons
   }
 }
 
+/// join_sink per row, one warp per row, as merge_kernel: every lane joins the sink to its
+/// columns with the row's old LSE, then lane 0 writes the new LSE.
+template <class O, class A>
+__global__ void join_sinks_kernel(DeviceView<O> o, DeviceView<A> l, const float* sinks, std::int64_t rows) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; row < rows;
+       row += warps) {
+    const RowCoord r = unflatten_row(row, o);
+    const A la = *l.row(r.b, r.s, r.h), sink = static_cast<A>(sinks[r.h]);
+    O* out = o.row(r.b, r.s, r.h);
+    for (std::int64_t d = lane; d < o.dim; d += 32) {
+      A lc = la;
+      join_sink(out + d, lc, sink, 1);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      A lc = la;
+      join_sink<A, O>(nullptr, lc, sink, 0);
+      *l.row(r.b, r.s, r.h) = lc;
+    }
+  }
+}
+
+/// Threads per block of sink_grads_kernel (a power of two: the reduction halves it).
+inline constexpr int sink_grad_threads = 256;
+
+/// d_sinks[h] for head h = blockIdx.x: thread t sums sink_grad_row over rows t, t + 256, ...
+/// of the head (b major, s minor), then the block adds the 256 partial sums pairwise in a fixed
+/// order. No atomics, so the same inputs give the same bits on every run.
+template <class T, class A>
+__global__ void __launch_bounds__(sink_grad_threads)
+    sink_grads_kernel(DeviceView<const T> dout, DeviceView<const T> out, DeviceView<const A> l, const float* sinks,
+                      float* d_sinks, std::int64_t batch) {
+  __shared__ A part[sink_grad_threads];
+  const std::int64_t h = blockIdx.x, rows = batch * out.seq;
+  const A sink = static_cast<A>(sinks[h]);
+  A sum = 0;
+  for (std::int64_t r = threadIdx.x; r < rows; r += sink_grad_threads) {
+    const std::int64_t b = r / out.seq, s = r - b * out.seq;
+    sum += sink_grad_row(dout.row(b, s, h), out.row(b, s, h), *l.row(b, s, h), sink, out.dim);
+  }
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = sink_grad_threads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) d_sinks[h] = static_cast<float>(part[0]);
+}
+
 /// Blocks for a grid-stride launch over `work` items: enough to fill the GPU, capped so the
 /// launch stays cheap.
 inline unsigned grid_for(std::int64_t work, int threads) {
@@ -145,6 +197,14 @@ void check_same_extents(const TensorView<S, CudaSpace>& src, const TensorView<D,
   for (int i = 0; i < 4; ++i)
     SEQPAR_CHECK(src.extent[i] == dst.extent[i], ConfigError, "TensorOps<CudaSpace>::", what, ": extent[", i,
                  "] of dst: expected ", src.extent[i], " (as src), got ", dst.extent[i]);
+}
+
+/// Checks that the LSE view `l` has a row for every row of `o` ([B, S, H] alike).
+template <class O, class A>
+void check_rows(const TensorView<O, CudaSpace>& o, const TensorView<A, CudaSpace>& l, const char* what) {
+  for (int i = 0; i < 3; ++i)
+    SEQPAR_CHECK(l.extent[i] == o.extent[i], ConfigError, "TensorOps<CudaSpace>::", what, ": extent[", i,
+                 "] of the LSE: expected ", o.extent[i], " (as the output), got ", l.extent[i]);
 }
 
 }  // namespace cuda_detail
@@ -190,6 +250,32 @@ struct TensorOps<CudaSpace> {
     cuda_detail::launch(cuda_detail::merge_kernel<A, P>, cuda_detail::grid_for(rows * 32, threads), threads, 0, stream_,
                         cuda_detail::device_view(o1), cuda_detail::device_view(l1), cuda_detail::device_view(o2),
                         cuda_detail::device_view(l2), rows);
+  }
+  /// Joins head h's sink, sinks[h] (h counted from the view's first head), to every row of
+  /// (o, l) with join_sink, as TensorOps<HostSpace>::join_sinks. `sinks` is in device memory.
+  template <class O, class A>
+  void join_sinks(TensorView<O, CudaSpace> o, TensorView<A, CudaSpace> l, const float* sinks) const {
+    cuda_detail::check_rows(o, l, "join_sinks");
+    const std::int64_t rows = o.batch() * o.seq() * o.heads();
+    if (rows == 0) return;
+    constexpr int threads = 256;
+    cuda_detail::launch(cuda_detail::join_sinks_kernel<O, A>, cuda_detail::grid_for(rows * 32, threads), threads, 0,
+                        stream_, cuda_detail::device_view(o), cuda_detail::device_view(l), sinks, rows);
+  }
+  /// d_sinks[h] = the sum over every row of head h of sink_grad_row (overwrites; h counted
+  /// from the views' first head), as TensorOps<HostSpace>::sink_grads: a reduction in a fixed
+  /// order, the same bits on every run. `sinks` and `d_sinks` are in device memory.
+  template <class T, class A>
+  void sink_grads(TensorView<const T, CudaSpace> dout, TensorView<const T, CudaSpace> out,
+                  TensorView<const A, CudaSpace> l, const float* sinks, float* d_sinks) const {
+    cuda_detail::check_same_extents(out, dout, "sink_grads");
+    cuda_detail::check_rows(out, l, "sink_grads");
+    if (out.heads() == 0) return;
+    SEQPAR_CHECK(out.heads() <= 0x7fffffff, ConfigError, "TensorOps<CudaSpace>::sink_grads: heads: expected <= ",
+                 0x7fffffff, ", got ", out.heads());
+    cuda_detail::launch(cuda_detail::sink_grads_kernel<T, A>, static_cast<unsigned>(out.heads()),
+                        cuda_detail::sink_grad_threads, 0, stream_, cuda_detail::device_view(dout),
+                        cuda_detail::device_view(out), cuda_detail::device_view(l), sinks, d_sinks, out.batch());
   }
   /// Copies `bytes` of device memory at `src` to host memory at `dst` after everything enqueued
   /// on stream() so far, and waits for them: a host synchronisation with the stream, meant for

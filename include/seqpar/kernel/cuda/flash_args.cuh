@@ -2,14 +2,16 @@
 /// \file
 /// What every CudaFlashKernel device kernel shares: the argument blocks FwdArgs and BwdArgs
 /// (the whole of what a kernel reads besides shared memory, passed by value at launch), the
-/// warp reductions, and backward_row_stats (the per-query-row D_i and LSE that both backward
-/// kernels stage). Split out of kernel/cuda/flash_kernel.cuh so that the SIMT and tensor-core
-/// kernels (kernel/cuda/flash_simt.cuh, kernel/cuda/flash_tensor_core_forward.cuh,
+/// score map (scale and soft-cap), the warp reductions, and backward_row_stats (the
+/// per-query-row D_i and LSE that both backward kernels stage). Split out of
+/// kernel/cuda/flash_kernel.cuh so that the SIMT and tensor-core kernels
+/// (kernel/cuda/flash_simt.cuh, kernel/cuda/flash_tensor_core_forward.cuh,
 /// kernel/cuda/flash_tensor_core_backward.cuh) depend on one small header rather than on each
 /// other. Include kernel/cuda/flash_kernel.cuh to use the kernel.
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -22,6 +24,38 @@
 namespace seqpar {
 namespace cuda_detail {
 
+/// How a kernel turns a dot product q.k into the score its softmax takes, in log2 units (the
+/// kernels exponentiate with exp2): dot * scale * log2(e), or with a soft-cap c (Gemma 2's
+/// logit soft-capping), c log2(e) tanh(dot * scale / c). Both are one multiply of the dot
+/// product, `mul`, and `finish` of the product, so a kernel may fold `mul` into Q as it loads it.
+struct ScoreMap {
+  float mul = 0.0f;       ///< multiplies the dot product: scale log2(e), or scale / c with a cap
+  float cap_log2 = 0.0f;  ///< c log2(e); 0: no cap
+
+  /// The map of softmax scale `scale` and soft-cap `softcap` (0: none), host side.
+  static ScoreMap from(double scale, double softcap) {
+    if (softcap > 0)
+      return {static_cast<float>(scale / softcap), static_cast<float>(softcap) * tile::log2e};
+    return {static_cast<float>(scale) * tile::log2e, 0.0f};
+  }
+  /// Whether a cap applies.
+  SEQPAR_HOST_DEVICE bool capped() const { return cap_log2 > 0.0f; }
+  /// The score (log2 units) of x = dot * mul.
+  SEQPAR_HOST_DEVICE float finish(float x) const { return capped() ? cap_log2 * tanhf(x) : x; }
+  /// The score (log2 units) of x = dot * mul, and in `ds_factor` what the cap contributes to
+  /// dS = dL / d(scaled dot): 1 - tanh(x)^2, which is 1 - (s / c)^2 of the capped score s
+  /// (1 without a cap).
+  SEQPAR_HOST_DEVICE float finish(float x, float& ds_factor) const {
+    if (!capped()) {
+      ds_factor = 1.0f;
+      return x;
+    }
+    const float t = tanhf(x);
+    ds_factor = 1.0f - t * t;
+    return cap_log2 * t;
+  }
+};
+
 /// Everything a forward kernel reads besides shared memory.
 template <class T, class O>
 struct FwdArgs {
@@ -29,8 +63,8 @@ struct FwdArgs {
   DeviceView<O> out;
   DeviceView<float> lse;  // data == nullptr: not written
   std::int64_t sq, sk;
-  int dim;
-  float scale_log2;  // softmax scale * log2(e)
+  int dim, dim_v;    // D of Q and K; D_v of V and O
+  ScoreMap score;    // scale and soft-cap
   MaskView mask;     // causal merged in; tables in device memory (DeviceMaskTables)
   PositionMap qpos, kpos;  // query diagonals, key positions (KernelParams)
   tile::HeadMap heads;
@@ -43,9 +77,9 @@ struct BwdArgs {
   DeviceView<const float> lse;
   DeviceView<float> dq, dk, dv;
   std::int64_t sq, sk;
-  int dim;
-  float scale;       // softmax scale
-  float scale_log2;  // scale * log2(e)
+  int dim, dim_v;    // D of Q, K, dQ, dK; D_v of V, O, dO, dV
+  float scale;       // softmax scale (dQ and dK are scale dS K and scale dS^T Q)
+  ScoreMap score;    // scale and soft-cap of the forward's scores
   MaskView mask;     // causal merged in; tables in device memory (DeviceMaskTables)
   PositionMap qpos, kpos;  // query diagonals, key positions (KernelParams)
   tile::HeadMap heads;
@@ -84,7 +118,7 @@ __device__ __forceinline__ void backward_row_stats(const BwdArgs<T>& a, std::int
     if (r < nq) {
       const T* orow = a.out.row(b, i0 + r, h);
       const T* grow = a.dout.row(b, i0 + r, h);
-      for (int d = lane; d < a.dim; d += 32) acc += to_float(orow[d]) * to_float(grow[d]);
+      for (int d = lane; d < a.dim_v; d += 32) acc += to_float(orow[d]) * to_float(grow[d]);
     }
     acc = warp_sum(acc);
     if (lane == 0) {

@@ -16,7 +16,8 @@
 /// `forward<T, T>`; for half and bf16 also `forward<T, float>` (ring steps write partial outputs
 /// in float, to merge them); `backward<T>` once it calls backward. An instance declared extern
 /// and defined nowhere is a link error that names it. examples/cuda (flash_instances.cu) and
-/// tests/gpu (support/kernel_instances.hpp) do this.
+/// tests/gpu (support/kernel_instances.hpp) do this. The instances carry the MLA kernels unless
+/// SEQPAR_CUDA_MLA_KERNELS is 0, which must then hold in every file of the program alike.
 
 #include "seqpar/kernel/cuda/flash_kernel.cuh"
 

@@ -1,7 +1,8 @@
 #pragma once
 /// \file
 /// The tensor-core forward of CudaFlashKernel: flash_fwd_mma, for __half and __nv_bfloat16 at
-/// head_dim 64 or 128 on sm_80+, 64 (or 128) query rows x 64 keys per tile, Q K^T and P V by
+/// head dims (D, D_v) = (64, 64), (128, 128) or (192, 128) on sm_80+, with or without a
+/// soft-cap, 64 (or 128) query rows x 64 keys per tile, Q K^T and P V by
 /// mma.sync with P kept in registers, K/V streamed into shared memory with cp.async. The host
 /// class (kernel/cuda/flash_kernel.cuh) picks it when its conditions hold and SIMT otherwise;
 /// the primitives it is built from are in kernel/cuda/flash_mma.cuh.
@@ -21,32 +22,38 @@ namespace seqpar {
 namespace cuda_detail {
 
 // ---------------------------------------------------------------------------------------
-// Tensor-core forward: half / bf16, head_dim 64 or 128.
+// Tensor-core forward: half / bf16, (D, D_v) of mma_forward_dims.
 
 /// Query rows per block of the tensor-core forward with MT m-tiles (16 rows each) per warp.
 template <int MT>
 inline constexpr int mma_block_rows = 16 * MT * (mma_threads / 32);
 
 /// Dynamic shared memory of the tensor-core forward: none with one m-tile per warp (K and V
-/// are static, Q lives in registers); with two, Q [128][D + 8], K and V [64][D + 8].
-template <class T, int D, int MT>
+/// are static, Q lives in registers); with two, Q [128][D + 8], K [64][D + 8] and V [64][D_v + 8].
+template <class T, int D, int DV, int MT>
 constexpr std::size_t mma_fwd_smem() {
-  return MT == 1 ? 0 : sizeof(T) * static_cast<std::size_t>(mma_block_rows<MT> + 2 * mma_bk) * (D + 8);
+  return MT == 1 ? 0
+                 : sizeof(T) * (static_cast<std::size_t>(mma_block_rows<MT> + mma_bk) * (D + 8) +
+                                static_cast<std::size_t>(mma_bk) * (DV + 8));
 }
 
 /// Block-wide, on a key tile the mask cuts: replaces each NaN and +-Inf element of the
-/// [mma_bk][D + 8] V tile in shared memory by 0, so that P V adds exactly 0 for a key hidden
-/// from a row (its weight P is 0, but 0 x NaN = NaN). Two threads per key: thread t scans half
-/// t % 2 of key t / 2's row and sets bad[t] when it replaced anything. Returns whether any
-/// thread did, the same in every thread (one barrier: call it from a block-uniform branch).
-template <class T, int D>
+/// [KEYS][D + 8] V tile in shared memory by 0, so that P V adds exactly 0 for a key hidden
+/// from a row (its weight P is 0, but 0 x NaN = NaN). mma_threads / KEYS threads per key
+/// (two for the 64-key tiles): thread t scans part t % that of key t / that's row and sets
+/// bad[t] when it replaced anything. Returns whether any thread did, the same in every thread
+/// (one barrier: call it from a block-uniform branch).
+template <class T, int D, int KEYS = mma_bk>
 __device__ __forceinline__ bool zero_nonfinite_keys(T* tile, int* bad, int* bad_warp) {
-  static_assert(mma_threads == 2 * mma_bk, "zero_nonfinite_keys: two threads per key");
+  constexpr int per_key = mma_threads / KEYS, shift = per_key == 4 ? 2 : 1;
+  static_assert(per_key * KEYS == mma_threads && (per_key == 2 || per_key == 4) && D % (2 * per_key) == 0,
+                "zero_nonfinite_keys: two or four threads per key");
   const int t = threadIdx.x;
-  std::uint32_t* row = reinterpret_cast<std::uint32_t*>(tile + (t >> 1) * (D + 8) + (t & 1) * (D / 2));
+  std::uint32_t* row =
+      reinterpret_cast<std::uint32_t*>(tile + (t >> shift) * (D + 8) + (t & (per_key - 1)) * (D / per_key));
   bool found = false;
 #pragma unroll
-  for (int w = 0; w < D / 4; ++w) {
+  for (int w = 0; w < D / (2 * per_key); ++w) {
     const std::uint32_t x = row[w], y = tile::zero_nonfinite_pair(x, exponent_bits<T>);
     if (y != x) {
       row[w] = y;
@@ -111,17 +118,19 @@ __device__ __forceinline__ void restore_nonfinite_v(float (&oacc)[MT][D / 8][4],
   }
 }
 
-/// The tensor-core forward. `ldsm`: K, V (and Q) fragments come from ldmatrix (four registers
-/// per instruction); otherwise from 32- and 16-bit shared loads (the simpler, slower variant,
-/// kept as a cross-check and fallback). MT m-tiles of 16 query rows per warp: MT = 1 keeps Q
-/// in registers (64-row blocks, no dynamic shared memory); MT = 2 is FlashAttention-2's tile
-/// for H100 (128-row blocks): each K and V fragment feeds two m-tiles, halving shared-memory
-/// traffic per FLOP, and Q stays in shared memory to leave registers to the two accumulators.
-template <class T, class O, int D, bool ldsm, int MT>
+/// The tensor-core forward, D columns of Q and K, DV of V and O. `ldsm`: K, V (and Q) fragments
+/// come from ldmatrix (four registers per instruction); otherwise from 32- and 16-bit shared
+/// loads (the simpler, slower variant, kept as a cross-check and fallback). MT m-tiles of 16
+/// query rows per warp: MT = 1 keeps Q in registers (64-row blocks, no dynamic shared memory);
+/// MT = 2 is FlashAttention-2's tile for H100 (128-row blocks): each K and V fragment feeds two
+/// m-tiles, halving shared-memory traffic per FLOP, and Q stays in shared memory to leave
+/// registers to the two accumulators.
+template <class T, class O, int D, int DV, bool ldsm, int MT>
 __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   static_assert(MT == 1 || MT == 2, "flash_fwd_mma: one or two m-tiles per warp");
-  constexpr int stride = D + 8;  // +8 elements: fragment loads hit 32 distinct banks
-  constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = D / 8, bq = mma_block_rows<MT>;
+  constexpr int stride = D + 8;     // Q and K rows; +8 elements: fragment loads hit 32 distinct banks
+  constexpr int stride_v = DV + 8;  // V rows
+  constexpr int kc_steps = D / 16, nt_s = mma_bk / 8, nt_o = DV / 8, bq = mma_block_rows<MT>;
   T* sK;
   T* sV;
   T* sQ;
@@ -129,7 +138,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
   __shared__ KeySpan32 spans[bq];                                     // each row's visible keys
   if constexpr (MT == 1) {
     __shared__ __align__(16) T sK1[mma_bk * stride];
-    __shared__ __align__(16) T sV1[mma_bk * stride];
+    __shared__ __align__(16) T sV1[mma_bk * stride_v];
     sK = sK1;
     sV = sV1;
     sQ = sK1;  // Q is staged through sK on its way to registers
@@ -224,7 +233,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     const TileClass mask = tile_mask(j0);
     // Decided here, while no accumulator of the tile is live, for the prefetch below.
     const int j1 = next_tile(j0 + mma_bk);
-    load_tile_async<T, D>(sV, a.v, b, j0, kh, nk);
+    load_tile_async<T, DV>(sV, a.v, b, j0, kh, nk);
     cp_async_commit();
     cp_async_wait<1>();  // K(j0) (and Q) have landed; V may still be in flight
     __syncthreads();
@@ -270,6 +279,21 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     if (j1 < k_end) load_tile_async<T, D>(sK, a.k, b, j1, kh, keys_of(j1));
     cp_async_commit();
 
+    // Scores in log2 units, soft-capped when asked (a branch the whole block takes alike).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sacc[mt][nt][i] *= a.score.mul;
+    if (a.score.capped()) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < nt_s; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sacc[mt][nt][i] = a.score.finish(sacc[mt][nt][i]);
+    }
     // Online softmax on the S fragments (row half 0: elements 0, 1; half 1: elements 2, 3).
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -281,7 +305,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
           const int col = nt * 8 + tile::mma_c_coord(lane, i).col;
           bool visible = col < nk;
           if (visible && mask == TileClass::cut) visible = rs[mt][i >> 1].sees(j0 + col);
-          const float x = visible ? sacc[mt][nt][i] * a.scale_log2 : -INFINITY;
+          const float x = visible ? sacc[mt][nt][i] : -INFINITY;
           sacc[mt][nt][i] = x;
           mx[i >> 1] = fmaxf(mx[i >> 1], x);
         }
@@ -318,12 +342,12 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
     // A tile the mask cuts: NaN/Inf in V become 0 for P V, and their terms go to the rows that
     // see them (before P V, while P is live anyway: the order of the terms only matters to
     // rows that become NaN or Inf). Fully visible tiles skip both.
-    if (mask == TileClass::cut && zero_nonfinite_keys<T, D>(sV, bad_keys, bad_warps))
-      restore_nonfinite_v<T, O, D, MT>(oacc, sacc, rs, a, b, kh, j0, bad_keys);
+    if (mask == TileClass::cut && zero_nonfinite_keys<T, DV>(sV, bad_keys, bad_warps))
+      restore_nonfinite_v<T, O, DV, MT>(oacc, sacc, rs, a, b, kh, j0, bad_keys);
     int vb[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride);
-    const int voff = tile::ldmatrix_v_offset(lane, stride);
+    for (int i = 0; i < 4; ++i) vb[i] = tile::mma_b_offset_kn(lane, i, stride_v);
+    const int voff = tile::ldmatrix_v_offset(lane, stride_v);
 #pragma unroll
     for (int kc = 0; kc < mma_bk / 16; ++kc) {
       // P's accumulator fragments of n-tiles 2kc, 2kc + 1 are exactly A's fragment of k-chunk kc.
@@ -337,7 +361,7 @@ __global__ void __launch_bounds__(mma_threads) flash_fwd_mma(FwdArgs<T, O> a) {
           pa[mt][r] = pack_pair<T>(c[e], c[e + 1]);
         }
       // B = V: element (k = key, n = dim); a register holds two adjacent keys of one dim.
-      const T* vk = sV + kc * 16 * stride;
+      const T* vk = sV + kc * 16 * stride_v;
       if constexpr (ldsm) {
 #pragma unroll
         for (int n = 0; n < nt_o; n += 2) {
