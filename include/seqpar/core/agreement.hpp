@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <new>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
