@@ -17,6 +17,7 @@
 #include "seqpar/core/types.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/decode/decode_plan.hpp"
+#include "seqpar/decode/paged_decode.hpp"
 #include "seqpar/decode/sequence_parallel_decode.hpp"
 #include "seqpar/kernel/cpu/flash_kernel.hpp"
 #include "seqpar/ops/host_ops.hpp"

@@ -32,15 +32,9 @@
 #include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/core/types.hpp"
+#include "seqpar/decode/step_exchange.hpp"
 
 namespace seqpar {
-
-/// How the partials of a step are combined.
-enum class DecodeExchange : std::uint8_t {
-  all_gather = 0,  ///< queries replicated; every rank receives every partial and merges all heads
-  heads = 1,       ///< queries sharded by heads (as tensor parallelism leaves them): an all-to-all
-                   ///< by heads, each rank merges the heads it owns
-};
 
 /// One decode problem: the batch's shapes, the cache lengths before the first step, the layout
 /// of the cache over the ranks and the exchange; and today's models' features, as in
@@ -75,56 +69,77 @@ struct DecodeProblem {
   std::int64_t value_dim() const { return head_dim_v == 0 ? head_dim : head_dim_v; }
 };
 
-/// Where cache tokens live: the decode plan's layout part (no communication, any rank can ask).
+/// Which rank stores each token of a sequence, and at which local slot: the placement rule of
+/// both decode faces (no communication; any rank, and the engine, can ask).
+///  - interleave N > 0: runs of N tokens round-robin over the ranks, token p on rank
+///    (p / N) mod P (vLLM's decode context parallelism with interleave_size N; N = 1 stripes
+///    single tokens, SGLang's layout), so the cache stays balanced as it grows;
+///  - interleave 0, contiguous (as a contiguous prefill leaves it): the sequence's first
+///    `split` tokens as evenly as possible in rank order (the first split % P ranks one more),
+///    tokens appended later on the last rank.
+/// A rank keeps a sequence's tokens in position order: its local slot s holds its s-th token.
+struct TokenPlacement {
+  int ranks = 1;                 ///< P
+  std::int64_t interleave = 0;   ///< tokens per round-robin run; 0: contiguous
+
+  /// Rank that stores token `pos` (`split`: the contiguous placement's prefill length).
+  int owner(std::int64_t pos, std::int64_t split = 0) const {
+    if (interleave > 0) return static_cast<int>((pos / interleave) % ranks);
+    if (pos >= split) return ranks - 1;  // appended tokens stay with the last rank
+    const std::int64_t base = split / ranks, extra = split % ranks, cut = extra * (base + 1);
+    return static_cast<int>(pos < cut ? pos / (base + 1) : extra + (pos - cut) / (base > 0 ? base : 1));
+  }
+  /// Tokens among positions [0, end) that rank r stores.
+  std::int64_t count(int r, std::int64_t end, std::int64_t split = 0) const {
+    if (end <= 0) return 0;
+    if (interleave > 0) {
+      const std::int64_t full = end / interleave, rest = end % interleave;  // whole runs, then a partial one
+      const std::int64_t mine = full / ranks + (r < full % ranks ? 1 : 0);
+      return mine * interleave + (full % ranks == r ? rest : 0);
+    }
+    const std::int64_t base = split / ranks, extra = split % ranks;
+    const std::int64_t begin = r * base + std::min<std::int64_t>(r, extra), len = base + (r < extra ? 1 : 0);
+    std::int64_t c = std::clamp<std::int64_t>(end - begin, 0, len);
+    if (r == ranks - 1 && end > split) c += end - split;
+    return c;
+  }
+  /// Local slot of token `pos` on its owner: its rank among the owner's tokens.
+  std::int64_t slot(std::int64_t pos, std::int64_t split = 0) const { return count(owner(pos, split), pos, split); }
+};
+
+/// Where cache tokens live in SequenceParallelDecode's own cache: the placement, with each
+/// sequence's contiguous split fixed at plan time.
 class CacheLayout {
  public:
   /// An empty layout.
   CacheLayout() = default;
   /// `initial[b]`: tokens of sequence b at plan time (they fix the contiguous split).
   CacheLayout(int ranks, std::int64_t page, std::vector<std::int64_t> initial)
-      : ranks_(ranks), page_(page), initial_(std::move(initial)) {}
+      : placement_{ranks, page}, initial_(std::move(initial)) {}
 
   /// Rank that stores the K/V of token `pos` of sequence `b`.
-  int owner(std::int64_t b, std::int64_t pos) const {
-    if (page_ > 0) return static_cast<int>((pos / page_) % ranks_);
-    const std::int64_t n = initial_[static_cast<std::size_t>(b)];
-    if (pos >= n) return ranks_ - 1;  // appended tokens stay with the last rank
-    // split_evenly: the first n % P ranks hold one token more.
-    const std::int64_t base = n / ranks_, extra = n % ranks_, cut = extra * (base + 1);
-    return static_cast<int>(pos < cut ? pos / (base + 1) : extra + (pos - cut) / (base > 0 ? base : 1));
-  }
+  int owner(std::int64_t b, std::int64_t pos) const { return placement_.owner(pos, split(b)); }
   /// Tokens of sequence b among positions [0, end) that rank r stores.
-  std::int64_t count(int r, std::int64_t b, std::int64_t end) const {
-    if (end <= 0) return 0;
-    if (page_ > 0) {
-      const std::int64_t full = end / page_, rest = end % page_;  // whole pages, then a partial one
-      const std::int64_t mine = full / ranks_ + (r < full % ranks_ ? 1 : 0);
-      return mine * page_ + (full % ranks_ == r ? rest : 0);
-    }
-    const std::int64_t n = initial_[static_cast<std::size_t>(b)];
-    const std::int64_t base = n / ranks_, extra = n % ranks_;
-    const std::int64_t begin = r * base + std::min<std::int64_t>(r, extra), len = base + (r < extra ? 1 : 0);
-    std::int64_t c = std::clamp<std::int64_t>(end - begin, 0, len);
-    if (r == ranks_ - 1 && end > n) c += end - n;
-    return c;
-  }
+  std::int64_t count(int r, std::int64_t b, std::int64_t end) const { return placement_.count(r, end, split(b)); }
   /// Local slot of token `pos` of sequence b on its owner: its rank among the owner's tokens.
-  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return count(owner(b, pos), b, pos); }
+  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return placement_.slot(pos, split(b)); }
   /// Ranks.
-  int ranks() const { return ranks_; }
+  int ranks() const { return placement_.ranks; }
   /// Page size (0: contiguous).
-  std::int64_t page() const { return page_; }
+  std::int64_t page() const { return placement_.interleave; }
+  /// The placement rule.
+  const TokenPlacement& placement() const { return placement_; }
 
  private:
-  int ranks_ = 1;
-  std::int64_t page_ = 0;
+  std::int64_t split(std::int64_t b) const { return placement_.interleave > 0 ? 0 : initial_[static_cast<std::size_t>(b)]; }
+
+  TokenPlacement placement_;
   std::vector<std::int64_t> initial_;
 };
 
 namespace detail {
 template <class Comm, class Kernel>
 class DecodeEngine;
-struct StepExchange;
 }  // namespace detail
 
 /// The plan of SequenceParallelDecode: made once per cache layout (collective), reused every
@@ -159,9 +174,9 @@ class DecodePlan {
   /// Tokens of sequence b this rank stores once the step's T tokens are appended.
   std::int64_t local_len(std::int64_t b) const { return layout_.count(rank_, b, kv_len(b) + problem_.new_tokens); }
   /// Heads whose merged output this rank returns (all of them with DecodeExchange::all_gather).
-  HeadRange out_heads() const { return out_heads_; }
+  HeadRange out_heads() const { return messages_.out_heads; }
   /// Query heads this rank provides: all heads (all_gather) or its own (heads exchange).
-  HeadRange q_heads() const { return out_heads_; }
+  HeadRange q_heads() const { return messages_.out_heads; }
   /// Bytes this rank sends per step: partial O (D_v wide) and LSE (accumulation type) to the
   /// ranks that merge them, the gathered queries (D wide) in the heads exchange, and an
   /// 8-byte step tag per message that lets every rank detect a step whose lengths disagree.
@@ -187,7 +202,6 @@ class DecodePlan {
  private:
   template <class Comm, class Kernel>
   friend class detail::DecodeEngine;
-  friend struct detail::StepExchange;
 
   /// b as an index of the batch; ConfigError naming `call` otherwise.
   std::size_t checked_sequence(std::int64_t b, const char* call) const {
@@ -209,13 +223,10 @@ class DecodePlan {
   std::vector<std::int64_t> len_;
   std::int64_t step_ = 0;
   std::int64_t shard_capacity_ = 0;
-  HeadRange out_heads_;
-  std::vector<HeadRange> heads_of_;  // heads each rank merges (heads exchange)
-  AllToAllTable partials_, queries_;  // message sizes of every step (decode/step_exchange.hpp)
+  detail::StepMessages messages_;     // the exchange's message sizes, fixed (decode/step_exchange.hpp)
   std::size_t step_bytes_ = 0;        // what those send
   WorkspaceLayout slots_;             // where a step's buffers live
   std::vector<std::int64_t> row_key_end_;  // [B x T] per step, filled without allocating
-  std::vector<std::int64_t> tags_;         // the step tags received, read back to the host
 };
 
 }  // namespace seqpar

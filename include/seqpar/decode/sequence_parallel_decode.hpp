@@ -47,6 +47,7 @@
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/decode/decode_plan.hpp"
+#include "seqpar/decode/decode_rules.hpp"
 #include "seqpar/decode/step_exchange.hpp"
 #include "seqpar/ops/host_ops.hpp"
 #include "seqpar/kernel/local_attention_kernel.hpp"
@@ -71,30 +72,14 @@ class DecodeEngine {
   /// Collective: every rank gives the same problem; all validate the gathered copy alike.
   DecodePlan plan(const DecodeProblem& pr) {
     const int P = world_.size(), me = world_.rank();
-    const std::int64_t mine[] = {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim, pr.value_dim(),
-                                 static_cast<std::int64_t>(pr.dtype), std::bit_cast<std::int64_t>(pr.scale),
-                                 std::bit_cast<std::int64_t>(pr.softcap), pr.sinks != nullptr, pr.new_tokens,
-                                 pr.capacity, pr.page, static_cast<std::int64_t>(pr.exchange), hash_lists({pr.kv_len})};
-    static constexpr const char* names[] = {"batch", "heads", "kv_heads", "head_dim", "head_dim_v", "dtype", "scale",
-                                            "softcap", "sinks (given or not)", "new_tokens", "capacity", "page",
-                                            "exchange", "kv_len"};
-    // The attention plan's field each one is (its values are shown alike: doubles, dtype and
-    // sinks by value, not by their bits), or -1 for a number.
-    static constexpr int shown_as[] = {f_batch, f_heads, f_kv_heads, f_head_dim, f_head_dim_v, f_dtype, f_scale,
-                                       f_softcap, f_sinks, -1, -1, -1, -1, -1};
-    constexpr int n = static_cast<int>(std::size(mine)), f_kv_len = n - 1;
-    static_assert(std::size(names) == n && std::size(shown_as) == n);
-    std::vector<std::int64_t> all(static_cast<std::size_t>(n * P));
-    world_.all_gather_host(std::span<const std::int64_t>(mine, n), all);
-    for (int f = 0; f < n; ++f)
-      for (int w = 1; w < P; ++w) {
-        if (all[w * n + f] == all[f]) continue;
-        // kv_len travels as a hash: every rank sees the mismatch, and all gather the lengths.
-        if (f == f_kv_len)
-          SEQPAR_THROW(ConfigError, list_disagreement(world_, "decode plan: ", "kv_len", {pr.kv_len}, ListField::one_list));
-        SEQPAR_THROW(ConfigError, "decode plan: ranks disagree on ", names[f], ": rank 0 has ",
-                     field_value(shown_as[f], all[f]), ", rank ", w, " has ", field_value(shown_as[f], all[w * n + f]));
-      }
+    std::vector<AgreedField> fields = shape_fields(pr);
+    fields.insert(fields.begin(), {"batch", pr.batch, f_batch});
+    fields.insert(fields.end(), {{"new_tokens", pr.new_tokens}, {"capacity", pr.capacity}, {"page", pr.page},
+                                 {"kv_len", hash_lists({pr.kv_len})}});
+    // kv_len travels as a hash: every rank sees the mismatch, and all gather the lengths.
+    agree_fields(world_, "decode plan: ", fields, static_cast<int>(fields.size()) - 1, [&] {
+      return list_disagreement(world_, "decode plan: ", "kv_len", {pr.kv_len}, ListField::one_list);
+    });
     check_problem(pr);
 
     DecodePlan p;
@@ -106,19 +91,11 @@ class DecodeEngine {
     p.len_ = pr.kv_len;
     for (std::int64_t b = 0; b < pr.batch; ++b)
       p.shard_capacity_ = std::max(p.shard_capacity_, p.layout_.count(me, b, pr.capacity));
-    std::int64_t begin = 0;
-    for (std::int64_t count : split_evenly(pr.heads, P)) {
-      p.heads_of_.push_back({begin, count});
-      begin += count;
-    }
-    p.out_heads_ = pr.exchange == DecodeExchange::heads ? p.heads_of_[static_cast<std::size_t>(me)]
-                                                         : HeadRange{0, pr.heads};
     p.row_key_end_.assign(static_cast<std::size_t>(pr.batch * pr.new_tokens), 0);
-    p.tags_.assign(static_cast<std::size_t>(2 * P), 0);
-    StepExchange::schedule(p);
-    p.step_bytes_ = StepExchange::bytes_sent(p);
+    p.messages_ = step_messages(pr, P, me);
+    StepExchange::configure(p.messages_, pr.batch * pr.new_tokens, p.slots_);
+    p.step_bytes_ = StepExchange::bytes_sent(p.messages_);
     declare_partials(p);
-    StepExchange::declare(p, p.slots_);
     p.slots_.place();
     if constexpr (kernel_has_scratch<Kernel>) {
       const std::string why = allocation_disagreement(world_, "decode plan: ", [&] {
@@ -166,8 +143,9 @@ class DecodeEngine {
     SEQPAR_CHECK(workspace.size() >= slots.bytes(), ConfigError, "decode step: workspace: expected at least ",
                  slots.bytes(), " bytes (plan.workspace_bytes()), got ", workspace.size());
     CallGuard<Comm> call("an exception left a decode step after its communication began", world_);
-    const std::int64_t tag = StepExchange::start(ops_, p, workspace);
-    const TensorView<const T, Space> qa = StepExchange::gather_queries(world_, ops_, p, q, workspace);
+    const std::int64_t tag = step_tag(p);
+    StepExchange::start(ops_, slots, tag, workspace);
+    const TensorView<const T, Space> qa = StepExchange::gather_queries(world_, ops_, p.messages_, slots, q, workspace);
 
     // The partial over this shard: row (b, t) sees the slots of positions <= kv_len(b) + t.
     const int me = world_.rank();
@@ -175,7 +153,7 @@ class DecodeEngine {
       for (std::int64_t t = 0; t < Tn; ++t)
         p.row_key_end_[static_cast<std::size_t>(b * Tn + t)] = p.layout_.count(me, b, p.kv_len(b) + t + 1);
     KernelParams params;
-    params.scale = DecodeEngine::scale(pr);
+    params.scale = decode_scale(pr);
     params.softcap = pr.softcap;
     params.q_positions = PositionMap::run(Tn, 0);
     params.k_positions = PositionMap::run(C, 0);
@@ -192,9 +170,11 @@ class DecodeEngine {
       ops_.copy(TensorView<const T, Space>::bshd(t_out, B, Tn, H, Dv), o_view);
     }
 
-    StepExchange::send_partials(world_, ops_, p, o_view, l_view, workspace);
+    StepExchange::send_partials(world_, ops_, p.messages_, slots, o_view, l_view, workspace);
     call.complete();  // every message is in: the checks below fail alike everywhere, no peer waits
-    StepExchange::merge(ops_, p, tag, out, workspace);
+    StepExchange::receive_tags(ops_, p.messages_, slots, workspace);
+    check_tags(p, tag);
+    StepExchange::merge(ops_, p.messages_, slots, out, workspace);
   }
 
   Comm& world() { return world_; }
@@ -219,17 +199,7 @@ class DecodeEngine {
 
   static void check_problem(const DecodeProblem& pr) {
     SEQPAR_CHECK_ARG(pr.batch >= 1, "decode plan: batch", ">= 1", pr.batch);
-    SEQPAR_CHECK_ARG(pr.heads >= 1, "decode plan: heads", ">= 1", pr.heads);
-    SEQPAR_CHECK_ARG(pr.kv_head_count() >= 1 && pr.heads % pr.kv_head_count() == 0, "decode plan: kv_heads",
-                     "a divisor of heads " + std::to_string(pr.heads), pr.kv_head_count());
-    SEQPAR_CHECK_ARG(pr.head_dim >= 1, "decode plan: head_dim", ">= 1", pr.head_dim);
-    const std::string features = feature_values_reason(pr, "decode plan: ");
-    SEQPAR_CHECK(features.empty(), ConfigError, features);
-    SEQPAR_CHECK_ARG(std::isfinite(pr.scale) && std::abs(pr.scale) <= scale_limit, "decode plan: scale",
-                     "a finite number with |scale| <= 2^32 (or 0 for 1/sqrt(head_dim))", pr.scale);
-    SEQPAR_CHECK_ARG(static_cast<int>(pr.dtype) <= static_cast<int>(DType::f64), "decode plan: dtype",
-                     "f16, bf16, f32 or f64", static_cast<int>(pr.dtype));
-    StepExchange::check_problem(pr);
+    check_decode_shape<Kernel, Space>(pr, "decode plan: ");
     SEQPAR_CHECK_ARG(pr.new_tokens >= 1 && pr.new_tokens <= 16, "decode plan: new_tokens", "1..16", pr.new_tokens);
     SEQPAR_CHECK_ARG(pr.page >= 0, "decode plan: page", ">= 0 (0: contiguous)", pr.page);
     SEQPAR_CHECK_ARG(pr.capacity >= pr.new_tokens, "decode plan: capacity", ">= new_tokens " + std::to_string(pr.new_tokens),
@@ -255,14 +225,27 @@ class DecodeEngine {
       SEQPAR_CHECK(pr.kv_len[b] >= 0 && pr.kv_len[b] <= pr.capacity - pr.new_tokens, ConfigError,
                    "decode plan: kv_len[", b, "]: expected 0..capacity - new_tokens = ", pr.capacity - pr.new_tokens,
                    ", got ", pr.kv_len[b]);
-    // What the kernel and the memory space's operations cannot do, in the attention plan's words.
-    std::string why = kernel_features_reason<Kernel>(pr, "decode plan: ");
-    if (why.empty()) why = sinks_reason<Space>(pr, "decode plan: ");
-    SEQPAR_CHECK(why.empty(), ConfigError, why);
   }
 
-  static double scale(const DecodeProblem& pr) {
-    return pr.scale != 0.0 ? pr.scale : 1.0 / std::sqrt(static_cast<double>(pr.head_dim));
+  /// The step's identity: the lengths, T and the step count, hashed (nothing allocated).
+  static std::int64_t step_tag(const DecodePlan& p) {
+    Fnv f;
+    f.mix(std::span<const std::int64_t>(p.len_));
+    f.mix(p.problem_.new_tokens);
+    f.mix(p.step_);
+    return f.value();
+  }
+  /// Every rank's tag against this step's (the queries' first: a step that disagrees is
+  /// named for its first message).
+  static void check_tags(const DecodePlan& p, std::int64_t tag) {
+    const detail::StepMessages& m = p.messages_;
+    const int P = m.ranks;
+    for (int i = StepExchange::gathers_queries(m) ? 0 : P; i < 2 * P; ++i) {
+      const int v = i < P ? i : i - P;  // the queries' tags lie at P + v: check them first
+      const std::int64_t theirs = m.tags[static_cast<std::size_t>(i < P ? P + v : v)];
+      SEQPAR_CHECK(theirs == tag, ConfigError, "decode step: rank ", v, " is at another step than rank ", p.rank_,
+                   " (their cache lengths or step count differ: every rank must advance its plan alike)");
+    }
   }
 
   Comm& world_;

@@ -1,18 +1,21 @@
 #pragma once
 /// \file
-/// Decode's exchange: the communication of a decode step (decode/sequence_parallel_decode.hpp),
-/// as one component that brings its buffers, its share of the plan's checks, its traffic
-/// (DecodePlan::step_bytes) and its steps. With DecodeExchange::heads on more than one rank it
-/// first gathers the queries (each rank holds its heads); after the local partials it moves
-/// each partial (O of D_v values, LSE) in the accumulation type to the ranks that merge it,
-/// merges the pieces of this rank's heads in rank order with merge_row and, with sinks, joins
-/// each merged row's sink: the merged row is the only place where it counts exactly once.
+/// Decode's exchange: the communication of a decode step, shared by both decode faces
+/// (decode/sequence_parallel_decode.hpp over seqpar's own cache, decode/paged_decode.hpp over
+/// an engine's paged pool), as one component that brings its buffers, its share of the plan's
+/// checks, its traffic and its steps. With DecodeExchange::heads on more than one rank it first
+/// gathers the queries (each rank holds its heads); after the local partials it moves each
+/// partial (O of D_v values, LSE) in the accumulation type to the ranks that merge it, merges
+/// the pieces of this rank's heads in rank order with merge_row and, with sinks, joins each
+/// merged row's sink: the merged row is the only place where it counts exactly once.
 ///
-/// Every message ends in an 8-byte tag of the step (its lengths and count), so a rank whose
-/// plan advanced differently is named on every rank instead of merged. The tags received are
-/// gathered behind this rank's own in the tag slot and read back in one copy of at most
-/// 2P x 8 bytes (on a device: a device-to-host transfer and a wait on the ops' stream, once per
-/// step), before anything is merged.
+/// A step has `rows` query rows (batch x new tokens, or the paged step's packed rows); message
+/// sizes follow them, so a step that uses fewer rows than the plan's maximum sends only those.
+/// Every message ends in an 8-byte tag of the step (the caller's hash of what every rank must
+/// agree on), so a rank whose step differs is named on every rank instead of merged. The tags
+/// received are gathered behind this rank's own in the tag slot and read back in one copy of
+/// at most 2P x 8 bytes (on a device: a device-to-host transfer and a wait on the ops'
+/// stream, once per step), then handed to the caller's check before anything is merged.
 
 #include <algorithm>
 #include <cstddef>
@@ -29,14 +32,37 @@
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/types.hpp"
 #include "seqpar/core/workspace.hpp"
-#include "seqpar/decode/decode_plan.hpp"
 #include "seqpar/ops/host_ops.hpp"
 #include "seqpar/policy/join_sinks.hpp"
 
-namespace seqpar::detail {
+namespace seqpar {
 
-/// Decode's exchange (see the file comment). Its message sizes live in the plan (made once by
-/// `schedule`), so a step allocates nothing and exchanges no metadata.
+/// How the partials of a decode step are combined.
+enum class DecodeExchange : std::uint8_t {
+  all_gather = 0,  ///< queries replicated; every rank receives every partial and merges all heads
+  heads = 1,       ///< queries sharded by heads (as tensor parallelism leaves them): an all-to-all
+                   ///< by heads, each rank merges the heads it owns
+};
+
+namespace detail {
+
+/// The exchange's part of a decode plan: the shape of its messages and where the tags land.
+/// Made once by StepExchange::configure; a step only rewrites the message sizes (resize), so
+/// nothing is allocated.
+struct StepMessages {
+  std::int64_t heads = 1, head_dim = 1, value_dim = 1;  ///< H, D (queries), D_v (partials)
+  DType dtype = DType::f32;                             ///< element type of the queries
+  DecodeExchange exchange = DecodeExchange::all_gather;  ///< see DecodeExchange
+  const float* sinks = nullptr;                         ///< H sink logits in the step's memory space, or none
+  int ranks = 1, rank = 0;                              ///< P, this rank
+  std::int64_t rows = 0;                                ///< query rows of the current sizes
+  std::vector<HeadRange> heads_of;                      ///< heads each rank merges (heads exchange)
+  HeadRange out_heads;                                  ///< heads this rank provides and returns
+  AllToAllTable partials, queries;                      ///< message sizes for `rows` rows
+  std::vector<std::int64_t> tags;                       ///< the tags received, read back: partials, then queries
+};
+
+/// Decode's exchange (see the file comment).
 struct StepExchange {
   /// Bytes of the step tag that ends every message.
   static constexpr std::size_t tag_bytes = 8;
@@ -45,175 +71,183 @@ struct StepExchange {
   struct Slots {
     static constexpr Slot q_send{"q_send"};  ///< this rank's heads of the queries, and the tag
     static constexpr Slot q_recv{"q_recv"};  ///< every rank's pieces of the queries
-    static constexpr Slot q_full{"q_full"};  ///< [B, T, H, D]: the queries of every head
-    static constexpr Slot send{"send"};      ///< [O (B, T, h, D_v) | LSE (B, T, h) | tag] per merging rank
+    static constexpr Slot q_full{"q_full"};  ///< [rows, H, D]: the queries of every head
+    static constexpr Slot send{"send"};      ///< [O (rows, h, D_v) | LSE (rows, h) | tag] per merging rank
     static constexpr Slot recv{"recv"};      ///< the pieces of this rank's heads from every rank
     static constexpr Slot tags{"tags"};      ///< this step's tag, then those received (partials, queries)
   };
 
   /// Its share of the plan's checks: the exchange is one of the two it knows.
-  static void check_problem(const DecodeProblem& pr) {
-    SEQPAR_CHECK_ARG(pr.exchange == DecodeExchange::all_gather || pr.exchange == DecodeExchange::heads,
+  static void check_exchange(DecodeExchange exchange) {
+    SEQPAR_CHECK_ARG(exchange == DecodeExchange::all_gather || exchange == DecodeExchange::heads,
                      "decode plan: exchange", "DecodeExchange::all_gather or DecodeExchange::heads",
-                     static_cast<int>(pr.exchange));
+                     static_cast<int>(exchange));
+  }
+
+  /// Sets up m for P ranks (m's shape fields already set), with message sizes for `max_rows`
+  /// rows, and declares the buffers for them in `ws`.
+  static void configure(StepMessages& m, std::int64_t max_rows, WorkspaceLayout& ws) {
+    std::int64_t begin = 0;
+    m.heads_of.clear();
+    for (std::int64_t count : split_evenly(m.heads, m.ranks)) {
+      m.heads_of.push_back({begin, count});
+      begin += count;
+    }
+    m.out_heads = m.exchange == DecodeExchange::heads ? m.heads_of[static_cast<std::size_t>(m.rank)]
+                                                      : HeadRange{0, m.heads};
+    m.tags.assign(static_cast<std::size_t>(2 * m.ranks), 0);
+    const auto P = static_cast<std::size_t>(m.ranks);
+    for (AllToAllTable* t : {&m.partials, &m.queries})
+      for (auto* v : {&t->send_counts, &t->send_displs, &t->recv_counts, &t->recv_displs}) v->assign(P, 0);
+    if (!gathers_queries(m)) m.queries = {};
+    resize(m, max_rows);
+    if (gathers_queries(m)) {
+      ws.declare(Slots::q_send, m.queries.send_counts[static_cast<std::size_t>(m.rank)]);
+      ws.declare(Slots::q_recv, total(m.queries.recv_counts, m.queries.recv_displs));
+      ws.declare(Slots::q_full, static_cast<std::size_t>(max_rows * m.heads * m.head_dim) * dtype_bytes(m.dtype));
+    }
+    ws.declare(Slots::send, total(m.partials.send_counts, m.partials.send_displs));
+    ws.declare(Slots::recv, total(m.partials.recv_counts, m.partials.recv_displs));
+    ws.declare(Slots::tags, static_cast<std::size_t>(1 + 2 * m.ranks) * tag_bytes);
+  }
+
+  /// Sets the message sizes for a step of `rows` rows (at most configure's max_rows; the
+  /// tables keep their length, so nothing is allocated).
+  static void resize(StepMessages& m, std::int64_t rows) {
+    m.rows = rows;
+    const auto r = static_cast<std::size_t>(rows), D = static_cast<std::size_t>(m.head_dim),
+               Dv = static_cast<std::size_t>(m.value_dim);
+    const std::size_t a = acc_bytes(m.dtype), e = dtype_bytes(m.dtype);
+    auto partial = [&](HeadRange h) { return r * static_cast<std::size_t>(h.count) * (Dv + 1) * a + tag_bytes; };
+    const bool by_heads = m.exchange == DecodeExchange::heads;
+    std::size_t send_total = 0, recv_total = 0, q_total = 0;
+    for (std::size_t v = 0; v < static_cast<std::size_t>(m.ranks); ++v) {
+      const HeadRange hv = by_heads ? m.heads_of[v] : HeadRange{0, m.heads};
+      const std::size_t out = partial(hv), in = partial(m.out_heads);
+      m.partials.send_counts[v] = out;
+      m.partials.send_displs[v] = by_heads ? send_total : 0;  // all_gather: the one piece, to everyone
+      send_total = by_heads ? send_total + out : out;
+      m.partials.recv_counts[v] = in;
+      m.partials.recv_displs[v] = recv_total;
+      recv_total += in;
+      if (gathers_queries(m)) {
+        const std::size_t qv = r * static_cast<std::size_t>(hv.count) * D * e + tag_bytes;
+        m.queries.recv_counts[v] = qv;
+        m.queries.recv_displs[v] = q_total;
+        q_total += qv;
+        m.queries.send_displs[v] = 0;  // the one piece of my heads, to everyone
+      }
+    }
+    if (gathers_queries(m))
+      for (std::size_t& c : m.queries.send_counts) c = m.queries.recv_counts[static_cast<std::size_t>(m.rank)];
   }
 
   /// True when a step first gathers the queries: the heads exchange on more than one rank
   /// (a single rank holds every head already).
-  static bool gathers_queries(const DecodePlan& p) {
-    return p.problem_.exchange == DecodeExchange::heads && p.layout_.ranks() > 1;
-  }
+  static bool gathers_queries(const StepMessages& m) { return m.exchange == DecodeExchange::heads && m.ranks > 1; }
 
-  /// The byte sizes of every message of a step, by rank: the partials (p.partials_) and, when
-  /// the step gathers them, the queries (p.queries_).
-  static void schedule(DecodePlan& p) {
-    const DecodeProblem& pr = p.problem_;
-    const int P = p.layout_.ranks();
-    const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens), D = static_cast<std::size_t>(pr.head_dim),
-               Dv = static_cast<std::size_t>(pr.value_dim());
-    const std::size_t a = acc_bytes(pr.dtype), e = dtype_bytes(pr.dtype);
-    auto partial = [&](HeadRange h) { return rows * static_cast<std::size_t>(h.count) * (Dv + 1) * a + tag_bytes; };
-    const bool by_heads = pr.exchange == DecodeExchange::heads;
-    AllToAllTable& s = p.partials_;
-    AllToAllTable& q = p.queries_;
-    std::size_t send_total = 0, recv_total = 0, q_total = 0;
-    for (int v = 0; v < P; ++v) {
-      const HeadRange hv = by_heads ? p.heads_of_[static_cast<std::size_t>(v)] : HeadRange{0, pr.heads};
-      const std::size_t out = partial(hv), in = partial(p.out_heads_);
-      s.send_counts.push_back(out);
-      s.send_displs.push_back(by_heads ? send_total : 0);  // all_gather: the one piece, to everyone
-      send_total = by_heads ? send_total + out : out;
-      s.recv_counts.push_back(in);
-      s.recv_displs.push_back(recv_total);
-      recv_total += in;
-      if (gathers_queries(p)) {
-        const std::size_t qv = rows * static_cast<std::size_t>(hv.count) * D * e + tag_bytes;
-        q.recv_counts.push_back(qv);
-        q.recv_displs.push_back(q_total);
-        q_total += qv;
-        q.send_displs.push_back(0);  // the one piece of my heads, to everyone
-      }
-    }
-    if (gathers_queries(p))
-      q.send_counts.assign(static_cast<std::size_t>(P), q.recv_counts[static_cast<std::size_t>(p.rank_)]);
-  }
-
-  /// Declares its buffers for plan p (after schedule).
-  static void declare(const DecodePlan& p, WorkspaceLayout& ws) {
-    const DecodeProblem& pr = p.problem_;
-    if (gathers_queries(p)) {
-      const auto rows = static_cast<std::size_t>(pr.batch * pr.new_tokens);
-      ws.declare(Slots::q_send, p.queries_.send_counts[static_cast<std::size_t>(p.rank_)]);
-      ws.declare(Slots::q_recv, total(p.queries_.recv_counts, p.queries_.recv_displs));
-      ws.declare(Slots::q_full,
-                 rows * static_cast<std::size_t>(pr.heads * pr.head_dim) * dtype_bytes(pr.dtype));
-    }
-    ws.declare(Slots::send, total(p.partials_.send_counts, p.partials_.send_displs));
-    ws.declare(Slots::recv, total(p.partials_.recv_counts, p.partials_.recv_displs));
-    ws.declare(Slots::tags, static_cast<std::size_t>(1 + 2 * p.layout_.ranks()) * tag_bytes);
-  }
-
-  /// Bytes this rank sends per step: its partials, its queries when gathered, with their tags.
-  static std::size_t bytes_sent(const DecodePlan& p) {
-    return p.partials_.bytes_sent(p.rank_) + p.queries_.bytes_sent(p.rank_);
+  /// Bytes this rank sends per step at the current sizes: its partials, its queries when
+  /// gathered, with their tags.
+  static std::size_t bytes_sent(const StepMessages& m) {
+    return m.partials.bytes_sent(m.rank) + m.queries.bytes_sent(m.rank);
   }
 
   /// Starts a step: its tag goes into the tag slot, where every message takes it from.
-  /// Returns the tag.
   template <class Space>
-  static std::int64_t start(TensorOps<Space>& ops, const DecodePlan& p, std::span<std::byte> ws) {
-    const std::int64_t tag = step_tag(p);
-    ops.fill(TensorView<std::int64_t, Space>::bshd(reinterpret_cast<std::int64_t*>(tag_at(p, ws, 0)), 1, 1, 1, 1), tag);
-    return tag;
+  static void start(TensorOps<Space>& ops, const WorkspaceLayout& slots, std::int64_t tag, std::span<std::byte> ws) {
+    ops.fill(TensorView<std::int64_t, Space>::bshd(reinterpret_cast<std::int64_t*>(tag_at(slots, ws, 0)), 1, 1, 1, 1),
+             tag);
   }
 
-  /// The queries of every head, [B, T, H, D]: `q` itself, or, when the step gathers them,
-  /// every rank's heads put together.
+  /// The queries of every head, [q.batch, q.seq, H, D] with q.batch x q.seq = m.rows: `q`
+  /// itself, or, when the step gathers them, every rank's heads put together.
   template <class T, class Comm, class Space = typename Comm::memory_space>
-  static TensorView<const T, Space> gather_queries(Comm& world, TensorOps<Space>& ops, const DecodePlan& p,
-                                                   TensorView<const T, Space> q, std::span<std::byte> ws) {
-    if (!gathers_queries(p)) return q;
-    const DecodeProblem& pr = p.problem_;
-    const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, D = pr.head_dim;
-    const int P = p.layout_.ranks();
-    const AllToAllTable& t = p.queries_;
-    std::byte* send = p.slots_.get<std::byte>(ws, Slots::q_send);
-    std::byte* recv = p.slots_.get<std::byte>(ws, Slots::q_recv);
-    const std::size_t mine = t.send_counts[static_cast<std::size_t>(p.rank_)];
-    ops.copy(q, TensorView<T, Space>::bshd(reinterpret_cast<T*>(send), B, Tn, p.q_heads().count, D));
-    copy_tag(ops, tag_at(p, ws, 0), send + mine - tag_bytes);
+  static TensorView<const T, Space> gather_queries(Comm& world, TensorOps<Space>& ops, const StepMessages& m,
+                                                   const WorkspaceLayout& slots, TensorView<const T, Space> q,
+                                                   std::span<std::byte> ws) {
+    if (!gathers_queries(m)) return q;
+    const std::int64_t B = q.batch(), S = q.seq(), H = m.heads, D = m.head_dim;
+    const AllToAllTable& t = m.queries;
+    std::byte* send = slots.get<std::byte>(ws, Slots::q_send);
+    std::byte* recv = slots.get<std::byte>(ws, Slots::q_recv);
+    const std::size_t mine = t.send_counts[static_cast<std::size_t>(m.rank)];
+    ops.copy(q, TensorView<T, Space>::bshd(reinterpret_cast<T*>(send), B, S, m.out_heads.count, D));
+    copy_tag(ops, tag_at(slots, ws, 0), send + mine - tag_bytes);
     world.all_to_all_v(send, t.send_counts, t.send_displs, recv, t.recv_counts, t.recv_displs);
-    T* full = p.slots_.get<T>(ws, Slots::q_full);
-    for (int v = 0; v < P; ++v) {
+    T* full = slots.get<T>(ws, Slots::q_full);
+    for (int v = 0; v < m.ranks; ++v) {
       const auto i = static_cast<std::size_t>(v);
-      copy_tag(ops, recv + t.recv_displs[i] + t.recv_counts[i] - tag_bytes, tag_at(p, ws, 1 + P + v));
-      const HeadRange h = p.heads_of_[i];
-      ops.copy(TensorView<const T, Space>::bshd(reinterpret_cast<const T*>(recv + t.recv_displs[i]), B, Tn, h.count, D),
-               TensorView<T, Space>::bshd(full, B, Tn, H, D).slice_heads(h.begin, h.count));
+      copy_tag(ops, recv + t.recv_displs[i] + t.recv_counts[i] - tag_bytes, tag_at(slots, ws, 1 + m.ranks + v));
+      const HeadRange h = m.heads_of[i];
+      ops.copy(TensorView<const T, Space>::bshd(reinterpret_cast<const T*>(recv + t.recv_displs[i]), B, S, h.count, D),
+               TensorView<T, Space>::bshd(full, B, S, H, D).slice_heads(h.begin, h.count));
     }
-    return TensorView<const T, Space>::bshd(full, B, Tn, H, D);
+    return TensorView<const T, Space>::bshd(full, B, S, H, D);
   }
 
-  /// Sends each merging rank its heads of this rank's partial (o, l), in the accumulation
-  /// type, with the step's tag; returns once the pieces of this rank's heads are in.
+  /// Sends each merging rank its heads of this rank's partial (o, l: [B, S, H, .] with
+  /// B x S = m.rows), in the accumulation type, with the step's tag; returns once the pieces
+  /// of this rank's heads are in.
   template <class A, class Comm, class Space = typename Comm::memory_space>
-  static void send_partials(Comm& world, TensorOps<Space>& ops, const DecodePlan& p, TensorView<A, Space> o,
-                            TensorView<A, Space> l, std::span<std::byte> ws) {
-    const DecodeProblem& pr = p.problem_;
-    const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, Dv = pr.value_dim();
-    const AllToAllTable& t = p.partials_;
-    std::byte* send = p.slots_.get<std::byte>(ws, Slots::send);
-    std::byte* recv = p.slots_.get<std::byte>(ws, Slots::recv);
-    const bool by_heads = pr.exchange == DecodeExchange::heads;
-    const int packs = by_heads ? p.layout_.ranks() : 1;  // all_gather: one piece for all
+  static void send_partials(Comm& world, TensorOps<Space>& ops, const StepMessages& m, const WorkspaceLayout& slots,
+                            TensorView<A, Space> o, TensorView<A, Space> l, std::span<std::byte> ws) {
+    const std::int64_t B = o.batch(), S = o.seq(), Dv = m.value_dim;
+    const AllToAllTable& t = m.partials;
+    std::byte* send = slots.get<std::byte>(ws, Slots::send);
+    std::byte* recv = slots.get<std::byte>(ws, Slots::recv);
+    const bool by_heads = m.exchange == DecodeExchange::heads;
+    const int packs = by_heads ? m.ranks : 1;  // all_gather: one piece for all
     for (int v = 0; v < packs; ++v) {
       const auto i = static_cast<std::size_t>(v);
-      const HeadRange h = by_heads ? p.heads_of_[i] : HeadRange{0, H};
+      const HeadRange h = by_heads ? m.heads_of[i] : HeadRange{0, m.heads};
       std::byte* at = send + t.send_displs[i];
       ops.copy(TensorView<const A, Space>(o.slice_heads(h.begin, h.count)),
-               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at), B, Tn, h.count, Dv));
+               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at), B, S, h.count, Dv));
       ops.copy(TensorView<const A, Space>(l.slice_heads(h.begin, h.count)),
-               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at) + B * Tn * h.count * Dv, B, Tn, h.count, 1));
-      copy_tag(ops, tag_at(p, ws, 0), at + t.send_counts[i] - tag_bytes);
+               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at) + B * S * h.count * Dv, B, S, h.count, 1));
+      copy_tag(ops, tag_at(slots, ws, 0), at + t.send_counts[i] - tag_bytes);
     }
     world.all_to_all_v(send, t.send_counts, t.send_displs, recv, t.recv_counts, t.recv_displs);
   }
 
-  /// Checks every tag received against this step's `tag` (one read-back; the queries' first:
-  /// a step that disagrees is named for its first message), then merges the pieces of this
-  /// rank's heads in rank order (the same order, so the same bits, everywhere), joins each
-  /// merged row's sink when the problem has sinks (in the accumulation type, the sink of the
-  /// head's global index), and writes the result to `out`.
+  /// Reads back every tag received (one copy) into m.tags: rank v's partials' tag at v and,
+  /// when the step gathered the queries, their tag at P + v. The caller checks them before
+  /// merge, so that a step that disagrees is named instead of merged.
+  template <class Space>
+  static void receive_tags(TensorOps<Space>& ops, StepMessages& m, const WorkspaceLayout& slots,
+                           std::span<std::byte> ws) {
+    const AllToAllTable& t = m.partials;
+    std::byte* recv = slots.get<std::byte>(ws, Slots::recv);
+    for (int v = 0; v < m.ranks; ++v) {
+      const auto i = static_cast<std::size_t>(v);
+      copy_tag(ops, recv + t.recv_displs[i] + t.recv_counts[i] - tag_bytes, tag_at(slots, ws, 1 + v));
+    }
+    const int received = gathers_queries(m) ? 2 * m.ranks : m.ranks;
+    tags_to_host(ops, tag_at(slots, ws, 1), m.tags.data(), static_cast<std::size_t>(received));
+  }
+
+  /// Merges the pieces of this rank's heads in rank order (the same order, so the same bits,
+  /// everywhere), joins each merged row's sink when there are sinks (in the accumulation type,
+  /// the sink of the head's global index), and writes the result to `out` ([B, S, h, D_v] with
+  /// B x S = m.rows).
   template <class T, class Space>
-  static void merge(TensorOps<Space>& ops, DecodePlan& p, std::int64_t tag, TensorView<T, Space> out,
-                    std::span<std::byte> ws) {
+  static void merge(TensorOps<Space>& ops, const StepMessages& m, const WorkspaceLayout& slots,
+                    TensorView<T, Space> out, std::span<std::byte> ws) {
     using A = acc_t<T>;
-    const DecodeProblem& pr = p.problem_;
-    const std::int64_t B = pr.batch, Tn = pr.new_tokens, Dv = pr.value_dim(), h = p.out_heads().count;
-    const int P = p.layout_.ranks();
-    const bool gather_q = gathers_queries(p);
-    const AllToAllTable& t = p.partials_;
-    std::byte* recv = p.slots_.get<std::byte>(ws, Slots::recv);
+    const std::int64_t B = out.batch(), S = out.seq(), Dv = m.value_dim, h = m.out_heads.count;
+    const AllToAllTable& t = m.partials;
+    std::byte* recv = slots.get<std::byte>(ws, Slots::recv);
     auto piece = [&](int v) {
       A* o = reinterpret_cast<A*>(recv + t.recv_displs[static_cast<std::size_t>(v)]);
-      return std::pair{TensorView<A, Space>::bshd(o, B, Tn, h, Dv),
-                       TensorView<A, Space>::bshd(o + B * Tn * h * Dv, B, Tn, h, 1)};
+      return std::pair{TensorView<A, Space>::bshd(o, B, S, h, Dv), TensorView<A, Space>::bshd(o + B * S * h * Dv, B, S, h, 1)};
     };
-    for (int v = 0; v < P; ++v) {
-      const auto i = static_cast<std::size_t>(v);
-      copy_tag(ops, recv + t.recv_displs[i] + t.recv_counts[i] - tag_bytes, tag_at(p, ws, 1 + v));
-    }
-    const int received = gather_q ? 2 * P : P;
-    tags_to_host(ops, tag_at(p, ws, 1), p.tags_.data(), static_cast<std::size_t>(received));
-    for (int v = 0; gather_q && v < P; ++v) check_tag(p, p.tags_[static_cast<std::size_t>(P + v)], v, tag);
-    for (int v = 0; v < P; ++v) check_tag(p, p.tags_[static_cast<std::size_t>(v)], v, tag);
     const auto [o0, l0] = piece(0);
-    for (int v = 1; v < P; ++v) {
+    for (int v = 1; v < m.ranks; ++v) {
       const auto [ov, lv] = piece(v);
       ops.merge(o0, l0, TensorView<const A, Space>(ov), TensorView<const A, Space>(lv));
     }
     if constexpr (ops_have_sinks<Space>)  // otherwise a plan with sinks was refused (sinks_reason)
-      if (pr.sinks != nullptr) ops.join_sinks(o0, l0, pr.sinks + p.out_heads().begin);
+      if (m.sinks != nullptr) ops.join_sinks(o0, l0, m.sinks + m.out_heads.begin);
     ops.copy(TensorView<const A, Space>(o0), out);
   }
 
@@ -227,21 +261,8 @@ struct StepExchange {
 
   /// Tag i of the tag slot: 0 this step's, 1 + v the one rank v's partials carried, 1 + P + v
   /// the one its queries carried.
-  static std::byte* tag_at(const DecodePlan& p, std::span<std::byte> ws, int i) {
-    return p.slots_.get<std::byte>(ws, Slots::tags) + static_cast<std::size_t>(i) * tag_bytes;
-  }
-
-  /// The step's identity: the lengths, T and the step count, hashed (nothing allocated).
-  static std::int64_t step_tag(const DecodePlan& p) {
-    Fnv f;
-    f.mix(std::span<const std::int64_t>(p.len_));
-    f.mix(p.problem_.new_tokens);
-    f.mix(p.step_);
-    return f.value();
-  }
-  static void check_tag(const DecodePlan& p, std::int64_t theirs, int from, std::int64_t mine) {
-    SEQPAR_CHECK(theirs == mine, ConfigError, "decode step: rank ", from, " is at another step than rank ", p.rank_,
-                 " (their cache lengths or step count differ: every rank must advance its plan alike)");
+  static std::byte* tag_at(const WorkspaceLayout& slots, std::span<std::byte> ws, int i) {
+    return slots.get<std::byte>(ws, Slots::tags) + static_cast<std::size_t>(i) * tag_bytes;
   }
 
   /// Copies an 8-byte step tag between two places in Space (any alignment: bytes).
@@ -261,4 +282,5 @@ struct StepExchange {
   }
 };
 
-}  // namespace seqpar::detail
+}  // namespace detail
+}  // namespace seqpar

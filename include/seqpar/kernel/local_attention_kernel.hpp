@@ -8,6 +8,7 @@
 
 #include "seqpar/core/key_span.hpp"
 #include "seqpar/core/mask.hpp"
+#include "seqpar/core/paged_cache.hpp"
 #include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/types.hpp"
@@ -120,6 +121,14 @@ inline constexpr bool enable_kernel = requires { requires K::is_seqpar_kernel; }
 ///   by 1 - (s / softcap)^2 of the capped s) and `supports_value_dim` (v, out, dout have head
 ///   dim D_v = v.dim(), which may differ from q's and k's D; dq and dk keep D). Attention sinks
 ///   need nothing from a kernel: the engine applies them after the merge;
+/// - optional, a paged cache (kernel_supports_paged): `k.forward_paged(q, cache, rows, out,
+///   lse, params)` with q `TensorView<const T, Space>` [1, R, H, D] (packed rows, sequence b's
+///   at rows [rows.begin[b], rows.begin[b + 1])), cache `PagedKV<T, Space>` (core/
+///   paged_cache.hpp: pools and block table), out [1, R, H, D_v] and lse [1, R, H, 1] as
+///   `TensorView<A, Space>`: row r of sequence b attends the sequence's local slots
+///   [0, rows.key_end[r]) read in place from the pages, with params' scale, softcap and head
+///   map (its mask and positions are unused); rows seeing no slot get O = 0, LSE = -inf.
+///   Without it, PagedDecode calls `forward` once per run of pages;
 /// - optional: `k.prepare(max_head_dim)` (and `k.prepare_backward(max_head_dim)`) is called when
 ///   a plan is made, so that forward (backward) allocates nothing, and so is
 ///   `k.reserve(const KernelCallBounds&)`, with the largest call the plan will make, for
@@ -179,6 +188,14 @@ inline constexpr bool kernel_supports_softcap = requires { requires K::supports_
 /// True when kernel K takes V (and writes O) with a head dimension other than Q's and K's.
 template <class K>
 inline constexpr bool kernel_supports_value_dim = requires { requires K::supports_value_dim; };
+
+/// True when kernel K attends a paged cache in place (forward_paged, see LocalAttentionKernel).
+template <class K, class T>
+inline constexpr bool kernel_supports_paged =
+    requires(K& kern, TensorView<const T, typename K::memory_space> q, const PagedKV<T, typename K::memory_space>& c,
+             const PagedRows& rows, TensorView<acc_t<T>, typename K::memory_space> o, const KernelParams& p) {
+      kern.forward_paged(q, c, rows, o, o, p);
+    };
 
 /// True when kernel K can write its output directly in the accumulation type.
 template <class K, class T>
