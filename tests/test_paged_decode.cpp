@@ -58,3 +58,97 @@ TEST_CASE("paged decode: today's models' features, alone and combined") {
     CHECK(run_paged_case<CpuFlashKernel>(c) < 1e-5);
   }
 }
+
+namespace {
+
+using test::SmallStep;
+
+/// test::small_paged_step on `ranks` thread ranks; returns how each rank ended.
+template <class Edit>
+std::vector<test::RankOutcome> small_step(int ranks, Edit edit, bool then_valid = false,
+                                          DecodeExchange ex = DecodeExchange::all_gather) {
+  return test::rank_outcomes(ranks, [&](ThreadCommunicator& world) { test::small_paged_step(world, edit, then_valid, ex); });
+}
+
+bool names_on_every_rank(const std::vector<test::RankOutcome>& out, const std::string& needle) {
+  for (const auto& o : out)
+    if (o.kind != "ConfigError" || o.what.find(needle) == std::string::npos) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("paged decode: a bad or differing batch is refused on every rank, never merged or hung") {
+  for (DecodeExchange ex : {DecodeExchange::all_gather, DecodeExchange::heads}) {
+    CAPTURE(static_cast<int>(ex));
+    // The untouched step runs everywhere.
+    auto ok = small_step(3, [](int, SmallStep&) {}, false, ex);
+    for (const auto& o : ok) CHECK(o.kind == "none");
+
+    // Rank 1 lists the sequences under other ids (same rows): every rank names it, and rank 1
+    // names rank 0.
+    auto ids = small_step(3, [](int r, SmallStep& s) { if (r == 1) s.ids[1] = 8; }, false, ex);
+    INFO(test::describe(ids));
+    CHECK(ids[0].what.find("rank 1's batch differs from rank 0's") != std::string::npos);
+    CHECK(ids[2].what.find("rank 1's batch differs from rank 2's") != std::string::npos);
+    CHECK(ids[1].what.find("rank 0's batch differs from rank 1's") != std::string::npos);
+    CHECK(names_on_every_rank(ids, "batch differs"));
+
+    // Rank 2's block table lacks a page its tokens need: it refuses, every rank names it, and
+    // it alone says why.
+    auto pages = small_step(3, [](int r, SmallStep& s) { if (r == 2) { s.indices.pop_back(); --s.indptr.back(); } },
+                            false, ex);
+    INFO(test::describe(pages));
+    CHECK(names_on_every_rank(pages, "rank 2 refused the step"));
+    CHECK(pages[2].what.find("block table: sequence 1 has") != std::string::npos);
+    CHECK(pages[0].what.find("its own error says why") != std::string::npos);
+
+    // A page id outside the pool on rank 0.
+    auto id = small_step(2, [](int r, SmallStep& s) { if (r == 0) s.indices[0] = 16; }, false, ex);
+    CHECK(names_on_every_rank(id, "rank 0 refused the step"));
+    CHECK(id[0].what.find("is id 16, outside the pool's 0..15") != std::string::npos);
+
+    // Every rank gives T = 5 > max_new_tokens 4 (the rows still fit the plan): all refuse.
+    auto many = small_step(2, [](int, SmallStep& s) { s.new_tokens[0] = 5; }, false, ex);
+    CHECK(names_on_every_rank(many, "refused the step"));
+    CHECK(many[0].what.find("new_tokens[0]: expected 0..4 (max_new_tokens), got 5") != std::string::npos);
+
+    // After a refused step the plan and the communicator still work: the next step runs.
+    auto after = small_step(3, [](int r, SmallStep& s) { if (r == 1) s.indptr[1] = 99; }, true, ex);
+    INFO(test::describe(after));
+    for (const auto& o : after) CHECK(o.kind == "none");
+  }
+  // Rank 1 counts another row (T 3 instead of 2): message sizes differ, so the exchange itself
+  // fails (the communicator's size check) on every rank, within the time-out, none merges.
+  auto rows = small_step(3, [](int r, SmallStep& s) { if (r == 1) s.new_tokens[0] = 3; });
+  INFO(test::describe(rows));
+  for (const auto& o : rows) CHECK((o.kind == "CommError" || o.kind == "CommAborted" || o.kind == "ConfigError"));
+
+  // The plan's agreement: ranks that disagree on the placement are refused alike.
+  auto plan = test::rank_outcomes(2, [](ThreadCommunicator& world) {
+    PagedDecode<ThreadCommunicator, ReferenceKernel> dec(world);
+    (void)dec.plan({.heads = 2, .head_dim = 4, .interleave = world.rank() == 0 ? 16 : 1});
+  });
+  CHECK(test::all_same_config_error(plan, "paged decode plan: ranks disagree on interleave: rank 0 has 16, rank 1 has 1"));
+  auto maxima = test::rank_outcomes(1, [](ThreadCommunicator& world) {
+    PagedDecode<ThreadCommunicator, ReferenceKernel> dec(world);
+    (void)dec.plan({.max_new_tokens = 17, .heads = 2, .head_dim = 4});
+  });
+  CHECK(test::all_same_config_error(maxima, "paged decode plan: max_new_tokens: expected 1..16, got 17"));
+}
+
+TEST_CASE("paged decode: the placement puts every token on one rank, in increasing slots, queryable by the engine") {
+  for (int P : {1, 3, 4})
+    for (std::int64_t interleave : {0, 1, 3, 16}) {
+      const TokenPlacement place{P, interleave};
+      for (std::int64_t split : {0, 7, 40}) {
+        std::vector<std::int64_t> next(static_cast<std::size_t>(P), 0);
+        for (std::int64_t pos = 0; pos < 120; ++pos) {
+          const int r = place.owner(pos, split);
+          CHECK(place.slot(pos, split) == next[static_cast<std::size_t>(r)]++);
+          if (interleave > 0) CHECK(r == (pos / interleave) % P);  // vLLM's interleave rule
+        }
+        for (int r = 0; r < P; ++r) CHECK(place.count(r, 120, split) == next[static_cast<std::size_t>(r)]);
+      }
+    }
+}

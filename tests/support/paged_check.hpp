@@ -287,4 +287,47 @@ double run_paged_case(const PagedCase& c) {
   return *std::max_element(err.begin(), err.end());
 }
 
+/// The batch of small_paged_step, which a test may edit on one rank.
+struct SmallStep {
+  std::vector<std::int64_t> ids{7, 9}, kv_len{10, 5}, new_tokens{2, 1}, split{0, 0};
+  std::vector<std::int32_t> indptr, indices;
+};
+
+/// A small paged step on this rank of `world`: 2 sequences (ids 7 and 9) of 10 and 5 cached
+/// tokens, T = 2 and 1, page size 4, interleave 2, 3 heads of D 4; `edit(rank, step)` may
+/// change this rank's batch or table first. With `then_valid`, a ConfigError of that step is
+/// swallowed and the unedited step follows (a refusal must leave the plan usable).
+template <class Comm, class Edit>
+void small_paged_step(Comm& world, Edit edit, bool then_valid, DecodeExchange ex) {
+  PagedDecode<Comm, ReferenceKernel> dec(world);
+  PagedDecodePlan plan =
+      dec.plan({.max_batch = 4, .max_new_tokens = 4, .heads = 3, .head_dim = 4, .interleave = 2, .exchange = ex});
+  const std::int64_t pages = 16, ps = 4;
+  std::vector<float> pool(static_cast<std::size_t>(pages * ps * 3 * 4), 0.5f);
+  std::vector<float> q(static_cast<std::size_t>(16 * 3 * 4), 0.25f), out(q.size());
+  std::vector<std::byte> ws(plan.workspace_bytes());
+  auto run = [&](bool edited) {
+    SmallStep s;
+    s.indptr = {0};
+    std::int32_t next = 0;
+    for (std::size_t b = 0; b < 2; ++b) {  // each sequence's pages here, in order
+      const std::int64_t need = (plan.local_tokens(s.kv_len[b] + s.new_tokens[b]) + ps - 1) / ps;
+      for (std::int64_t i = 0; i < need; ++i) s.indices.push_back(next++);
+      s.indptr.push_back(static_cast<std::int32_t>(s.indices.size()));
+    }
+    if (edited) edit(world.rank(), s);
+    const auto view = TensorView<const float>::bshd(pool.data(), pages, ps, 3, 4);
+    const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
+    dec.template step<float>(plan, {s.ids, s.kv_len, s.new_tokens, s.split, BlockTable::csr(s.indptr, s.indices)},
+                             TensorView<const float>::bshd(q.data(), 1, 16, qh.count, 4), view, view,
+                             TensorView<float>::bshd(out.data(), 1, 16, oh.count, 4), ws);
+  };
+  try {
+    run(true);
+  } catch (const ConfigError&) {
+    if (!then_valid) throw;
+  }
+  if (then_valid) run(false);
+}
+
 }  // namespace seqpar::test
