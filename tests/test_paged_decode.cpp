@@ -7,6 +7,12 @@
 // equal the plan's count for the step's rows.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "support/paged_check.hpp"
@@ -151,4 +157,136 @@ TEST_CASE("paged decode: the placement puts every token on one rank, in increasi
         for (int r = 0; r < P; ++r) CHECK(place.count(r, 120, split) == next[static_cast<std::size_t>(r)]);
       }
     }
+}
+
+namespace {
+
+/// One native paged call of CpuFlashKernel: pools (NHD or HND, V its own pool or K's first
+/// D_v columns), sequences whose pages come in shuffled or pool order, NaN in every row no
+/// row may see.
+struct NativeCase {
+  std::int64_t page_size;
+  bool hnd = false, in_order = false, v_in_k = false;
+  int threads = 1;
+  std::int64_t heads = 8, kv_heads = 2, dim = 32, dim_v = 32;
+  double softcap = 0;
+  std::vector<std::int64_t> slots{0, 37, 1300};  ///< each sequence's local slots
+  std::vector<std::int64_t> tokens{1, 16, 3};    ///< each sequence's query rows
+};
+
+/// Worst error of forward_paged against the same attention in double: O normwise, the LSE
+/// absolute (a row that sees nothing must give O = 0 and LSE = -inf).
+double native_paged_error(const NativeCase& c) {
+  const std::int64_t H = c.heads, K = c.kv_heads, D = c.dim, Dv = c.dim_v, ps = c.page_size;
+  const auto B = static_cast<std::int64_t>(c.slots.size());
+  std::mt19937_64 rng(static_cast<std::uint64_t>(ps * 131 + c.threads));
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<std::int32_t> indptr{0}, indices;
+  std::int64_t pages = 2;  // two spare pages no sequence owns
+  for (std::int64_t s : c.slots) pages += (s + ps - 1) / ps;
+  std::vector<std::int32_t> order(static_cast<std::size_t>(pages));
+  std::iota(order.begin(), order.end(), 0);
+  if (!c.in_order) std::shuffle(order.begin(), order.end(), rng);
+  std::size_t next = 1;  // page order[0] stays free
+  for (std::int64_t s : c.slots) {
+    for (std::int64_t i = 0; i < (s + ps - 1) / ps; ++i) indices.push_back(order[next++]);
+    indptr.push_back(static_cast<std::int32_t>(indices.size()));
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> kp(static_cast<std::size_t>(pages * ps * K * D), nan),
+      vp(c.v_in_k ? 0 : static_cast<std::size_t>(pages * ps * K * Dv), nan);
+  // Element (page, row, head, d) of a pool with `dim` columns, NHD or HND.
+  auto at = [&](std::int64_t page, std::int64_t row, std::int64_t h, std::int64_t d, std::int64_t dim) {
+    return static_cast<std::size_t>(c.hnd ? ((page * K + h) * ps + row) * dim + d : ((page * ps + row) * K + h) * dim + d);
+  };
+  auto view = [&](const std::vector<float>& pool, std::int64_t dim) {
+    auto v = TensorView<const float>::bshd(pool.data(), pages, ps, K, dim);
+    if (c.hnd) v.stride = {K * ps * dim, dim, ps * dim, 1};
+    return v;
+  };
+  const BlockTable table = BlockTable::csr(indptr, indices);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s < c.slots[static_cast<std::size_t>(b)]; ++s)
+      for (std::int64_t h = 0; h < K; ++h) {
+        const std::int64_t page = table.pages(b)[static_cast<std::size_t>(s / ps)];
+        for (std::int64_t d = 0; d < D; ++d) kp[at(page, s % ps, h, d, D)] = n(rng);
+        if (!c.v_in_k)
+          for (std::int64_t d = 0; d < Dv; ++d) vp[at(page, s % ps, h, d, Dv)] = n(rng);
+      }
+  TensorView<const float> kv = view(kp, D), vv = c.v_in_k ? kv : view(vp, Dv);
+  if (c.v_in_k) vv.extent[3] = Dv;
+  // Rows: each sequence's last rows see its last slots (a decode step's new tokens), one
+  // fewer each row up; a sequence without slots has rows that see nothing.
+  std::vector<std::int64_t> begin{0}, key_end;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t t = c.tokens[static_cast<std::size_t>(b)], s = c.slots[static_cast<std::size_t>(b)];
+    for (std::int64_t r = 0; r < t; ++r) key_end.push_back(std::max<std::int64_t>(0, s - (t - 1 - r)));
+    begin.push_back(begin.back() + t);
+  }
+  const std::int64_t R = begin.back();
+  std::vector<float> q(static_cast<std::size_t>(R * H * D)), out(static_cast<std::size_t>(R * H * Dv), nan),
+      lse(static_cast<std::size_t>(R * H), nan);
+  for (float& x : q) x = n(rng);
+  KernelParams p;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(D));
+  p.softcap = c.softcap;
+  p.group_size = H / K;
+  CpuFlashKernel kernel(CpuFlashOptions{.threads = c.threads});
+  const PagedKV<float> cache{kv, vv, table};
+  kernel.forward_paged(TensorView<const float>::bshd(q.data(), 1, R, H, D), cache, PagedRows{B, begin.data(), key_end.data()},
+                       TensorView<float>::bshd(out.data(), 1, R, H, Dv), TensorView<float>::bshd(lse.data(), 1, R, H, 1), p);
+  double num = 0, den = 0, lse_err = 0;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t r = begin[static_cast<std::size_t>(b)]; r < begin[static_cast<std::size_t>(b) + 1]; ++r)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t kh = h / (H / K), n_keys = key_end[static_cast<std::size_t>(r)];
+        std::vector<double> w(static_cast<std::size_t>(n_keys));
+        double m = -std::numeric_limits<double>::infinity(), sum = 0;
+        for (std::int64_t s = 0; s < n_keys; ++s) {
+          const std::int64_t page = table.pages(b)[static_cast<std::size_t>(s / ps)];
+          double x = 0;
+          for (std::int64_t d = 0; d < D; ++d) x += double(q[static_cast<std::size_t>((r * H + h) * D + d)]) * kp[at(page, s % ps, kh, d, D)];
+          x *= p.scale;
+          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
+          w[static_cast<std::size_t>(s)] = x;
+          m = std::max(m, x);
+        }
+        for (double& x : w) sum += x = std::exp(x - m);
+        const double want_lse = n_keys == 0 ? -std::numeric_limits<double>::infinity() : m + std::log(sum);
+        const double got_lse = lse[static_cast<std::size_t>(r * H + h)];
+        if (n_keys == 0) CHECK(got_lse == want_lse);
+        else lse_err = std::isnan(got_lse) ? std::numeric_limits<double>::infinity() : std::max(lse_err, std::abs(got_lse - want_lse));
+        for (std::int64_t d = 0; d < Dv; ++d) {
+          double o = 0;
+          for (std::int64_t s = 0; s < n_keys; ++s) {
+            const std::int64_t page = table.pages(b)[static_cast<std::size_t>(s / ps)];
+            o += w[static_cast<std::size_t>(s)] / sum * (c.v_in_k ? kp[at(page, s % ps, kh, d, D)] : vp[at(page, s % ps, kh, d, Dv)]);
+          }
+          const double got = out[static_cast<std::size_t>((r * H + h) * Dv + d)];
+          num = std::isnan(got) ? std::numeric_limits<double>::infinity() : std::max(num, std::abs(got - o));
+          den = std::max(den, std::abs(o));
+        }
+      }
+  return std::max(num / den, lse_err);
+}
+
+}  // namespace
+
+TEST_CASE("paged decode: CpuFlashKernel reads the pages in place, any page size, NHD or HND, equal to attention in double") {
+  const std::vector<NativeCase> cases = {
+      {.page_size = 1},
+      {.page_size = 3, .threads = 2},
+      {.page_size = 16, .in_order = true},                                   // runs of pages read as one block
+      {.page_size = 16, .hnd = true, .threads = 2},                          // HND: no run joins
+      {.page_size = 64, .heads = 8, .kv_heads = 1, .softcap = 2.0},          // MQA, soft-capped
+      {.page_size = 5, .in_order = true, .v_in_k = true, .threads = 2, .heads = 4, .kv_heads = 1, .dim = 24,
+       .dim_v = 16},                                                        // MLA: V a column view of K
+      {.page_size = 7, .heads = 6, .kv_heads = 3, .dim = 20, .dim_v = 12, .tokens = {16, 0, 9}},
+  };
+  for (const NativeCase& c : cases) {
+    CAPTURE(c.page_size);
+    CAPTURE(c.hnd);
+    CAPTURE(c.threads);
+    CHECK(native_paged_error(c) < 5e-6);
+  }
 }

@@ -4,7 +4,9 @@
 // (tests/support/decode_check.hpp, on the inputs rounded to the element type): 3 and 4 ranks,
 // 1 and 4 new tokens, contiguous, page 1 and page 16 layouts, both exchanges, GQA and MQA,
 // ragged caches with shards that hold nothing of a sequence, and NaN in every cache slot no
-// token has been written to (it must reach no row).
+// token has been written to (it must reach no row). And PagedDecode over an engine's paged pool
+// on the device (CudaFlashKernel called per run of pages): requests joining and leaving, T_b
+// 0..16, pages reused after free with NaN in them, float and bf16.
 
 #include <doctest/doctest.h>
 
@@ -17,6 +19,7 @@
 
 #include "support/decode_check.hpp"
 #include "support/gpu_check.hpp"
+#include "support/paged_check.hpp"
 #ifdef SEQPAR_TEST_NCCL
 #include "seqpar/comm/nccl_communicator.hpp"
 #endif
@@ -132,7 +135,75 @@ void check_thread_decode() {
   }
 }
 
+/// Runs a paged step on the device: the engine's host pool, queries and output copied to and
+/// from device buffers of T around the step.
+template <class T>
+struct DeviceStep {
+  cudaStream_t stream;
+  template <class Dec>
+  std::int64_t operator()(Dec& dec, PagedDecodePlan& plan, const DecodeBatch& batch, const std::vector<float>& q,
+                          const test::RankPool& pool, std::vector<float>& out, std::span<std::byte>) const {
+    dec.kernel().set_stream(stream);  // the kernel, the ops and the communicator on the rank's stream
+    dec.ops().set_stream(stream);
+    if constexpr (requires { dec.world().set_stream(stream); }) dec.world().set_stream(stream);
+    auto widen = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+    DeviceBuffer<T> kd(pool.k.size()), vd(pool.v.size()), qd(q.size()), od(out.size());
+    DeviceBuffer<std::byte> ws(plan.workspace_bytes());
+    kd.upload(widen(pool.k));
+    vd.upload(widen(pool.v));
+    qd.upload(widen(q));
+    od.poison();
+    using CV = TensorView<const T, CudaSpace>;
+    const std::int64_t rows = static_cast<std::int64_t>(q.size()) / (plan.q_heads().count * pool.D);
+    const CV k = CV::bshd(kd.data(), pool.pages, pool.page_size, pool.K, pool.D);
+    CV v = pool.v_in_k ? k : CV::bshd(vd.data(), pool.pages, pool.page_size, pool.K, pool.Dv);
+    v.extent[3] = pool.Dv;  // MLA: the first D_v columns of K's rows
+    const std::int64_t n = dec.template step<T>(plan, batch, CV::bshd(qd.data(), 1, rows, plan.q_heads().count, pool.D),
+                                                k, v, TensorView<T, CudaSpace>::bshd(od.data(), 1, rows, plan.out_heads().count, pool.Dv),
+                                                std::span<std::byte>(ws.data(), ws.size()));
+    SEQPAR_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<double> got = od.download();
+    std::copy(got.begin(), got.end(), out.begin());
+    return n;
+  }
+};
+
+/// A paged schedule on the device with its truth rounded to T.
+template <class T>
+double paged_on_device(const test::PagedCase& c) {
+  test::Schedule sch(c);
+  auto round = [](std::vector<float>& xs) {
+    for (float& x : xs) x = static_cast<float>(to_double(from_double<T>(x)));
+  };
+  for (test::Request& r : sch.requests) {
+    round(r.k);
+    round(r.v);
+  }
+  for (test::ScheduledStep& st : sch.steps) round(st.q);
+  return on_thread_ranks(c.ranks, [&](CudaThreadCommunicator& world, cudaStream_t stream) {
+    return test::paged_rank_error<CudaFlashKernel>(world, c, sch, DeviceStep<T>{stream}, dtype_v<T>);
+  });
+}
+
 }  // namespace
+
+TEST_CASE("paged decode on the device: continuously batched steps equal attention over each whole cache") {
+  using E = DecodeExchange;
+  // (Sinks are in device memory on the device: the host test covers them with this engine.)
+  const test::DecodeFeatures mla{.head_dim = 12, .head_dim_v = 8, .softcap = 2.0, .v_in_k = true};
+  const std::vector<test::PagedCase> cases = {
+      {.ranks = 3, .interleave = 1, .page_size = 4, .heads = 4, .kv_heads = 2, .exchange = E::all_gather, .steps = 6},
+      {.ranks = 2, .interleave = 16, .page_size = 16, .heads = 6, .kv_heads = 1, .exchange = E::heads, .steps = 6,
+       .dense_table = true, .max_prompt = 60},
+      {.ranks = 4, .interleave = 0, .page_size = 4, .heads = 4, .kv_heads = 2, .exchange = E::all_gather, .steps = 5,
+       .features = mla, .max_prompt = 40},
+  };
+  for (const test::PagedCase& c : cases) {
+    CAPTURE(c.ranks);
+    CHECK(paged_on_device<float>(c) <= tolerance<float>);
+    CHECK(paged_on_device<__nv_bfloat16>(c) <= tolerance<__nv_bfloat16>);
+  }
+}
 
 TEST_CASE("decode on the device: every step equals attention over the whole cache (float)") {
   check_thread_decode<float>();

@@ -188,13 +188,28 @@ struct RankPool {
   }
 };
 
+/// Runs a step on host memory: the views of the engine's buffers as they are.
+struct HostStep {
+  template <class Dec>
+  std::int64_t operator()(Dec& dec, PagedDecodePlan& plan, const DecodeBatch& batch, const std::vector<float>& q,
+                          const RankPool& pool, std::vector<float>& out, std::span<std::byte> ws) const {
+    const std::int64_t rows = static_cast<std::int64_t>(q.size()) / (plan.q_heads().count * pool.D);
+    return dec.template step<float>(plan, batch, TensorView<const float>::bshd(q.data(), 1, rows, plan.q_heads().count, pool.D),
+                                    pool.k_view(), pool.v_view(),
+                                    TensorView<float>::bshd(out.data(), 1, rows, plan.out_heads().count, pool.Dv), ws);
+  }
+};
+
 /// Runs the schedule on this rank of `world` with `Kernel`; returns the worst normwise error
-/// of its rows. Every step's bytes must be the plan's count for its rows.
-template <class Kernel = ReferenceKernel, class Comm>
-double paged_rank_error(Comm& world, const PagedCase& c, const Schedule& sch) {
+/// of its rows. Every step's bytes must be the plan's count for its rows. `run_step` runs
+/// one step on the engine's host buffers (HostStep; a device test uploads them first).
+template <class Kernel = ReferenceKernel, class Comm, class StepRunner = HostStep>
+double paged_rank_error(Comm& world, const PagedCase& c, const Schedule& sch, StepRunner run_step = {},
+                        DType dtype = DType::f32) {
   PagedDecodeProblem pr{.max_batch = c.max_batch, .max_new_tokens = c.max_new_tokens, .heads = c.heads,
                         .kv_heads = c.kv_heads, .head_dim = sch.D, .head_dim_v = c.features.head_dim_v,
-                        .softcap = c.features.softcap, .interleave = c.interleave, .exchange = c.exchange,
+                        .softcap = c.features.softcap, .dtype = dtype, .interleave = c.interleave,
+                        .exchange = c.exchange,
                         .sinks = sch.sinks.empty() ? nullptr : sch.sinks.data()};
   PagedDecode<Comm, Kernel> dec(world);
   PagedDecodePlan plan = dec.plan(pr);
@@ -252,10 +267,7 @@ double paged_rank_error(Comm& world, const PagedCase& c, const Schedule& sch) {
                     &q[static_cast<std::size_t>((r * qh.count + h) * D)]);
     const DecodeBatch batch{ids, st.kv_len, st.new_tokens, split, table};
     const std::uint64_t before = world.stats().bytes_sent;
-    const std::int64_t rows =
-        dec.template step<float>(plan, batch, TensorView<const float>::bshd(q.data(), 1, max_rows, qh.count, D),
-                                 pool.k_view(), pool.v_view(),
-                                 TensorView<float>::bshd(out.data(), 1, max_rows, oh.count, Dv), ws);
+    const std::int64_t rows = run_step(dec, plan, batch, q, pool, out, ws);
     CHECK(rows == st.rows);
     CHECK(world.stats().bytes_sent - before == plan.step_bytes(rows));
     double num = 0, den = 0;

@@ -317,7 +317,11 @@ class PagedDecode {
     const std::size_t a = acc_bytes(pr.dtype), e = dtype_bytes(pr.dtype);
     p.slots_.declare(part_o, rows * H * Dv * a);
     p.slots_.declare(part_l, rows * H * a);
-    if constexpr (!kernel_supports_paged<Kernel, float> && !kernel_supports_paged<Kernel, double>) {
+    // A call per run needs a run's partial (other element types than these two are given it
+    // whether their kernel reads pages in place or not: a few rows of spare workspace).
+    const bool in_place = (pr.dtype == DType::f32 && kernel_supports_paged<Kernel, float>) ||
+                          (pr.dtype == DType::f64 && kernel_supports_paged<Kernel, double>);
+    if (!in_place) {
       p.slots_.declare(run_o, T * H * Dv * a);
       p.slots_.declare(run_l, T * H * a);
       p.slots_.declare(run_t, T * H * Dv * e);

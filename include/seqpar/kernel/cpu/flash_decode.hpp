@@ -32,6 +32,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "seqpar/core/key_span.hpp"
+#include "seqpar/core/paged_cache.hpp"
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/core/types.hpp"
 #include "seqpar/kernel/cpu/flash_scratch.hpp"
@@ -70,18 +72,24 @@ struct DecodeSplit {
 };
 
 /// One decode-shaped forward call: the tensors, the parameters and the split into tasks
-/// (batch element x slab of K/V heads or part of one's query heads x key chunk).
+/// (batch element x slab of K/V heads or part of one's query heads x key chunk). The same job
+/// reads a paged cache in place (CpuFlashKernel::forward_paged): then a "batch element" is a
+/// sequence of the step, its query rows a run of the packed q, its keys its local slots read
+/// through the block table, and its key blocks end where a run of pages ends.
 template <class T, class O, class A>
 struct FlashDecode {
-  TensorView<const T> q;  ///< [B, Sq, H, D], Sq <= decode_max_queries
-  TensorView<const T> k;  ///< [B, Sk, Hkv, D]
-  TensorView<const T> v;  ///< [B, Sk, Hkv, D_v] (may view K's rows: MLA's latent cache)
-  TensorView<O> out;      ///< [B, Sq, H, D_v]
-  TensorView<A> lse;      ///< [B, Sq, H, 1], or absent
+  TensorView<const T> q;  ///< [B, Sq, H, D], Sq <= decode_max_queries; paged: [1, R, H, D] packed
+  TensorView<const T> k;  ///< [B, Sk, Hkv, D]; paged: the K pool [pages, page_size, Hkv, D]
+  TensorView<const T> v;  ///< [B, Sk, Hkv, D_v] (may view K's rows: MLA's latent cache); paged: the V pool
+  TensorView<O> out;      ///< [B, Sq, H, D_v]; paged: [1, R, H, D_v]
+  TensorView<A> lse;      ///< [B, Sq, H, 1], or absent; paged: [1, R, H, 1]
   const KernelParams& p;  ///< scale, mask, head map
+  const PagedKV<T>* cache = nullptr;  ///< paged: the pools and the block table (null: dense k, v)
+  const PagedRows* rows = nullptr;    ///< paged: each sequence's rows and each row's visible slots
+  std::int64_t most_tokens = q.seq();  ///< most query rows of one batch element (paged: of one sequence)
   std::int64_t chunks = 1;  ///< key chunks per group (1: each task writes its rows' output)
   A* part = nullptr;        ///< chunks > 1: per (group, chunk, row) the chunk's O (D_v) then its LSE
-  DecodeSplit split = DecodeSplit::of(q.seq(), group_heads(q, p), k.heads(), max_panel<A>);  ///< rows per task
+  DecodeSplit split = DecodeSplit::of(most_tokens, group_heads(q, p), k.heads(), max_panel<A>);  ///< rows per task
 
   /// Whether a forward call of this shape takes the decode path: few query rows and K/V
   /// readable in place (T = A).
@@ -97,27 +105,67 @@ struct FlashDecode {
   static std::int64_t head_rows(std::int64_t tokens, std::int64_t heads) {
     return (std::max<std::int64_t>(1, tokens * heads) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
   }
-  /// Key chunks per group for `threads` threads: enough tasks for about four per thread, no
-  /// chunk under decode_min_chunk keys. (Without the mask's group size, the groups are
-  /// counted with H / Hkv query heads per K/V head: a balance estimate only.)
+  /// Key chunks per group for `threads` threads and `groups` groups of at most `keys` keys:
+  /// enough tasks for about four per thread, no chunk under decode_min_chunk keys.
+  static std::int64_t chunks_for(int threads, std::int64_t groups, std::int64_t keys) {
+    if (threads <= 1 || groups == 0) return 1;  // one thread, or an empty batch: no task at all
+    const std::int64_t want = (4 * threads + groups - 1) / groups;
+    return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, keys / decode_min_chunk));
+  }
+  /// chunks_for a dense call. (Without the mask's group size, the groups are counted with
+  /// H / Hkv query heads per K/V head: a balance estimate only.)
   static std::int64_t chunk_count(int threads, TensorView<const T> q, TensorView<const T> k) {
-    if (threads <= 1) return 1;
     const std::int64_t kheads = std::max<std::int64_t>(1, k.heads());
     const DecodeSplit s = DecodeSplit::of(q.seq(), (q.heads() + kheads - 1) / kheads, kheads, max_panel<A>);
-    const std::int64_t groups = q.batch() * ((kheads + s.slab - 1) / s.slab) * s.parts;
-    if (groups == 0) return 1;  // an empty batch: no task at all
-    const std::int64_t want = (4 * threads + groups - 1) / groups;
-    return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, k.seq() / decode_min_chunk));
+    return chunks_for(threads, q.batch() * ((kheads + s.slab - 1) / s.slab) * s.parts, k.seq());
+  }
+
+  /// Batch elements (paged: sequences).
+  std::int64_t batch() const { return rows ? rows->batch : q.batch(); }
+  /// Query rows of batch element b.
+  std::int64_t tokens(std::int64_t b) const { return rows ? rows->begin[b + 1] - rows->begin[b] : q.seq(); }
+  /// Keys of batch element b (paged: the slots its last row sees, the most of its rows).
+  std::int64_t keys(std::int64_t b) const {
+    return rows ? (tokens(b) > 0 ? rows->key_end[rows->begin[b + 1] - 1] : 0) : k.seq();
+  }
+  /// Query row t of batch element b sees its keys `span` (of `sk`).
+  KeySpan span(std::int64_t b, std::int64_t t, std::int64_t sk) const {
+    return rows ? KeySpan{0, rows->key_end[rows->begin[b] + t] - 1} : p.row_span(b, t, sk);
+  }
+  /// Q row of token t, query head h of batch element b.
+  const T* q_row(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    return rows ? q.row(0, rows->begin[b] + t, h) : q.row(b, t, h);
+  }
+  /// O row of token t, query head h of batch element b.
+  O* out_row(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    return rows ? out.row(0, rows->begin[b] + t, h) : out.row(b, t, h);
+  }
+  /// Stores the LSE of token t, query head h of batch element b (when the call asks for it).
+  void store_lse(std::int64_t b, std::int64_t t, std::int64_t h, A value) const {
+    if (!lse.absent()) (rows ? lse(0, rows->begin[b] + t, h) : lse(b, t, h)) = value;
+  }
+  /// K row of key j, K/V head kh of batch element b; the keys of one block follow it k.stride[1] apart.
+  const T* k_row(std::int64_t b, std::int64_t j, std::int64_t kh) const {
+    return cache ? cache->k_row(b, j, kh) : k.row(b, j, kh);
+  }
+  /// V row of key j, K/V head kh of batch element b (as k_row).
+  const T* v_row(std::int64_t b, std::int64_t j, std::int64_t kh) const {
+    return cache ? cache->v_row(b, j, kh) : v.row(b, j, kh);
+  }
+  /// The last key of a block that starts at j0 and would end at j1: j1, or paged the end of
+  /// j0's run of pages (whose rows follow each other one seq stride apart) when that comes first.
+  std::int64_t block_last(std::int64_t b, std::int64_t j0, std::int64_t j1) const {
+    return cache ? cache->run_end(b, j0, j1 + 1) - 1 : j1;
   }
 
   /// Slabs of K/V heads per batch element.
   std::int64_t slabs() const { return (k.heads() + split.slab - 1) / split.slab; }
   /// Groups: (batch element, slab, part), part fastest.
-  std::int64_t groups() const { return q.batch() * slabs() * split.parts; }
+  std::int64_t groups() const { return batch() * slabs() * split.parts; }
   /// Tasks of the first pass: groups x chunks.
   std::int64_t tasks() const { return groups() * chunks; }
   /// Scratch and partial rows of one K/V head in a task (see head_rows).
-  std::int64_t head_rows() const { return head_rows(q.seq(), split.part_heads); }
+  std::int64_t head_rows() const { return head_rows(most_tokens, split.part_heads); }
   /// Partial rows of a group: its heads' rows, head_rows() apart.
   std::int64_t max_rows() const { return split.slab * head_rows(); }
 
@@ -156,16 +204,16 @@ struct FlashDecode {
     for (std::int64_t kh = at.kh0; kh < at.kh1; ++kh) {
       const auto [h0, h1] = heads(kh, at.part);
       const std::int64_t gh = h1 - h0, r0 = (kh - at.kh0) * head_rows();
-      for (std::int64_t r = 0; r < q.seq() * gh; ++r) {
+      for (std::int64_t r = 0; r < tokens(at.b) * gh; ++r) {
         A* o = part_row(g, 0, r0 + r);
         A l = o[dim_v];
         for (std::int64_t c = 1; c < chunks; ++c) {
           const A* oc = part_row(g, c, r0 + r);
           merge_row<A>(o, l, oc, oc[dim_v], dim_v);
         }
-        O* dst = out.row(at.b, r / gh, h0 + r % gh);
+        O* dst = out_row(at.b, r / gh, h0 + r % gh);
         for (std::int64_t d = 0; d < dim_v; ++d) dst[d] = static_cast<O>(o[d]);
-        if (!lse.absent()) lse(at.b, r / gh, h0 + r % gh) = l;
+        store_lse(at.b, r / gh, h0 + r % gh, l);
       }
     }
   }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "seqpar/core/error.hpp"
+#include "seqpar/core/paged_cache.hpp"
 #include "seqpar/kernel/cpu/flash_backward.hpp"
 #include "seqpar/kernel/cpu/flash_decode.hpp"
 #include "seqpar/kernel/cpu/flash_scratch.hpp"
@@ -187,6 +188,34 @@ class CpuFlashKernel {
       return;
     }
     detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
+  }
+
+  /// See LocalAttentionKernel's forward_paged (float and double): the decode path above with
+  /// the pages read in place, each sequence of the step a batch element of up to 16 rows, a
+  /// key block ending where its run of pages ends (pages whose ids follow each other in an
+  /// NHD pool are one run), and the group's keys split over the threads as for a dense call.
+  template <class T>
+    requires std::is_same_v<T, acc_t<T>>
+  void forward_paged(TensorView<const T> q, const PagedKV<T>& cache, const PagedRows& rows, TensorView<T> out,
+                     TensorView<T> lse, const KernelParams& p) {
+    prepare(q.dim(), cache.v_pool.dim());
+    std::int64_t most = 0, keys = 0;
+    for (std::int64_t b = 0; b < rows.batch; ++b) {
+      const std::int64_t n = rows.begin[b + 1] - rows.begin[b];
+      SEQPAR_CHECK(n >= 0 && n <= detail::decode_max_queries, ConfigError, "CpuFlashKernel::forward_paged: sequence ",
+                   b, " has ", n, " query rows, expected 0..", detail::decode_max_queries);
+      most = std::max(most, n);
+      if (n > 0) keys = std::max(keys, rows.key_end[rows.begin[b + 1] - 1]);
+    }
+    using Decode = detail::FlashDecode<T, T, T>;
+    // (most_tokens before split: the split's rows per task follow the longest sequence's.)
+    Decode job{q, cache.k_pool, cache.v_pool, out, lse, p, &cache, &rows, std::max<std::int64_t>(1, most)};
+    job.chunks = Decode::chunks_for(options_.threads, job.groups(), keys);
+    if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
+      if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
+      job.part = reinterpret_cast<T*>(aligned(decode_scratch_.data()));
+    }
+    detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
   }
 
   /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the

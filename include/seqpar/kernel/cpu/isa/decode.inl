@@ -131,7 +131,7 @@ template <class A>
   A sum = 0;
   for (; j < a1; ++j) sum += s[j] = exp_one(s[j] - shift);
   for (int w = 0; w < W; ++w) sum += sv[w];
-  const A alpha = exp_one(m - shift);
+  const A alpha = m == mx ? A(1) : exp_one(m - shift);  // as softmax_panel: a max that did not move
   l = alpha * l + sum;
   m = mx;
   return alpha;
@@ -225,7 +225,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
     const auto [ja, nkp, f0, f1] = s.panel[hd.base / max_panel<A>].in_block(j0, j1);
     if (nkp <= 0) return;
     const std::ptrdiff_t lds = fwd_block_k;
-    decode_scores(s.qt + hd.base * dim, R, job.k.row(b, ja, hd.kh), ldk, nkp, dim, s.st, lds);
+    decode_scores(s.qt + hd.base * dim, R, job.k_row(b, ja, hd.kh), ldk, nkp, dim, s.st, lds);
     // (Whole vectors: a row of S is fwd_block_k long, a whole number of them.)
     if (cap > 0)
       for (std::int64_t i = 0; i < R; ++i) softcap_scores(s.st + i * lds, (nkp + W - 1) / W * W, cap);
@@ -236,7 +236,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       const A alpha = softmax_row(s.st + i * lds, a0, a1, s.m[hd.base + i], s.l[hd.base + i]);
       if (alpha != A(1)) scale_values(ot + i * dim_v, dim_v, alpha);
     }
-    decode_block_pv(R, s.st, lds, 1, job.v.row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first, last, dim_v, ot, s.ones);
+    decode_block_pv(R, s.st, lds, 1, job.v_row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first, last, dim_v, ot, s.ones);
   } else {
     const std::int64_t panels = (R + PW - 1) / PW, qt_panel = dim * PW;
     for (std::int64_t panel = 0, c0 = 0; panel < panels; ++panel, c0 += PW) {
@@ -244,7 +244,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       const auto [ja, nkp, f0, f1] = s.panel[hd.base / PW + panel].in_block(j0, j1);
       if (nkp <= 0) continue;
       const std::int64_t np = std::min<std::int64_t>(PW, R - c0);
-      const A* const kr = job.k.row(b, ja, hd.kh);
+      const A* const kr = job.k_row(b, ja, hd.kh);
       // S^T = K Q^T with K read in place, MR keys at a time.
       flash_tiles<false, NR>(nkp, kr, ldk, 1, MR * ldk, s.qt + hd.base * dim + panel * qt_panel, PW, dim, s.st, PW,
                              static_cast<const A*>(nullptr));
@@ -254,7 +254,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       softmax_panel<PW>(s.st, nkp, s.m + hd.base + c0, s.l + hd.base + c0, s.alpha);
       A* const o = ot + c0 * dim_v;
       for (std::int64_t i = 0; i < np; ++i) scale_values(o + i * dim_v, dim_v, s.alpha[i]);
-      decode_block_pv(np, s.st, 1, PW, job.v.row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first + c0, last + c0, dim_v,
+      decode_block_pv(np, s.st, 1, PW, job.v_row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first + c0, last + c0, dim_v,
                       o, s.ones);
     }
   }
@@ -265,15 +265,15 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
 /// running max and sum, O = 0, and the keys each panel reaches (one PanelKeys per max_panel
 /// rows for dot-product scores).
 template <class T, class O, class A>
-void decode_head_init(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeHead<A>& hd,
+void decode_head_init(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeHead<A>& hd, std::int64_t sk,
                       const ForwardScratch<A>& s) {
   constexpr int W = FlashTile<A>::width;
-  const std::int64_t dim = job.q.dim(), R = hd.rows, sk = job.k.seq();
+  const std::int64_t dim = job.q.dim(), R = hd.rows;
   const std::int64_t PW = (hd.nr == 0 ? max_panel<A> : hd.nr * W), panels = (R + PW - 1) / PW;
   const A scale = score_scale<A>(job.p);
   A* const qt = s.qt + hd.base * dim;
   for (std::int64_t r = 0; r < panels * PW; ++r) {
-    const T* src = r < R ? job.q.row(b, r / hd.gh, hd.h0 + r % hd.gh) : nullptr;
+    const T* src = r < R ? job.q_row(b, r / hd.gh, hd.h0 + r % hd.gh) : nullptr;
     A* col = hd.nr == 0 ? qt + r * dim : qt + r / PW * dim * PW + r % PW;
     const std::int64_t step = hd.nr == 0 ? 1 : PW;
     for (std::int64_t d = 0; d < dim; ++d) col[d * step] = src ? static_cast<A>(src[d]) * scale : A(0);
@@ -301,9 +301,9 @@ void decode_head_end(const FlashDecode<T, O, A>& job, std::int64_t b, const Deco
       for (std::int64_t d = 0; d < dim; ++d) dst[d] = src[d] * e.inv;
       dst[dim] = e.lse;
     } else {
-      O* dst = job.out.row(b, r / hd.gh, hd.h0 + r % hd.gh);
+      O* dst = job.out_row(b, r / hd.gh, hd.h0 + r % hd.gh);
       for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(src[d] * e.inv);
-      if (!job.lse.absent()) job.lse(b, r / hd.gh, hd.h0 + r % hd.gh) = e.lse;
+      job.store_lse(b, r / hd.gh, hd.h0 + r % hd.gh, e.lse);
     }
   }
 }
@@ -317,11 +317,12 @@ void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const Forwa
   constexpr int W = FlashTile<A>::width;
   const std::int64_t g = task / job.chunks, chunk = task % job.chunks;
   const auto [b, kh0, kh1, part] = job.group(g);
-  const std::int64_t nq = job.q.seq(), sk = job.k.seq(), dim = job.q.dim(), stride = job.head_rows();
+  const std::int64_t nq = job.tokens(b), sk = job.keys(b), dim = job.q.dim(), dim_v = job.v.dim(), stride = job.head_rows();
+  const std::ptrdiff_t ldk = job.k.stride[1], ldv = job.v.stride[1];
   // Each query's keys (the same for every head), and the keys some query sees.
   std::int64_t lo = sk, hi = -1;
   for (std::int64_t t = 0; t < nq; ++t) {
-    const KeySpan r = job.p.row_span(b, t, sk);
+    const KeySpan r = job.span(b, t, sk);
     s.lane_lo[t] = r.first;
     s.lane_hi[t] = r.last;
     if (!r.empty()) {
@@ -343,7 +344,7 @@ void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const Forwa
       s.first[hd.base + r] = std::max(s.lane_lo[r / hd.gh], c_lo);
       s.last[hd.base + r] = std::min(s.lane_hi[r / hd.gh], c_hi);
     }
-    decode_head_init(job, b, hd, s);
+    decode_head_init(job, b, hd, sk, s);
     heads[nh++] = hd;
   }
   // Key blocks of 64 KB of K (and as much V) for the whole slab, 128 KB with query panels:
@@ -353,13 +354,20 @@ void decode_task(const FlashDecode<T, O, A>& job, std::int64_t task, const Forwa
   const std::int64_t run = (kh1 - kh0) * dim * static_cast<std::int64_t>(sizeof(A));
   const std::int64_t block_bytes = nh > 0 && heads[0].nr == 0 ? std::int64_t{64} << 10 : std::int64_t{128} << 10;
   const std::int64_t nb = std::clamp<std::int64_t>(block_bytes / run / 16 * 16, 16, fwd_block_k);
-  for (std::int64_t j0 = c_lo; j0 <= c_hi; j0 += nb) {
-    const std::int64_t j1 = std::min(c_hi, j0 + nb - 1);
+  // A paged cache's block also ends where its run of pages does (FlashDecode::block_last).
+  for (std::int64_t j0 = c_lo, j1; j0 <= c_hi; j0 = j1 + 1) {
+    j1 = job.block_last(b, j0, std::min(c_hi, j0 + nb - 1));
     for (std::int64_t i = 0; i < nh; ++i) {
       const DecodeHead<A>& hd = heads[i];
-      for (std::int64_t x = j1 + 1, xe = std::min(j1 + nb, c_hi) + 1; x < xe; ++x) {
-        prefetch_row(job.k.row(b, x, hd.kh), dim, 2);
-        prefetch_row(job.v.row(b, x, hd.kh), job.v.dim(), 2);
+      // Run by run of pages (one run when dense): a row pointer per run, not per key.
+      for (std::int64_t x = j1 + 1, xe = std::min(j1 + nb, c_hi) + 1; x < xe;) {
+        const std::int64_t last = job.block_last(b, x, xe - 1);
+        const T* kr = job.k_row(b, x, hd.kh);
+        const T* vr = job.v_row(b, x, hd.kh);
+        for (; x <= last; ++x, kr += ldk, vr += ldv) {
+          prefetch_row(kr, dim, 2);
+          prefetch_row(vr, dim_v, 2);
+        }
       }
       if (hd.nr == 0) decode_block<0>(job, b, hd, j0, j1, s);
       else if (hd.nr == 1) decode_block<1>(job, b, hd, j0, j1, s);

@@ -74,7 +74,9 @@ template <int PW, class A>
       simd_store(col + j * PW, e);
       sum += e;
     }
-    const V a = exp_lanes(m_old - shift);
+    // A max that did not move leaves the column as it is: alpha exactly 1, not exp's 1 + 1e-7,
+    // which over a long cache of short blocks (a paged pool of small pages) drifts the sum.
+    const V a = m_old == mx ? lanes_const<V>(1.0f) : exp_lanes(m_old - shift);
     simd_store(alpha + c, a);
     simd_store(l, simd_fma(a, simd_load(l), sum));
     simd_store(m, mx);
