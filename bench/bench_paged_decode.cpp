@@ -8,16 +8,26 @@
 //    counters are medians over the rounds of each time and of the per-round ratios;
 //  - P = 2, 4 (thread ranks, 32K tokens each): the step's bytes against the plan's and the
 //    analytic count (each rank sends every other rank its rows' partial O and LSE plus a tag).
+// Memory (`huge`): 2 MiB pages (madvise, as an engine would ask for a pool of this size) for
+// the pool and the dense shard alike, or the allocator's 4 KiB pages. With 4 KiB pages a
+// shuffled pool pays more page walks than a shard read in order (each 64 KiB page of the pool
+// lands somewhere else), which is the memory's cost, not the kernel's.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <random>
 #include <vector>
+
+#if __has_include(<sys/mman.h>)
+#include <sys/mman.h>
+#endif
 
 #include "bench_common.hpp"
 #include "seqpar/seqpar.hpp"
@@ -28,6 +38,40 @@ using seqpar::bench::RankTeam;
 namespace {
 
 constexpr std::int64_t tokens_per_rank = 32768, H = 32, K = 8, D = 128, page = 16;
+
+/// Floats in memory aligned to 2 MiB, asking the kernel for transparent huge pages when
+/// `huge` (the same allocation either way, so both sides differ only in the page size).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(std::size_t n, bool huge) : n_(n) {
+    constexpr std::size_t align = std::size_t{2} << 20;
+    const std::size_t bytes = (n * sizeof(float) + align - 1) / align * align;
+    data_.reset(static_cast<float*>(std::aligned_alloc(align, bytes)));
+    if (!data_) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    (void)madvise(data_.get(), bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#endif
+  }
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  std::size_t size() const { return n_; }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data_;
+  std::size_t n_ = 0;
+};
+
+/// A Buffer of n random values.
+Buffer random_buffer(std::size_t n, bool huge, std::uint64_t seed) {
+  Buffer b(n, huge);
+  const std::vector<float> v = bench::random_values<float>(n, seed);
+  std::copy(v.begin(), v.end(), b.data());
+  return b;
+}
 
 /// What a round times, by RankTeam's `which`.
 enum Variant { dense_kernel, paged_kernel, in_order_kernel, paged_step, kv_copy, variants };
@@ -42,25 +86,26 @@ struct PagedReport {
 struct PagedRank {
   PagedDecode<ThreadCommunicator, CpuFlashKernel> dec;
   PagedDecodePlan plan;
-  std::vector<float> pool_k, pool_v, dense_k, dense_v, copy_to, q, out, lse;
+  Buffer pool_k, pool_v, dense_k, dense_v, copy_to;
+  std::vector<float> q, out, lse;
   std::vector<std::int32_t> shuffled, in_order, indptr{0, static_cast<std::int32_t>(tokens_per_rank / page)};
   std::vector<std::int64_t> ids{1}, kv_len, new_tokens{1}, begin{0, 1}, key_end{tokens_per_rank};
   std::vector<std::byte> ws;
   KernelParams params;
 
-  explicit PagedRank(ThreadCommunicator& c) : dec(c, CpuFlashKernel(CpuFlashOptions{.threads = 1})) {
+  PagedRank(ThreadCommunicator& c, bool huge) : dec(c, CpuFlashKernel(CpuFlashOptions{.threads = 1})) {
     const int P = c.size();
     // Pages round-robin over the ranks (vLLM's interleave = page size): each rank holds 32K
     // of the sequence's P x 32K tokens, the last one (the step's new token) on the last rank.
     plan = dec.plan({.max_batch = 1, .heads = H, .kv_heads = K, .head_dim = D, .interleave = page});
     kv_len = {tokens_per_rank * P - 1};
     const auto n = static_cast<std::size_t>(tokens_per_rank * K * D);
-    pool_k = bench::random_values<float>(n, 1 + 4 * static_cast<std::uint64_t>(c.rank()));
-    pool_v = bench::random_values<float>(n, 2 + 4 * static_cast<std::uint64_t>(c.rank()));
+    pool_k = random_buffer(n, huge, 1 + 4 * static_cast<std::uint64_t>(c.rank()));
+    pool_v = random_buffer(n, huge, 2 + 4 * static_cast<std::uint64_t>(c.rank()));
     if (P == 1) {
-      dense_k = pool_k;
-      dense_v = pool_v;
-      copy_to.resize(2 * n);
+      dense_k = random_buffer(n, huge, 1);
+      dense_v = random_buffer(n, huge, 2);
+      copy_to = Buffer(2 * n, huge);
     }
     in_order.resize(static_cast<std::size_t>(tokens_per_rank / page));
     std::iota(in_order.begin(), in_order.end(), 0);
@@ -114,12 +159,13 @@ struct PagedRank {
   }
 };
 
-/// Args: ranks P. See the file comment.
+/// Args: ranks P, huge pages. See the file comment.
 void BM_paged_decode(benchmark::State& state) {
   const int P = static_cast<int>(state.range(0));
+  const bool huge = state.range(1) != 0;
   PagedReport report;
-  RankTeam team(P, [&report](ThreadCommunicator& c) -> RankTeam::Step {
-    auto rank = std::make_shared<PagedRank>(c);
+  RankTeam team(P, [&report, huge](ThreadCommunicator& c) -> RankTeam::Step {
+    auto rank = std::make_shared<PagedRank>(c, huge);
     if (c.rank() == 0) report.plan_bytes = rank->plan.step_bytes(1);
     return [rank, &c, &report](int which) {
       const std::uint64_t before = c.stats().bytes_sent;
@@ -176,4 +222,5 @@ void BM_paged_decode(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_paged_decode)->ArgName("P")->Arg(1)->Arg(2)->Arg(4)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_paged_decode)->ArgNames({"P", "huge"})->Args({1, 1})->Args({1, 0})->Args({2, 1})->Args({4, 1})->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMillisecond);

@@ -66,7 +66,7 @@ def verdict(ok, shortfall=""):
 
 def read_meta(out):
     """What run.sh recorded: info.txt (key=value lines), lscpu.txt, commands.txt and the RESULT
-    lines of the MPI runs (mpi_results.txt)."""
+    lines of the MPI runs (mpi_results.txt) and of the serving demo (serve_results.txt)."""
     meta = {}
     for line in (out / "info.txt").read_text().splitlines():
         key, _, val = line.partition("=")
@@ -74,6 +74,11 @@ def read_meta(out):
     meta["lscpu"] = (out / "lscpu.txt").read_text()
     meta["commands"] = (out / "commands.txt").read_text().splitlines()
     meta["idle"] = (out / "idle.txt").read_text().splitlines() if (out / "idle.txt").exists() else []
+    meta["serve"] = []
+    serve_file = out / "serve_results.txt"
+    if serve_file.exists():
+        meta["serve"] = [dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+                         for line in serve_file.read_text().splitlines() if line.startswith("RESULT ")]
     meta["mpi"] = []
     mpi_file = out / "mpi_results.txt"
     if mpi_file.exists():
@@ -102,6 +107,7 @@ def main(out_dir, results_md):
     pol = load(out / "policies.json")
     pol.update(load(out / "pairs.json"))
     feat = load(out / "features.json") if (out / "features.json").exists() else {}
+    paged = load(out / "paged.json") if (out / "paged.json").exists() else {}
     meta = read_meta(out)
 
     def machine(bench_prefix, key):
@@ -232,6 +238,45 @@ def main(out_dir, results_md):
                 f"{base_of(n)[len('BM_sinks_vs_plain<'):-1]} {b['ratio']:.3f}x"
                 for n, b in feat.items() if base_of(n).startswith("BM_sinks_vs_plain")) + ")",
             wr <= 1.02, f"{100 * (wr - 1.02):.1f} points"))
+
+    # ---- decode over a paged pool (CpuFlashKernel, 1 thread, 32K tokens per rank, GQA 32/8, D 128)
+    one = next((b for n, b in paged.items() if args_of(n).get("P") == 1 and args_of(n).get("huge") == 1), None)
+    small = next((b for n, b in paged.items() if args_of(n).get("P") == 1 and args_of(n).get("huge") == 0), None)
+    if one:
+        shape = "f32, 1 thread, 32K cached tokens, T 1, GQA 32/8, D 128, pages of 16"
+        worst = max(one["paged_over_dense"], one["in_order_over_dense"])
+        with_small = (f"; with 4 KiB pages for both: shuffled {small['paged_over_dense']:.3f}x, in order "
+                      f"{small['in_order_over_dense']:.3f}x (page walks)") if small else ""
+        target_rows.append((
+            f"Paged pool no slower than the dense shard, within 3% ({shape}; pool and shard on 2 MiB pages; "
+            "medians of per-round ratios, calls alternated)",
+            f"shuffled pages {one['paged_over_dense']:.3f}x, pages in pool order {one['in_order_over_dense']:.3f}x "
+            f"({one['ms_paged']:.1f} / {one['ms_in_order']:.1f} / {one['ms_dense']:.1f} ms){with_small}",
+            worst <= 1.03, f"{100 * (worst - 1.03):.1f} points"))
+        target_rows.append((
+            f"Paged step's K/V bytes read at >= 80% of one thread's copy bandwidth, same run ({shape}; copy as "
+            "bytes copied per second; STREAM's read + written in brackets)",
+            f"{one['kv_GBs']:.1f} GB/s read vs {one['copy_GBs']:.1f} GB/s copied = {100 * one['kv_over_copy']:.0f}% "
+            f"({one['copy_GBs_stream']:.1f} GB/s read + written: {100 * one['kv_over_copy_stream']:.0f}%)",
+            one["kv_over_copy"] >= 0.8, f"{100 * (0.8 - one['kv_over_copy']):.0f} points"))
+        target_rows.append((
+            f"Paged step time outside the kernel <= 5% (PagedDecode::step against its kernel call alone, {shape})",
+            f"{one['outside_kernel_pct']:.1f}% (step {one['ms_step']:.1f} ms, kernel {one['ms_paged']:.1f} ms)",
+            one["outside_kernel_pct"] <= 5, f"{one['outside_kernel_pct'] - 5:.1f} points"))
+    multi = [(args_of(n)["P"], b) for n, b in paged.items() if args_of(n).get("P", 1) > 1]
+    if multi:
+        exact = all(b["bytes_per_step"] == b["bytes_analytic"] == b["bytes_plan"] for _, b in multi)
+        target_rows.append((
+            "Paged step's bytes = the analytic count (P - 1) x (H (D_v + 1) x 4 + 8 tag) per row, and the plan's",
+            ", ".join(f"P {p}: {int(b['bytes_per_step'])} sent, {int(b['bytes_analytic'])} analytic, "
+                      f"{int(b['bytes_plan'])} plan" for p, b in multi), exact, "(differ)"))
+    serve = meta.get("serve", [])
+    if serve:
+        target_rows.append((
+            "Serving demo (seqpar_demo --serve, default workload, MPI, 1 thread per rank): tokens/s and step latency",
+            "; ".join(f"{r.get('ranks')} ranks: {float(r.get('tokens_per_s', 0)):.0f} tokens/s, p50 "
+                      f"{float(r.get('p50_ms', 0)):.2f} ms, p99 {float(r.get('p99_ms', 0)):.2f} ms, pages max/mean "
+                      f"{float(r.get('pages_max_over_mean', 0)):.2f}" for r in serve), True, ""))
 
     mpi = meta.get("mpi", [])
     mpi_rows = []

@@ -62,6 +62,7 @@ run cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_BUILD_TESTS
   -DSEQPAR_BUILD_BENCHMARKS=ON > "$out/cmake.log"
 targets=(seqpar_bench)
 cmake --build "$build" --target help | grep -q seqpar_bench_mpi && targets+=(seqpar_bench_mpi)
+cmake --build "$build" --target help | grep -q 'seqpar_demo:' && targets+=(seqpar_demo)
 run cmake --build "$build" -j "$jobs" --target "${targets[@]}" > "$out/build.log"
 
 bench="$build/bench/seqpar_bench"
@@ -77,12 +78,14 @@ scaling_filter='BM_cpu_flash_scaling'
 policy_filter='BM_policy'
 pair_filter='BM_anything_vs_plain'
 feature_filter='BM_cpu_flash_softcap|BM_cpu_flash_value_dim|BM_sinks_vs_plain'
+paged_filter='BM_paged_decode'
 if [[ "$quick" == 1 ]]; then
   kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_cpu_flash_backward/D:64/seq:2048/causal:1|BM_reference/D:64/seq:512/'
   scaling_filter='BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
   policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1'
   pair_filter='BM_anything_vs_plain<UlyssesPolicy>/P:2'
   feature_filter='BM_cpu_flash_softcap/causal:1|BM_cpu_flash_value_dim/causal:1|BM_sinks_vs_plain<UlyssesPolicy>'
+  paged_filter='BM_paged_decode/P:1/'
 fi
 
 wait_idle "machine ceilings (before)"
@@ -97,6 +100,8 @@ wait_idle "Anything vs plain"
 gb pairs "$pair_filter"
 wait_idle "today's models' features"
 gb features "$feature_filter"
+wait_idle "paged decode"
+gb paged "$paged_filter"
 
 # MPI strong scaling: the same global shape on 1 and 2 ranks, alternated so that a change of
 # load on the shared machine hits both.
@@ -119,6 +124,17 @@ if [[ -x "$mpi_bin" ]] && command -v mpirun > /dev/null; then
   done
 else
   mpi_note="MPI strong scaling not measured: seqpar::mpi or mpirun not available in this build."
+fi
+
+# The serving demo (seqpar_demo --serve, its default workload) on 2 and 4 MPI ranks.
+demo_bin="$build/tools/seqpar_demo/seqpar_demo"
+: > "$out/serve_results.txt"
+if [[ -x "$demo_bin" ]] && command -v mpirun > /dev/null && [[ "$quick" != 1 ]]; then
+  for ranks in 2 4; do
+    wait_idle "serving demo, $ranks ranks"
+    run mpirun "${mpi_flags[@]}" -n "$ranks" "$demo_bin" --serve --threads 1 | grep '^RESULT' \
+      | tee -a "$out/serve_results.txt"
+  done
 fi
 
 {
