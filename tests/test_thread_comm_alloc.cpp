@@ -5,17 +5,20 @@
 // program; the results are still checked against exact references.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "support/backward_check.hpp"
 #include "support/decode_check.hpp"
+#include "support/paged_check.hpp"
 
 namespace {
 
@@ -372,4 +375,30 @@ TEST_CASE("thread comm alloc: warmed-up decode steps allocate nothing at all") {
     CHECK(err < 1e-5);
     CHECK(counted == 0);
   }
+}
+
+TEST_CASE("thread comm alloc: paged decode steps allocate nothing, from the first step on, threaded kernel included") {
+  // Continuous batching changes the batch, its rows and every block table each step, and the
+  // plan's maxima still size every buffer: no step allocates, not even the first. Prompts long
+  // enough that the two kernel threads split a sequence's keys (its partials were sized at
+  // plan by reserve).
+  const test::PagedCase c{.ranks = 3, .interleave = 16, .page_size = 16, .heads = 8, .kv_heads = 2,
+                          .exchange = DecodeExchange::all_gather, .steps = 8, .max_prompt = 3500};
+  const test::Schedule sch(c);
+  std::atomic<std::uint64_t> counted{0};
+  std::vector<double> err(static_cast<std::size_t>(c.ranks));
+  run_ranks(c.ranks, [&](ThreadCommunicator& world) {
+    auto counting = [&](auto& dec, PagedDecodePlan& plan, const DecodeBatch& batch, const std::vector<float>& q,
+                        const test::RankPool& pool, std::vector<float>& out, std::span<std::byte> ws) {
+      std::int64_t rows = 0;
+      const std::uint64_t n =
+          count_everywhere_during(world, [&] { rows = test::HostStep{}(dec, plan, batch, q, pool, out, ws); });
+      if (world.rank() == 0) counted += n;
+      return rows;
+    };
+    err[static_cast<std::size_t>(world.rank())] =
+        test::paged_rank_error(world, c, sch, counting, DType::f32, CpuFlashKernel(CpuFlashOptions{.threads = 2}));
+  });
+  CHECK(*std::max_element(err.begin(), err.end()) < 1e-5);
+  CHECK(counted == 0);
 }

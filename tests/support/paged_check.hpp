@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "seqpar/seqpar.hpp"
@@ -200,18 +202,19 @@ struct HostStep {
   }
 };
 
-/// Runs the schedule on this rank of `world` with `Kernel`; returns the worst normwise error
+/// Runs the schedule on this rank of `world` with `kernel`; returns the worst normwise error
 /// of its rows. Every step's bytes must be the plan's count for its rows. `run_step` runs
-/// one step on the engine's host buffers (HostStep; a device test uploads them first).
+/// one step on the engine's host buffers (HostStep; a device test uploads them first, an
+/// allocation test counts around it).
 template <class Kernel = ReferenceKernel, class Comm, class StepRunner = HostStep>
 double paged_rank_error(Comm& world, const PagedCase& c, const Schedule& sch, StepRunner run_step = {},
-                        DType dtype = DType::f32) {
+                        DType dtype = DType::f32, Kernel kernel = {}) {
   PagedDecodeProblem pr{.max_batch = c.max_batch, .max_new_tokens = c.max_new_tokens, .heads = c.heads,
                         .kv_heads = c.kv_heads, .head_dim = sch.D, .head_dim_v = c.features.head_dim_v,
                         .softcap = c.features.softcap, .dtype = dtype, .interleave = c.interleave,
                         .exchange = c.exchange,
                         .sinks = sch.sinks.empty() ? nullptr : sch.sinks.data()};
-  PagedDecode<Comm, Kernel> dec(world);
+  PagedDecode<Comm, Kernel> dec(world, std::move(kernel));
   PagedDecodePlan plan = dec.plan(pr);
   const int me = world.rank();
   std::int64_t most = 0;  // pages this rank could need at once: every request's tokens at their end

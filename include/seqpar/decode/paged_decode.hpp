@@ -255,15 +255,15 @@ class PagedDecode {
     using detail::StepExchange;
     static_assert(LocalAttentionKernel<Kernel, T>, "seqpar: the kernel does not model LocalAttentionKernel for T");
     const PagedDecodeProblem& pr = plan.problem_;
-    const std::string who = "paged decode step: ";
+    const char* const who = "paged decode step: ";  // (no std::string: a step allocates nothing)
     SEQPAR_CHECK(plan.owner_ == id_, ConfigError, who, "the plan was made by another PagedDecode");
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, who, "element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t H = pr.heads, K = pr.kv_heads, D = pr.head_dim, Dv = pr.value_dim();
-    check_dims(q, who + "q", plan.q_heads().count, D);
-    check_dims(out, who + "out", plan.out_heads().count, Dv);
-    check_dims(k_pool, who + "k_pool", K, D);
-    check_dims(v_pool, who + "v_pool", K, Dv);
+    check_dims(q, "q", plan.q_heads().count, D);
+    check_dims(out, "out", plan.out_heads().count, Dv);
+    check_dims(k_pool, "k_pool", K, D);
+    check_dims(v_pool, "v_pool", K, Dv);
     SEQPAR_CHECK(v_pool.batch() == k_pool.batch() && v_pool.seq() == k_pool.seq(), ConfigError, who,
                  "v_pool: expected the pages of k_pool (", k_pool.batch(), " pages of ", k_pool.seq(), " tokens), got ",
                  v_pool.batch(), " of ", v_pool.seq());
@@ -330,8 +330,9 @@ class PagedDecode {
 
   /// Checks a view's heads and dims (a programming error of this rank: thrown at once).
   template <class V>
-  static void check_dims(const V& v, const std::string& name, std::int64_t heads, std::int64_t dim) {
-    SEQPAR_CHECK(v.heads() == heads && v.dim() == dim && v.batch() >= 0 && v.seq() >= 0, ConfigError, name,
+  static void check_dims(const V& v, const char* name, std::int64_t heads, std::int64_t dim) {
+    SEQPAR_CHECK(v.heads() == heads && v.dim() == dim && v.batch() >= 0 && v.seq() >= 0, ConfigError,
+                 "paged decode step: ", name,
                  ": expected heads ", heads, " and head dim ", dim, ", got [", v.batch(), ", ", v.seq(), ", ", v.heads(),
                  ", ", v.dim(), "]");
   }

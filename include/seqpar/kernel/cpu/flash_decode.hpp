@@ -112,14 +112,6 @@ struct FlashDecode {
     const std::int64_t want = (4 * threads + groups - 1) / groups;
     return std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(1, keys / decode_min_chunk));
   }
-  /// chunks_for a dense call. (Without the mask's group size, the groups are counted with
-  /// H / Hkv query heads per K/V head: a balance estimate only.)
-  static std::int64_t chunk_count(int threads, TensorView<const T> q, TensorView<const T> k) {
-    const std::int64_t kheads = std::max<std::int64_t>(1, k.heads());
-    const DecodeSplit s = DecodeSplit::of(q.seq(), (q.heads() + kheads - 1) / kheads, kheads, max_panel<A>);
-    return chunks_for(threads, q.batch() * ((kheads + s.slab - 1) / s.slab) * s.parts, k.seq());
-  }
-
   /// Batch elements (paged: sequences).
   std::int64_t batch() const { return rows ? rows->batch : q.batch(); }
   /// Query rows of batch element b.
@@ -220,11 +212,15 @@ struct FlashDecode {
 };
 
 /// An upper bound on FlashDecode<..., A>::part_bytes() over every decode-path call within `c`
-/// with `threads` threads (0 when no such call splits keys): chunks at most 4 x threads and
-/// Sk / decode_min_chunk, slabs x slab below 2 x K/V heads, rows per K/V head below twice
-/// those of the whole group (a split group's parts add at most a panel and a token row
-/// each), D_v + 1 values per row. Calls with fewer heads (the ring's polled chunks) stay below
-/// it.
+/// with `threads` threads (0 when no such call splits keys), the smaller of two:
+///  - by shape: chunks at most 4 x threads and Sk / decode_min_chunk, slabs x slab below
+///    2 x K/V heads, rows per K/V head below twice those of the whole group (a split group's
+///    parts add at most a panel and a token row each), D_v + 1 values per row;
+///  - by tasks: keys are split only when groups < 4 x threads (chunks_for), so tasks = groups x
+///    chunks < 8 x threads, each with at most fwd_block_q + a panel rows (DecodeSplit keeps a
+///    task's rows within one forward scratch). This one keeps a paged plan's bound (a large
+///    max_batch) from growing with the batch.
+/// Calls with fewer heads (the ring's polled chunks) stay below both.
 template <class A>
 std::size_t decode_part_bytes_bound(int threads, const KernelCallBounds& c) {
   if (threads <= 1 || c.q_rows < 1 || c.q_rows > decode_max_queries) return 0;
@@ -233,8 +229,9 @@ std::size_t decode_part_bytes_bound(int threads, const KernelCallBounds& c) {
   const std::int64_t group = std::max<std::int64_t>(1, std::min(c.group_size, c.heads));
   const std::int64_t rows = (std::max<std::int64_t>(1, c.q_rows * group) + max_panel<A> - 1) / max_panel<A> * max_panel<A>;
   const std::int64_t dim_v = c.value_dim > 0 ? c.value_dim : c.head_dim;
-  return static_cast<std::size_t>(c.batch * 2 * std::max<std::int64_t>(1, c.kv_heads) * chunks * rows * (dim_v + 1)) *
-         sizeof(A);
+  const std::int64_t by_shape = c.batch * 2 * std::max<std::int64_t>(1, c.kv_heads) * chunks * rows;
+  const std::int64_t by_tasks = 8 * std::int64_t{threads} * (fwd_block_q + max_panel<A>);
+  return static_cast<std::size_t>(std::min(by_shape, by_tasks) * (dim_v + 1)) * sizeof(A);
 }
 
 }  // namespace seqpar::detail

@@ -179,7 +179,7 @@ class CpuFlashKernel {
     using Decode = detail::FlashDecode<T, O, acc_t<T>>;
     if (Decode::applies(q, k, p)) {
       Decode job{q, k, v, out, lse, p};
-      job.chunks = Decode::chunk_count(options_.threads, q, k);
+      job.chunks = Decode::chunks_for(options_.threads, job.groups(), k.seq());
       if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
         if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
         job.part = reinterpret_cast<acc_t<T>*>(aligned(decode_scratch_.data()));
