@@ -85,8 +85,10 @@ constexpr const char* usage_text =
     "  peak on the busiest rank); free pages hold NaN, pages are freed when a request finishes and reused\n"
     "  last-freed first; block tables go to the steps as CSR and dense by turns. --check compares every\n"
     "  prefill and every 5th step (and the last) with a double reference (tolerance 1e-4 for f32, 1e-12 for\n"
-    "  f64). RESULT adds mode=serve requests=... generated=... steps=... tokens_per_s=... p50_ms=... p99_ms=...\n"
-    "  prefill_ms=... pages_peak=... pages_max_over_mean=... step_bytes=... prefill_max_rel_err=...\n";
+    "  f64). RESULT: bytes_sent_per_rank is the busiest rank's mean per decode step, time_ms_per_iter the mean\n"
+    "  step time (the slowest rank's), then mode=serve requests=... generated=... steps=... tokens_per_s=...\n"
+    "  p50_ms=... p99_ms=... prefill_ms=... prefill_max_rel_err=... page=... interleave=... spec_every=...\n"
+    "  max_batch=... pool_pages=... pages_peak=... pages_max_over_mean=... dtype=...\n";
 
 /// An integer option's value; `max` keeps products of shape options far from overflow.
 std::int64_t parse_int(std::string_view name, std::string_view text, std::int64_t min, std::int64_t max = 1 << 30) {

@@ -277,7 +277,8 @@ inline double percentile(std::vector<double> x, double p) {
 /// (peak and reused pages, prefill ms and bytes, hand-off bytes, decode bytes, whether every step sent the
 /// plan's bytes, then each decode step's ms). Returns whether the checks and the bytes passed.
 inline bool report_serve(const Options& o, const ServeSchedule& sch, const std::vector<std::vector<std::int64_t>>& rows,
-                         const ex::ErrorStats& err, const ex::ErrorStats& pre_err, std::int64_t pool_pages) {
+                         const ex::ErrorStats& err, const ex::ErrorStats& pre_err, const PagedDecodePlan& plan,
+                         std::int64_t pool_pages) {
   enum { peak, reused, pre_ms, pre_bytes, handoff, bytes, match, times };
   const int world = static_cast<int>(rows.size());
   const std::size_t steps = rows[0].size() - times;
@@ -330,8 +331,11 @@ inline bool report_serve(const Options& o, const ServeSchedule& sch, const std::
               "(PagedDecode::step, the slowest rank); prefill %.3f ms in all\n", static_cast<long long>(sch.generated),
               decode_ms, tokens_per_s, p50, p99, prefill_ms);
   std::printf("balance      peak pages per rank max/mean = %.2f\n", balance);
-  std::printf("traffic      bytes sent at every step %s plan.step_bytes(rows) on every rank\n",
-              bytes_ok ? "equal" : "DIFFER FROM");
+  std::int64_t most_rows = 0;
+  for (const ServeStep& st : sch.steps) most_rows = std::max(most_rows, st.rows);
+  std::printf("traffic      bytes sent at every step %s plan.step_bytes(rows) on every rank (%zu for 1 row, %zu for "
+              "the largest step's %lld)\n", bytes_ok ? "equal" : "DIFFER FROM", plan.step_bytes(1),
+              plan.step_bytes(most_rows), static_cast<long long>(most_rows));
   const double tol = o.f64 ? 1e-12 : 1e-4;
   bool ok = bytes_ok;
   if (o.check) {
@@ -474,7 +478,7 @@ int serve_rank(Comm& comm, const Options& o) {
   for (const double ms : step_ms) mine.push_back(std::bit_cast<std::int64_t>(ms));
   const auto rows = ex::gather_rows(comm, mine);
   if (me != 0) return 0;
-  return report_serve(o, sch, rows, err, pre_err, pool_pages) ? 0 : 1;
+  return report_serve(o, sch, rows, err, pre_err, plan, pool_pages) ? 0 : 1;
 }
 
 }  // namespace seqpar_demo
