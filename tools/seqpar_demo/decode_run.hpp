@@ -57,7 +57,8 @@ struct Prefilled {
   int ulysses = 1, ring = 1;                             ///< the prefill's mesh
 };
 
-/// The prefill of the decode run: one forward of the options' policy over the packed prompts.
+/// A prefill of the decode and serve runs: one forward of the options' policy over the prompts,
+/// packed as the documents of `prompts` (one sequence).
 template <class T, class Comm>
 Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& prompts) {
   const int me = comm.rank();
@@ -80,7 +81,7 @@ Prefilled<T> prefill_rank(Comm& comm, const Options& o, const ex::GlobalInputs& 
   r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   r.bytes = comm.stats().bytes_sent;
   if (o.check) r.err = ex::reduce_errors(comm, ex::compare(l.out, ex::reference_rows(prompts, qpos)));
-  for (int w = 0; w < comm.size(); ++w) r.tokens.push_back(ex::packed_tokens(plan.kv_positions(w), o.kv_len));
+  for (int w = 0; w < comm.size(); ++w) r.tokens.push_back(ex::packed_tokens(plan.kv_positions(w), s.documents.front()));
   r.k = std::move(l.k);
   r.v = std::move(l.v);
   r.ulysses = attn.mesh().ulysses;

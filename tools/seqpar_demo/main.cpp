@@ -4,9 +4,9 @@
 /// Its command line is a stable interface (scripts and tests parse the last line, RESULT).
 ///
 /// The files: options (the command line), attention.hpp (from options to policy types),
-/// forward_run.hpp and decode_run.hpp (one rank's run), report (tables and RESULT), runs.hpp
-/// (the runs by element type, each compiled apart), and this one: the inputs, threads or MPI,
-/// and the exit status.
+/// forward_run.hpp, decode_run.hpp and serve_run.hpp (one rank's run), report (tables and
+/// RESULT), runs.hpp (the runs by element type, each compiled apart), and this one: the inputs,
+/// threads or MPI, and the exit status.
 
 #include <algorithm>
 #include <cstdio>
@@ -38,6 +38,7 @@ int run_options(Comm& comm, const Options& o, const ex::GlobalInputs& g, int swe
 /// sequence holding every prompt and its steps' tokens, as causal documents.
 /// Inputs come from the seed alone, so every process makes the same global tensors.
 ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
+  if (o.serve) return {};  // serve_rank makes each admission's inputs itself
   ex::GlobalShape shape = ex::make_case(o.lengths()[at], o.heads, o.kv_heads, o.head_dim, o.causal, o.seed, o.batch);
   shape.seq_kv = o.kv_seq ? o.kv_seq : -1;
   shape.causal_align = o.causal_align;

@@ -28,6 +28,9 @@ constexpr const char* usage_text =
     "       seqpar_demo --model NAME|list [--local N] [--seq S] [--decode ...] [--policy ... and run options]\n"
     "       seqpar_demo --decode --kv-len N1,N2,... [--new-tokens T] [--page N] [--steps S]\n"
     "                   [--exchange all-gather|heads] [the prefill's --policy ... and shape options]\n"
+    "       seqpar_demo --serve [--requests N] [--prompt-len MIN,MAX] [--gen-len MIN,MAX] [--arrive R]\n"
+    "                   [--max-batch B] [--page N] [--spec-every N] [--interleave N] [--pool-pages N]\n"
+    "                   [--check] [--heads H] [--kv-heads K] [--head-dim D] [--dtype f32|f64] [--seed N]\n"
     "  --seq is the global length, split over the ranks as evenly as the mesh allows; plain policies\n"
     "  need it to divide evenly (use --anything otherwise). Defaults: --batch 1 --seq 2048 --heads 8\n"
     "  --kv-heads H --head-dim 64 --dtype f32 --iters 2; --comm mpi under an MPI launcher (when built\n"
@@ -68,7 +71,24 @@ constexpr const char* usage_text =
     "  --new-tokens T (1..16, default 1) tokens per sequence run with SequenceParallelDecode. --check compares\n"
     "  the prefill and every step with the exact double reference; RESULT reports the steps' error, bytes\n"
     "  sent per step (= plan.step_bytes()) and the median step time (the slowest rank's), then\n"
-    "  prefill_max_rel_err=...\n";
+    "  prefill_max_rel_err=...\n"
+    "Serve (--serve): a simulated serving engine over the ranks, continuous batching over a paged KV pool\n"
+    "  per rank (PagedDecode). --requests N (default 12) requests, each with a prompt of --prompt-len MIN,MAX\n"
+    "  (default 64,512) tokens and --gen-len MIN,MAX (default 16,48) tokens to generate, both drawn from --seed;\n"
+    "  --arrive R (default 2) are admitted per step and prefilled together as packed causal documents\n"
+    "  (AnythingPolicy<RingPolicy<Stripe>>), their K/V rows handed to the pages of the rank and slot the\n"
+    "  placement gives them. Each step decodes the oldest --max-batch B (default 8) running sequences, one\n"
+    "  token each (0 in the step that admits them); a sequence's every --spec-every N-th step (default 4,\n"
+    "  0: off) verifies 4 speculated tokens, of which 1-4 are accepted. Placement: --interleave N (default\n"
+    "  1) tokens per run round-robin over the ranks, 0: contiguous (a prompt split evenly, later tokens on\n"
+    "  the last rank). Pools: --page N (default 16) tokens per page, --pool-pages N (default: the workload's\n"
+    "  peak on the busiest rank); free pages hold NaN, pages are freed when a request finishes and reused\n"
+    "  last-freed first; block tables go to the steps as CSR and dense by turns. --check compares every\n"
+    "  prefill and every 5th step (and the last) with a double reference (tolerance 1e-4 for f32, 1e-12 for\n"
+    "  f64). RESULT: bytes_sent_per_rank is the busiest rank's mean per decode step, time_ms_per_iter the mean\n"
+    "  step time (the slowest rank's), then mode=serve requests=... generated=... steps=... tokens_per_s=...\n"
+    "  p50_ms=... p99_ms=... prefill_ms=... prefill_max_rel_err=... page=... interleave=... spec_every=...\n"
+    "  max_batch=... pool_pages=... pages_peak=... pages_max_over_mean=... dtype=...\n";
 
 /// An integer option's value; `max` keeps products of shape options far from overflow.
 std::int64_t parse_int(std::string_view name, std::string_view text, std::int64_t min, std::int64_t max = 1 << 30) {
@@ -91,6 +111,14 @@ std::vector<std::int64_t> parse_list(std::string_view name, std::string_view tex
     at = comma + 1;
   }
   return values;
+}
+
+/// A range option's values "MIN,MAX", 1 <= MIN <= MAX <= 2^20.
+std::vector<std::int64_t> parse_range(std::string_view name, std::string_view text) {
+  const std::vector<std::int64_t> r = parse_list(name, text, 1, 1 << 20);
+  if (r.size() != 2 || r[0] > r[1])
+    throw UsageError(std::string(name) + ": expected MIN,MAX with 1 <= MIN <= MAX, got '" + std::string(text) + "'");
+  return r;
 }
 
 /// A real option's value, finite and from `min` to `max`.
@@ -117,7 +145,32 @@ void check_combinations(Options& o) {
     for (const char* n : names)
       if (o.has(n)) throw UsageError(std::string(n) + ": not used with " + mode + " (" + why + ")");
   };
-  if (o.decode) {
+  if (!o.serve)
+    refuse_with({"--requests", "--prompt-len", "--gen-len", "--arrive", "--max-batch", "--spec-every", "--interleave",
+                 "--pool-pages"},
+                "a forward or --decode run", "add --serve");
+  if (o.serve) {
+    refuse_with({"--decode", "--model", "--policy", "--layout", "--anything", "--ulysses-degree", "--ring-degree",
+                 "--seq", "--sweep", "--kv-seq", "--batch", "--docs", "--window", "--kv-valid", "--causal-align",
+                 "--backward", "--profile", "--iters", "--kv-len", "--new-tokens", "--steps", "--exchange",
+                 "--head-dim-v", "--softcap", "--sinks", "--scale"},
+                "--serve",
+                "the workload comes from --requests, --prompt-len and --gen-len, prefilled with ring stripe; the "
+                "simulated engine models no other features");
+    if (!o.has("--page")) o.page = 16;
+    if (o.page < 1) throw UsageError("--page: expected a page size of 1 or more with --serve, got " + std::to_string(o.page));
+    o.causal = true;
+    // Every rank keeps each request's K/V versions and regenerates rows for the reference; a
+    // verify step may write 3 tokens past a request's end.
+    const double elems = static_cast<double>(o.requests) * static_cast<double>(o.prompt_len[1] + o.gen_len[1] + 3) *
+                         static_cast<double>(o.heads) * static_cast<double>(o.head_dim);
+    if (elems > 1e10) {
+      char text[160];
+      std::snprintf(text, sizeof text, "--requests x (--prompt-len MAX + --gen-len MAX) x --heads x --head-dim = %.3g "
+                    "elements: too large for this demo", elems);
+      throw UsageError(text);
+    }
+  } else if (o.decode) {
     refuse_with({"--seq", "--sweep", "--kv-seq", "--batch", "--docs", "--window", "--kv-valid", "--causal-align",
                  "--backward", "--profile", "--iters"},
                 "--decode", "the prompts come from --kv-len, packed as causal documents; the steps from --steps");
@@ -181,6 +234,7 @@ Options parse(int argc, char** argv) {
     if (a == "--profile") { o.profile = true; continue; }
     if (a == "--verbose") { o.verbose = true; continue; }
     if (a == "--decode") { o.decode = true; continue; }
+    if (a == "--serve") { o.serve = true; continue; }
     if (a == "--sinks") { o.sinks = true; continue; }
     if (a.substr(0, 2) != "--") throw UsageError("'" + std::string(a) + "': expected an option such as --seq (see --help)");
     if (i + 1 >= argc) throw UsageError(std::string(a) + ": unknown option or missing value (see --help)");
@@ -224,6 +278,14 @@ Options parse(int argc, char** argv) {
     else if (a == "--new-tokens") o.new_tokens = parse_int(a, v, 1, 16);
     else if (a == "--page") o.page = parse_int(a, v, 0);
     else if (a == "--steps") o.steps = parse_int(a, v, 1, 1 << 20);
+    else if (a == "--requests") o.requests = parse_int(a, v, 1, 1 << 20);
+    else if (a == "--prompt-len") o.prompt_len = parse_range(a, s);
+    else if (a == "--gen-len") o.gen_len = parse_range(a, s);
+    else if (a == "--arrive") o.arrive = parse_int(a, v, 1, 1 << 20);
+    else if (a == "--max-batch") o.max_batch = parse_int(a, v, 1, 1 << 16);
+    else if (a == "--spec-every") o.spec_every = parse_int(a, v, 0);
+    else if (a == "--interleave") o.interleave = parse_int(a, v, 0);
+    else if (a == "--pool-pages") o.pool_pages = parse_int(a, v, 1);
     else if (a == "--ulysses-degree") o.ulysses_degree = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--ring-degree") o.ring_degree = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--batch") o.batch = parse_int(a, v, 1);
@@ -245,7 +307,7 @@ Options parse(int argc, char** argv) {
   }
   if (o.model == "list") return o;  // main prints the list
   if (!o.has("--policy")) {
-    if (!o.decode) throw UsageError("--policy: required (ulysses, ring or unified)");
+    if (!o.decode && !o.serve) throw UsageError("--policy: required (ulysses, ring or unified)");
     // The prompts' total rarely divides evenly, and stripe balances packed documents.
     o.policy = PolicyKind::ring;
     o.policy_name = "ring";

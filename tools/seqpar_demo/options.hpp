@@ -63,6 +63,19 @@ struct Options {
   std::vector<std::int64_t> kv_len;  // prompt lengths, one per sequence
   std::int64_t new_tokens = 1, page = 0, steps = 8;
   DecodeExchange exchange = DecodeExchange::all_gather;
+  /// --serve: a simulated serving engine (serve_run.hpp). Requests arrive --arrive per step and
+  /// are prefilled on arrival; the decode batch takes the oldest --max-batch running ones. Lengths
+  /// are drawn per request, uniform in [MIN, MAX], from --seed. --page (default 16 here) is the
+  /// pool's page size; --interleave the placement's run of tokens per rank (0: contiguous).
+  bool serve = false;
+  std::int64_t requests = 12;                    ///< --requests: requests in the workload
+  std::vector<std::int64_t> prompt_len{64, 512};  ///< --prompt-len MIN,MAX
+  std::vector<std::int64_t> gen_len{16, 48};      ///< --gen-len MIN,MAX: tokens each request generates
+  std::int64_t arrive = 2;                        ///< --arrive: requests admitted (and prefilled) per step
+  std::int64_t max_batch = 8;                     ///< --max-batch: most sequences in a decode step
+  std::int64_t spec_every = 4;                    ///< --spec-every: each N-th step of a sequence verifies 4 (0: off)
+  std::int64_t interleave = 1;                    ///< --interleave: TokenPlacement's run (0: contiguous)
+  std::int64_t pool_pages = 0;                    ///< --pool-pages: pages per rank's pool (0: the workload's peak)
   std::vector<std::string> given;  // the options on the command line, for the checks between them
 
   /// True when option `name` was on the command line.

@@ -9,6 +9,7 @@
 #include "decode_run.hpp"
 #include "forward_run.hpp"
 #include "options.hpp"
+#include "serve_run.hpp"
 #include "seqpar/seqpar.hpp"
 #ifdef SEQPAR_HAS_MPI
 #include "seqpar/comm/mpi_communicator.hpp"
@@ -16,9 +17,10 @@
 
 namespace seqpar_demo {
 
-/// Runs the options' policy (or decode) with element type T on one rank.
+/// Runs the options' policy (or decode, or serve) with element type T on one rank.
 template <class T, class Comm>
 int run_typed(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
+  if (o.serve) return serve_rank<T>(comm, o);
   if (o.decode) return decode_rank<T>(comm, o, g);
   return run_rank<T>(comm, o, g, sweep_at);
 }
