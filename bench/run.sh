@@ -59,10 +59,12 @@ wait_idle() {  # wait_idle <stage>
 }
 
 run cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_EXAMPLES=OFF \
-  -DSEQPAR_BUILD_BENCHMARKS=ON > "$out/cmake.log"
+  -DSEQPAR_BUILD_BENCHMARKS=ON -DSEQPAR_BUILD_TOOLS=ON > "$out/cmake.log"
 targets=(seqpar_bench)
-cmake --build "$build" --target help | grep -q seqpar_bench_mpi && targets+=(seqpar_bench_mpi)
-cmake --build "$build" --target help | grep -q 'seqpar_demo:' && targets+=(seqpar_demo)
+# (The list is read whole first: grep -q would close the pipe early, which pipefail counts as a failure.)
+help="$(cmake --build "$build" --target help)"
+grep -q seqpar_bench_mpi <<< "$help" && targets+=(seqpar_bench_mpi)
+grep -q 'seqpar_demo' <<< "$help" && targets+=(seqpar_demo)
 run cmake --build "$build" -j "$jobs" --target "${targets[@]}" > "$out/build.log"
 
 bench="$build/bench/seqpar_bench"
