@@ -177,15 +177,19 @@ class CpuFlashKernel {
                TensorView<acc_t<T>> lse, const KernelParams& p) {
     prepare(q.dim(), v.dim());  // no-op once prepared
     using Decode = detail::FlashDecode<T, O, acc_t<T>>;
-    if (Decode::applies(q, k, p)) {
-      Decode job{q, k, v, out, lse, p};
-      job.chunks = Decode::chunks_for(options_.threads, job.groups(), k.seq());
-      if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
-        if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
-        job.part = reinterpret_cast<acc_t<T>*>(aligned(decode_scratch_.data()));
+    // The decode path reads K/V in place as A: a narrower T (bf16) takes the forward's
+    // converting packs instead.
+    if constexpr (std::is_same_v<T, acc_t<T>>) {
+      if (Decode::applies(q, k, p)) {
+        Decode job{q, k, v, out, lse, p};
+        job.chunks = Decode::chunks_for(options_.threads, job.groups(), k.seq());
+        if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
+          if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
+          job.part = reinterpret_cast<acc_t<T>*>(aligned(decode_scratch_.data()));
+        }
+        detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+        return;
       }
-      detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
-      return;
     }
     detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
   }
