@@ -181,13 +181,7 @@ class CpuFlashKernel {
     // converting packs instead.
     if constexpr (std::is_same_v<T, acc_t<T>>) {
       if (Decode::applies(q, k, p)) {
-        Decode job{q, k, v, out, lse, p};
-        job.chunks = Decode::chunks_for(options_.threads, job.groups(), k.seq());
-        if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
-          if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
-          job.part = reinterpret_cast<acc_t<T>*>(aligned(decode_scratch_.data()));
-        }
-        detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+        run_decode(Decode{q, k, v, out, lse, p}, k.seq());
         return;
       }
     }
@@ -211,15 +205,10 @@ class CpuFlashKernel {
       most = std::max(most, n);
       if (n > 0) keys = std::max(keys, rows.key_end[rows.begin[b + 1] - 1]);
     }
-    using Decode = detail::FlashDecode<T, T, T>;
     // (most_tokens before split: the split's rows per task follow the longest sequence's.)
-    Decode job{q, cache.k_pool, cache.v_pool, out, lse, p, &cache, &rows, std::max<std::int64_t>(1, most)};
-    job.chunks = Decode::chunks_for(options_.threads, job.groups(), keys);
-    if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
-      if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
-      job.part = reinterpret_cast<T*>(aligned(decode_scratch_.data()));
-    }
-    detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+    run_decode(detail::FlashDecode<T, T, T>{q, cache.k_pool, cache.v_pool, out, lse, p, &cache, &rows,
+                                            std::max<std::int64_t>(1, most)},
+               keys);
   }
 
   /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
@@ -268,6 +257,19 @@ class CpuFlashKernel {
     const std::size_t per_thread = detail::flash_thread_bytes<detail::BackwardScratch>(dim, dim_v);
     const std::size_t need = turn_bytes + static_cast<std::size_t>(options_.threads) * per_thread + 64;
     if (backward_scratch_.size() < need) backward_scratch_.resize(need);
+  }
+
+  /// Runs a decode-path job whose groups hold at most `keys` keys: its key chunks for this
+  /// kernel's threads, their partials in the decode scratch (sized by reserve; a larger call
+  /// grows it once), then the tasks.
+  template <class T, class O, class A>
+  void run_decode(detail::FlashDecode<T, O, A> job, std::int64_t keys) {
+    job.chunks = detail::FlashDecode<T, O, A>::chunks_for(options_.threads, job.groups(), keys);
+    if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
+      if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
+      job.part = reinterpret_cast<A*>(aligned(decode_scratch_.data()));
+    }
+    detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
   }
 
   /// dispatch_cpu_isa functor of forward: the tasks, (batch x heads x query blocks), on the pool.
