@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "seqpar/core/bfloat16.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/paged_cache.hpp"
 #include "seqpar/kernel/cpu/flash_backward.hpp"
@@ -281,10 +282,18 @@ class CpuFlashKernel {
       const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
       // Later query blocks see more keys under a causal mask: hand them out first, so that the
       // cheap ones fill the gaps at the end.
+      // bf16 on a CPU with AVX512-BF16 forms its products by vdpbf16ps (isa/forward_bf16.inl).
+      [[maybe_unused]] const bool dot = std::is_same_v<T, bf16> && Kernels::bf16_dot && self.isa_ == CpuIsa::avx512_bf16;
       self.run_tasks(tasks, [&](std::int64_t t, int worker) {
         const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
-        Kernels::template forward<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq,
-                                           self.thread_scratch<A>(worker, q.dim(), v.dim()));
+        const auto scratch = self.thread_scratch<A>(worker, q.dim(), v.dim());
+        if constexpr (std::is_same_v<T, bf16> && Kernels::bf16_dot) {
+          if (dot) {
+            Kernels::template forward_bf16_dot<O>(q, k, v, out, lse, p, b, h, qb * bq, bq, scratch);
+            return;
+          }
+        }
+        Kernels::template forward<T, O, A>(q, k, v, out, lse, p, b, h, qb * bq, bq, scratch);
       });
     }
   };

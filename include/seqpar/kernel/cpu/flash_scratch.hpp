@@ -91,6 +91,9 @@ struct ForwardScratch {
   std::int64_t *first, *last;  ///< per query row: the ends of its KeySpan
   std::int64_t *lane_lo, *lane_hi;  ///< per key of a panel's masked part: lanes [lo, hi) see it
   PanelKeys* panel;  ///< per query panel of the block
+  /// The AVX512-BF16 forward's pairs of bf16 (one 32-bit word each): V packed in pairs of
+  /// keys, and one panel's P^T in pairs of keys. (Its Q^T and K pairs take qt's and kbuf's bytes.)
+  std::uint32_t *vpairs, *ppairs;
 
   /// Stride of kbuf's rows: an odd number of 64-byte lines, so that consecutive rows start in
   /// different L1 sets.
@@ -118,6 +121,8 @@ struct ForwardScratch {
     c.take(r.lane_hi, fwd_block_k);
     c.take(r.panel, fwd_block_q);  // at most one panel per query row
     c.take(r.ones, max_panel<A>);
+    c.take(r.vpairs, (fwd_block_k / 2) * (dim_v + 8));  // key pairs x V dims padded to whole tiles
+    c.take(r.ppairs, (fwd_block_k / 2) * max_panel<float>);  // key pairs x one panel's lanes
     if (s) std::fill(r.ones, r.ones + max_panel<A>, A(1));
     return c.used();
   }

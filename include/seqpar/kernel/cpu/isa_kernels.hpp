@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "seqpar/core/bfloat16.hpp"
 #include "seqpar/kernel/cpu/flash_backward.hpp"
 #include "seqpar/kernel/cpu/flash_decode.hpp"
 #include "seqpar/kernel/cpu/flash_scratch.hpp"
@@ -120,6 +121,7 @@ template <class Fn, class... Args>
 decltype(auto) dispatch_cpu_isa(CpuIsa isa, Args&&... args) {
   switch (isa) {
 #ifdef SEQPAR_HAS_ISA_AVX512
+    case CpuIsa::avx512_bf16:  // the AVX-512 copy; its forward_bf16_dot is chosen by the caller
     case CpuIsa::avx512: return Fn::template run<isa_avx512::IsaKernels>(std::forward<Args>(args)...);
 #endif
 #ifdef SEQPAR_HAS_ISA_AVX2

@@ -83,40 +83,124 @@ template <int PW, class A>
   }
 }
 
+/// The forward's two products in A, for every element type on every level: Q^T packed
+/// pre-scaled, each key block's K rows and V tiles converted to A as they are packed, and
+/// both products by flash_tiles. (The AVX512-BF16 path, forward_bf16.inl, keeps bf16 and
+/// falls back on this one for blocks whose V holds a NaN or Inf.)
+template <class T, class A>
+struct ConvertedProducts {
+  static constexpr int PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
+  TensorView<const T> k, v;           ///< the call's K and V
+  std::int64_t b, kh;                 ///< batch element, K/V head
+  std::int64_t dim, dim_v;            ///< head dims of Q/K and V/O
+  A scale;                            ///< what Q is scaled by (score_scale)
+  const ForwardScratch<A>& s;         ///< the thread's scratch
+  std::ptrdiff_t ldk = ForwardScratch<A>::ld_keys(dim);  ///< stride of the packed K rows
+  std::int64_t whole = dim_v / MR * MR;                  ///< V dims in whole MR tiles
+  std::ptrdiff_t v_tile = 0;                             ///< elements of one packed V tile
+  bool v_finite = true;                                  ///< the block's V holds no NaN or Inf
+
+  /// Query column `i` of the block from row `src` (null: a padding lane, zero).
+  void pack_query(std::int64_t i, const T* src) const {
+    A* col = s.qt + i / PW * (dim * PW) + i % PW;
+    for (std::int64_t d = 0; d < dim; ++d) col[d * PW] = src ? static_cast<A>(src[d]) * scale : A(0);
+  }
+
+  /// K rows copied (and converted to A) into rows ldk apart: in the caller's tensor a head's
+  /// rows are a power of two apart (H D elements), and the MR rows a micro-kernel reads at
+  /// once would share a few L1 sets.
+  void pack_keys(std::int64_t j0, std::int64_t nk) {
+    constexpr std::int64_t ahead = 8;
+    for (std::int64_t j = 0; j < nk; ++j) {
+      if (j + ahead < nk) prefetch_row(k.row(b, j0 + j + ahead, kh), dim, 3);
+      const T* ksrc = k.row(b, j0 + j, kh);
+      A* dst = s.kbuf + j * ldk;
+      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<A>(ksrc[d]);
+    }
+  }
+
+  /// V packed as tiles of MR head dims: tile t holds, key after key, dims [t MR, t MR + MR).
+  /// (Whole tiles copy MR contiguous values at a time: one or two vector moves.)
+  void pack_values(std::int64_t j0, std::int64_t nk) {
+    constexpr std::int64_t ahead = 8;
+    v_tile = MR * nk;
+    for (std::int64_t j = 0; j < nk; ++j) {
+      if (j + ahead < nk) prefetch_row(v.row(b, j0 + j + ahead, kh), dim_v, 3);
+      const T* vsrc = v.row(b, j0 + j, kh);
+      A* dst = s.vbuf + j * MR;
+      for (std::int64_t d0 = 0; d0 < whole; d0 += MR, dst += v_tile)
+        for (int r = 0; r < MR; ++r) dst[r] = static_cast<A>(vsrc[d0 + r]);
+      for (std::int64_t d = whole; d < dim_v; ++d) dst[d - whole] = static_cast<A>(vsrc[d]);
+    }
+    v_finite = all_finite(s.vbuf, whole * nk, s.vbuf + whole * nk, nk, dim_v - whole, MR);
+  }
+
+  /// Packs key block [j0, j0 + nk).
+  void pack_block(std::int64_t j0, std::int64_t nk) {
+    pack_keys(j0, nk);
+    pack_values(j0, nk);
+  }
+
+  /// S^T = K Q^T of query panel `panel` over the `nkp` keys from key `off` of the block.
+  void scores(std::int64_t panel, std::int64_t off, std::int64_t nkp, A* st) const {
+    flash_tiles<false>(nkp, s.kbuf + off * ldk, ldk, 1, MR * ldk, s.qt + panel * (dim * PW), PW, dim, st, PW,
+                       static_cast<const A*>(nullptr));
+  }
+
+  /// O^T = alpha O^T + V^T P^T of query panel `panel` over the `nkp` keys from key `off` of
+  /// the block, P^T in `st`: A is the packed V, B the P^T panel (the rescale by alpha happens
+  /// here, even with no unmasked key). A key hidden from some lanes has P = 0 exactly there,
+  /// which adds nothing while V is finite; but 0 x V is NaN when V is (padding, a stale cache
+  /// slot): in a block holding such a V row, the keys outside [f0, f1) are added with only the
+  /// lanes that see them (lanes [lane_lo, lane_hi) per key), so a hidden key never reaches a row.
+  void add_values(std::int64_t panel, std::int64_t off, std::int64_t nkp, std::int64_t f0, std::int64_t f1,
+                  const A* st, const A* alpha, const std::int64_t* lane_lo, const std::int64_t* lane_hi) const {
+    const A* const vp = s.vbuf + off * MR;
+    A* const ot = s.ot + panel * (dim_v * PW);
+    if (v_finite) {
+      flash_tiles<true>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, alpha);
+    } else {
+      flash_tiles<true>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, alpha);
+      flash_tiles_masked(dim_v, vp, MR, v_tile, st, PW, f0, ot, PW, lane_lo, lane_hi);
+      flash_tiles_masked(dim_v, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, lane_lo + f1,
+                         lane_hi + f1);
+    }
+  }
+};
+
 /// Output rows [i0, i0 + bq) of head h of batch element b (fewer at the end of the sequence),
 /// and their LSE when `lse` is present. V and O have v.dim() head dims, Q and K q.dim(); with a
-/// soft-cap, Q is scaled by scale / cap and each panel's scores are capped before the mask.
+/// soft-cap, the scores come out as s / cap and each panel's are capped before the mask.
+/// `Products` packs Q, K and V and forms the two products (ConvertedProducts, or the bf16 dot
+/// products of forward_bf16.inl); this function owns the blocking, masks and softmax.
 ///
-/// Per key block, V is packed once (MR head dims interleaved per key: its rows are a power
-/// of two apart in the caller's tensor and would fall into a few L1 sets), then each panel of
-/// PW queries runs the whole step, S^T = K Q^T, the online softmax and O^T += V^T P^T, on the
-/// keys it reaches (every row sees one contiguous run of keys, its KeySpan: the block's key loop
-/// runs from its first row's first key to its last row's last, skips blocks no panel reaches,
-/// and each panel is trimmed to its own keys). The block's Q^T and O^T are stored panel by
-/// panel, each panel contiguous, and the panel's S^T fits in L1. Large query blocks make K and
-/// V stream from L3 once per many queries; the next key block's rows are prefetched into L2 a
-/// slice per panel.
-template <class T, class O, class A>
+/// Per key block, K and V are packed once, then each panel of PW queries runs the whole step,
+/// S^T = K Q^T, the online softmax and O^T += V^T P^T, on the keys it reaches (every row sees
+/// one contiguous run of keys, its KeySpan: the block's key loop runs from its first row's
+/// first key to its last row's last, skips blocks no panel reaches, and each panel is trimmed
+/// to its own keys). The block's Q^T and O^T are stored panel by panel, each panel
+/// contiguous, and the panel's S^T fits in L1. Large query blocks make K and V stream from L3
+/// once per many queries; the next key block's rows are prefetched into L2 a slice per panel.
+template <class T, class O, class A, class Products>
 void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                          TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
-                         std::int64_t i0, std::int64_t bq, const ForwardScratch<A>& s) {
-  constexpr int PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
+                         std::int64_t i0, std::int64_t bq, const ForwardScratch<A>& s, Products& products) {
+  constexpr int PW = FlashTile<A>::panel;
   static_assert(fwd_block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();
   const std::int64_t dim = q.dim(), dim_v = v.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h), sk = k.seq();
   const std::int64_t ncols = (nq + PW - 1) / PW * PW, panels = ncols / PW;  // queries padded to whole panels
-  const std::int64_t qt_panel = dim * PW, ot_panel = dim_v * PW;  // elements of one Q^T, O^T panel
-  const A scale = score_scale<A>(p), cap = static_cast<A>(p.softcap);
+  const std::int64_t ot_panel = dim_v * PW;  // elements of one O^T panel
+  const A cap = static_cast<A>(p.softcap);
 
-  // Q^T, scaled; padding lanes are zero (finite scores, never written out). Rows a few ahead
-  // are prefetched: a head's rows are H D elements apart, a stride the hardware prefetchers
-  // miss, and each is read once.
+  // Q^T; padding lanes are zero (finite scores, never written out). Rows a few ahead are
+  // prefetched: a head's rows are H D elements apart, a stride the hardware prefetchers miss,
+  // and each is read once.
   constexpr std::int64_t ahead = 8;
   for (std::int64_t i = 0; i < ncols; ++i) {
     if (i + ahead < nq) prefetch_row(q.row(b, i0 + i + ahead, h), dim, 3);
     const T* src = i < nq ? q.row(b, i0 + i, h) : nullptr;
-    A* col = s.qt + i / PW * qt_panel + i % PW;
-    for (std::int64_t d = 0; d < dim; ++d) col[d * PW] = src ? static_cast<A>(src[d]) * scale : A(0);
+    products.pack_query(i, src);
     if (src) {
       const KeySpan r = p.row_span(b, i0 + i, sk);
       s.first[i] = r.first;
@@ -144,29 +228,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     for (std::int64_t panel = 0; panel < panels && !reached; ++panel)
       reached = s.panel[panel].reach.reaches(j0, j1);
     if (!reached) continue;
-    // K rows copied (and converted to A) into rows ldk apart: in the caller's tensor a head's
-    // rows are a power of two apart (H D elements), and the MR rows a micro-kernel reads at
-    // once would share a few L1 sets.
-    const std::ptrdiff_t ldk = ForwardScratch<A>::ld_keys(dim);
-    for (std::int64_t j = 0; j < nk; ++j) {
-      if (j + ahead < nk) prefetch_row(k.row(b, j0 + j + ahead, kh), dim, 3);
-      const T* ksrc = k.row(b, j0 + j, kh);
-      A* dst = s.kbuf + j * ldk;
-      for (std::int64_t d = 0; d < dim; ++d) dst[d] = static_cast<A>(ksrc[d]);
-    }
-    // V packed as tiles of MR head dims: tile t holds, key after key, dims [t MR, t MR + MR).
-    // (Whole tiles copy MR contiguous values at a time: one or two vector moves.)
-    const std::ptrdiff_t v_tile = MR * nk;
-    const std::int64_t whole = dim_v / MR * MR;
-    for (std::int64_t j = 0; j < nk; ++j) {
-      if (j + ahead < nk) prefetch_row(v.row(b, j0 + j + ahead, kh), dim_v, 3);
-      const T* vsrc = v.row(b, j0 + j, kh);
-      A* dst = s.vbuf + j * MR;
-      for (std::int64_t d0 = 0; d0 < whole; d0 += MR, dst += v_tile)
-        for (int r = 0; r < MR; ++r) dst[r] = static_cast<A>(vsrc[d0 + r]);
-      for (std::int64_t d = whole; d < dim_v; ++d) dst[d - whole] = static_cast<A>(vsrc[d]);
-    }
-    const bool v_finite = all_finite(s.vbuf, whole * nk, s.vbuf + whole * nk, nk, dim_v - whole, MR);
+    products.pack_block(j0, nk);
 
     const std::int64_t jn = j0 + fwd_block_k, next = std::max<std::int64_t>(0, std::min(fwd_block_k, block_hi + 1 - jn));
     const std::int64_t slice = (next + panels - 1) / panels;  // next block's rows prefetched per panel
@@ -183,31 +245,14 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       const auto [ja, nkp, f0, f1] = s.panel[panel].in_block(j0, j1);
       if (nkp <= 0) continue;  // nothing to add: the panel's state stays as it is
       const std::int64_t np = std::min<std::int64_t>(PW, nq - c0);
-      A* const qt = s.qt + panel * qt_panel;
-      A* const ot = s.ot + panel * ot_panel;
       A* const st = s.st;
 
       // S^T = K Q^T (the Q^T panel stays in L1), capped before the mask's -inf go in.
-      flash_tiles<false>(nkp, s.kbuf + (ja - j0) * ldk, ldk, 1, MR * ldk, qt, PW, dim, st, PW,
-                         static_cast<const A*>(nullptr));
+      products.scores(panel, ja - j0, nkp, st);
       if (cap > 0) softcap_scores(st, nkp * PW, cap);
       if (f0 > 0 || f1 < nkp) cut_keys<PW>(st, ja, nkp, f0, f1, np, s.first + c0, s.last + c0, s.lane_lo, s.lane_hi);
       softmax_panel<PW>(st, nkp, s.m + c0, s.l + c0, s.alpha);
-
-      // O^T = alpha O^T + V^T P^T: A is the packed V, B the P^T panel (the rescale by alpha
-      // happens here, even with no unmasked key). A key hidden from some lanes has P = 0
-      // exactly there, which adds nothing while V is finite; but 0 x V is NaN when V is
-      // (padding, a stale cache slot): in a block holding such a V row, the cut keys are added
-      // with only the lanes that see them, so a hidden key never reaches a row.
-      const A* const vp = s.vbuf + (ja - j0) * MR;
-      if (v_finite) {
-        flash_tiles<true>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, s.alpha);
-      } else {
-        flash_tiles<true>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, s.alpha);
-        flash_tiles_masked(dim_v, vp, MR, v_tile, st, PW, f0, ot, PW, s.lane_lo, s.lane_hi);
-        flash_tiles_masked(dim_v, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, s.lane_lo + f1,
-                           s.lane_hi + f1);
-      }
+      products.add_values(panel, ja - j0, nkp, f0, f1, st, s.alpha, s.lane_lo, s.lane_hi);
     }
   }
 

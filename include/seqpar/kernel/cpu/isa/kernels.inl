@@ -4,6 +4,20 @@
 
 #include "seqpar/kernel/cpu/isa/simd.inl"
 #include "seqpar/kernel/cpu/isa/forward.inl"
+#if SEQPAR_ISA_BYTES == 64 && SEQPAR_CPU_ISA_BF16_DOT
+/// 1 in the copy that holds the AVX512-BF16 forward (the AVX-512 one, where compiled).
+#define SEQPAR_ISA_HAS_BF16_DOT 1
+#if SEQPAR_CPU_ISA_DISPATCH
+SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512 ",avx512bf16")
+#endif
+#include "seqpar/kernel/cpu/isa/forward_bf16.inl"
+#if SEQPAR_CPU_ISA_DISPATCH
+SEQPAR_TARGET_POP()
+#endif
+#else
+/// 0: this copy has no AVX512-BF16 forward.
+#define SEQPAR_ISA_HAS_BF16_DOT 0
+#endif
 #include "seqpar/kernel/cpu/isa/decode.inl"
 #include "seqpar/kernel/cpu/isa/backward.inl"
 
@@ -52,13 +66,28 @@ struct IsaKernels {
     std::copy(tail, tail + (n - whole), x + whole);
   }
 
-  /// See forward_query_block.
+  /// See forward_query_block (with ConvertedProducts).
   template <class T, class O, class A>
   static void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                       TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h, std::int64_t i0,
                       std::int64_t bq, const ForwardScratch<A>& s) {
-    forward_query_block<T, O, A>(q, k, v, out, lse, p, b, h, i0, bq, s);
+    ConvertedProducts<T, A> products{k, v, b, p.kv_head(h), q.dim(), v.dim(), score_scale<A>(p), s};
+    forward_query_block<T, O, A>(q, k, v, out, lse, p, b, h, i0, bq, s, products);
   }
+
+  /// Whether this copy has forward_bf16_dot (the AVX-512 copy, where compiled: see
+  /// SEQPAR_CPU_ISA_BF16_DOT).
+  static constexpr bool bf16_dot = SEQPAR_ISA_HAS_BF16_DOT;
+#if SEQPAR_ISA_HAS_BF16_DOT
+  /// See forward_query_block (with Bf16DotProducts): bf16 inputs, products by vdpbf16ps.
+  template <class O>
+  static void forward_bf16_dot(TensorView<const bf16> q, TensorView<const bf16> k, TensorView<const bf16> v,
+                               TensorView<O> out, TensorView<float> lse, const KernelParams& p, std::int64_t b,
+                               std::int64_t h, std::int64_t i0, std::int64_t bq, const ForwardScratch<float>& s) {
+    Bf16DotProducts products{{k, v, b, p.kv_head(h), q.dim(), v.dim(), score_scale<float>(p), s}};
+    forward_query_block<bf16, O, float>(q, k, v, out, lse, p, b, h, i0, bq, s, products);
+  }
+#endif
 
   /// See decode_task.
   template <class T, class O, class A>
@@ -73,3 +102,4 @@ struct IsaKernels {
     backward_task(job, t, s, turns);
   }
 };
+#undef SEQPAR_ISA_HAS_BF16_DOT
