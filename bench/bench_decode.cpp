@@ -103,16 +103,18 @@ void BM_decode(benchmark::State& state) {
 }
 
 /// Args: new tokens T, threads. CpuFlashKernel alone on one decode step's shape: T queries of
-/// H heads against a cache_len-token shard (K heads, D, float), each row limited to its own
+/// H heads against a cache_len-token shard (K heads, D, element type E: float, or a bf16
+/// cache, half the bytes, widened block by block), each row limited to its own
 /// keys by row_key_end (the cache and the step's earlier tokens), as SequenceParallelDecode
 /// calls it. Fastest call in wall time; GFLOPs = 4 T H D x visible keys per second, GBs = K
-/// and V bytes read once (2 x keys x K x D x 4) per second: decode is bound by the latter.
+/// and V bytes read once (2 x keys x K x D x sizeof(E)) per second: decode is bound by the latter.
+template <class E>
 void BM_decode_kernel(benchmark::State& state) {
   const std::int64_t T = state.range(0);
   const int threads = static_cast<int>(state.range(1));
-  const auto q = bench::random_values<float>(static_cast<std::size_t>(T * H * D), 1);
-  const auto k = bench::random_values<float>(static_cast<std::size_t>(cache_len * K * D), 2);
-  const auto v = bench::random_values<float>(k.size(), 3);
+  const auto q = bench::random_values<E>(static_cast<std::size_t>(T * H * D), 1);
+  const auto k = bench::random_values<E>(static_cast<std::size_t>(cache_len * K * D), 2);
+  const auto v = bench::random_values<E>(k.size(), 3);
   std::vector<float> out(q.size()), lse(static_cast<std::size_t>(T * H));
   std::vector<std::int64_t> ends(static_cast<std::size_t>(T));
   double pairs = 0;
@@ -125,7 +127,7 @@ void BM_decode_kernel(benchmark::State& state) {
   p.mask.row_key_end = ends.data();
   p.mask.row_stride = T;
   CpuFlashKernel kernel(CpuFlashOptions{.threads = threads});
-  using CV = TensorView<const float>;
+  using CV = TensorView<const E>;
   auto call = [&] {
     kernel.forward(CV::bshd(q.data(), 1, T, H, D), CV::bshd(k.data(), 1, cache_len, K, D),
                    CV::bshd(v.data(), 1, cache_len, K, D), TensorView<float>::bshd(out.data(), 1, T, H, D),
@@ -143,10 +145,11 @@ void BM_decode_kernel(benchmark::State& state) {
   }
   state.counters["ms_per_call"] = best * 1e3;
   state.counters["GFLOPs"] = 4.0 * double(H * D) * pairs * 1e-9 / best;
-  state.counters["GBs"] = 2.0 * double(cache_len * K * D) * sizeof(float) * 1e-9 / best;
+  state.counters["GBs"] = 2.0 * double(cache_len * K * D) * sizeof(E) * 1e-9 / best;
 }
 
 }  // namespace
 
-BENCHMARK(BM_decode_kernel)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_decode_kernel, float)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_decode_kernel, bf16)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode)->ArgNames({"P", "gather"})->ArgsProduct({{1, 2, 4}, {0, 1}})->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);

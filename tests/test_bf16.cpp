@@ -179,7 +179,7 @@ namespace {
 /// against the double reference on the same inputs: {normwise error of O, of the LSE}. The keys
 /// `nan_keys` hold NaN in V: the rows that see one must come out NaN, as the reference's do, and
 /// every other row exact.
-std::pair<double, double> dot_case(CpuFlashKernel& kernel, std::int64_t sq, std::int64_t sk, std::int64_t h,
+std::pair<double, double> bf16_case(CpuFlashKernel& kernel, std::int64_t sq, std::int64_t sk, std::int64_t h,
                                    std::int64_t kh, std::int64_t d, std::int64_t dv, const KernelParams& p,
                                    const std::vector<std::int64_t>& nan_keys, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -250,7 +250,7 @@ TEST_CASE("bf16: the AVX512-BF16 products against the double reference, on every
     p.q_positions = PositionMap::run(300, 0);
     p.k_positions = PositionMap::run(300, 0);
     // Key 100's V is NaN: rows 95-137 see it; rows 64-94 share a panel with row 95 and do not.
-    const auto [o, l] = dot_case(kernel, 300, 300, 4, 2, 67, 43, p, {100}, 21);
+    const auto [o, l] = bf16_case(kernel, 300, 300, 4, 2, 67, 43, p, {100}, 21);
     CHECK(o < 4e-3);
     CHECK(l < 1e-6);
   }
@@ -266,7 +266,7 @@ TEST_CASE("bf16: the AVX512-BF16 products against the double reference, on every
     p.mask.kv_valid = valid;
     p.q_positions = PositionMap::run(261, 0);
     p.k_positions = PositionMap::run(261, 0);
-    const auto [o, l] = dot_case(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
+    const auto [o, l] = bf16_case(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
     CHECK(o < 4e-3);
     CHECK(l < 1e-6);
   }
@@ -277,8 +277,33 @@ TEST_CASE("bf16: the AVX512-BF16 products against the double reference, on every
     p.group_size = 3;
     p.q_positions = PositionMap::run(200, 800);
     p.k_positions = PositionMap::run(1000, 0);
-    const auto [o, l] = dot_case(kernel, 200, 1000, 3, 1, 128, 128, p, {}, 23);
+    const auto [o, l] = bf16_case(kernel, 200, 1000, 3, 1, 128, 128, p, {}, 23);
     CHECK(o < 4e-3);
     CHECK(l < 1e-6);
+  }
+}
+
+// Up to 16 query rows take the decode path: the bf16 cache is read at its own width, widened
+// block by block, and everything after is the float decode path (exact products of bf16
+// values accumulated in float), so the float tolerances hold. Two threads split the keys
+// into chunks whose partials merge.
+TEST_CASE("bf16: decode steps over a bf16 cache, against the double reference") {
+  for (int threads : {1, 2}) {
+    CAPTURE(threads);
+    CpuFlashKernel kernel(threads);
+    for (std::int64_t rows : {1, 5, 16}) {
+      CAPTURE(rows);
+      const std::int64_t valid[] = {1500};
+      KernelParams p;
+      p.scale = 0.088;
+      p.causal = true;
+      p.group_size = 4;
+      p.mask.kv_valid = valid;
+      p.q_positions = PositionMap::run(rows, 1537 - rows);  // the newest tokens, bottom-right
+      p.k_positions = PositionMap::run(1537, 0);
+      const auto [o, l] = bf16_case(kernel, rows, 1537, 8, 2, 128, 128, p, {1500, 1536}, 31);  // padded slots hold NaN
+      CHECK(o < 1e-5);
+      CHECK(l < 1e-6);
+    }
   }
 }

@@ -175,7 +175,9 @@ struct NativeCase {
 };
 
 /// Worst error of forward_paged against the same attention in double: O normwise, the LSE
-/// absolute (a row that sees nothing must give O = 0 and LSE = -inf).
+/// absolute (a row that sees nothing must give O = 0 and LSE = -inf). Pools and queries of T
+/// (float, or bf16: the same attention of the bf16 values, accumulated in float).
+template <class T = float>
 double native_paged_error(const NativeCase& c) {
   const std::int64_t H = c.heads, K = c.kv_heads, D = c.dim, Dv = c.dim_v, ps = c.page_size;
   const auto B = static_cast<std::int64_t>(c.slots.size());
@@ -192,15 +194,15 @@ double native_paged_error(const NativeCase& c) {
     for (std::int64_t i = 0; i < (s + ps - 1) / ps; ++i) indices.push_back(order[next++]);
     indptr.push_back(static_cast<std::int32_t>(indices.size()));
   }
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> kp(static_cast<std::size_t>(pages * ps * K * D), nan),
+  const T nan = T(std::numeric_limits<float>::quiet_NaN());
+  std::vector<T> kp(static_cast<std::size_t>(pages * ps * K * D), nan),
       vp(c.v_in_k ? 0 : static_cast<std::size_t>(pages * ps * K * Dv), nan);
   // Element (page, row, head, d) of a pool with `dim` columns, NHD or HND.
   auto at = [&](std::int64_t page, std::int64_t row, std::int64_t h, std::int64_t d, std::int64_t dim) {
     return static_cast<std::size_t>(c.hnd ? ((page * K + h) * ps + row) * dim + d : ((page * ps + row) * K + h) * dim + d);
   };
-  auto view = [&](const std::vector<float>& pool, std::int64_t dim) {
-    auto v = TensorView<const float>::bshd(pool.data(), pages, ps, K, dim);
+  auto view = [&](const std::vector<T>& pool, std::int64_t dim) {
+    auto v = TensorView<const T>::bshd(pool.data(), pages, ps, K, dim);
     if (c.hnd) v.stride = {K * ps * dim, dim, ps * dim, 1};
     return v;
   };
@@ -209,11 +211,11 @@ double native_paged_error(const NativeCase& c) {
     for (std::int64_t s = 0; s < c.slots[static_cast<std::size_t>(b)]; ++s)
       for (std::int64_t h = 0; h < K; ++h) {
         const std::int64_t page = table.pages(b)[static_cast<std::size_t>(s / ps)];
-        for (std::int64_t d = 0; d < D; ++d) kp[at(page, s % ps, h, d, D)] = n(rng);
+        for (std::int64_t d = 0; d < D; ++d) kp[at(page, s % ps, h, d, D)] = T(n(rng));
         if (!c.v_in_k)
-          for (std::int64_t d = 0; d < Dv; ++d) vp[at(page, s % ps, h, d, Dv)] = n(rng);
+          for (std::int64_t d = 0; d < Dv; ++d) vp[at(page, s % ps, h, d, Dv)] = T(n(rng));
       }
-  TensorView<const float> kv = view(kp, D), vv = c.v_in_k ? kv : view(vp, Dv);
+  TensorView<const T> kv = view(kp, D), vv = c.v_in_k ? kv : view(vp, Dv);
   if (c.v_in_k) vv.extent[3] = Dv;
   // Rows: each sequence's last rows see its last slots (a decode step's new tokens), one
   // fewer each row up; a sequence without slots has rows that see nothing.
@@ -224,16 +226,17 @@ double native_paged_error(const NativeCase& c) {
     begin.push_back(begin.back() + t);
   }
   const std::int64_t R = begin.back();
-  std::vector<float> q(static_cast<std::size_t>(R * H * D)), out(static_cast<std::size_t>(R * H * Dv), nan),
-      lse(static_cast<std::size_t>(R * H), nan);
-  for (float& x : q) x = n(rng);
+  const float fnan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<T> q(static_cast<std::size_t>(R * H * D));
+  std::vector<float> out(static_cast<std::size_t>(R * H * Dv), fnan), lse(static_cast<std::size_t>(R * H), fnan);
+  for (T& x : q) x = T(n(rng));
   KernelParams p;
   p.scale = 1.0 / std::sqrt(static_cast<double>(D));
   p.softcap = c.softcap;
   p.group_size = H / K;
   CpuFlashKernel kernel(CpuFlashOptions{.threads = c.threads});
-  const PagedKV<float> cache{kv, vv, table};
-  kernel.forward_paged(TensorView<const float>::bshd(q.data(), 1, R, H, D), cache, PagedRows{B, begin.data(), key_end.data()},
+  const PagedKV<T> cache{kv, vv, table};
+  kernel.forward_paged(TensorView<const T>::bshd(q.data(), 1, R, H, D), cache, PagedRows{B, begin.data(), key_end.data()},
                        TensorView<float>::bshd(out.data(), 1, R, H, Dv), TensorView<float>::bshd(lse.data(), 1, R, H, 1), p);
   double num = 0, den = 0, lse_err = 0;
   for (std::int64_t b = 0; b < B; ++b)
@@ -245,7 +248,8 @@ double native_paged_error(const NativeCase& c) {
         for (std::int64_t s = 0; s < n_keys; ++s) {
           const std::int64_t page = table.pages(b)[static_cast<std::size_t>(s / ps)];
           double x = 0;
-          for (std::int64_t d = 0; d < D; ++d) x += double(q[static_cast<std::size_t>((r * H + h) * D + d)]) * kp[at(page, s % ps, kh, d, D)];
+          for (std::int64_t d = 0; d < D; ++d) x += static_cast<double>(q[static_cast<std::size_t>((r * H + h) * D + d)]) *
+                 static_cast<double>(kp[at(page, s % ps, kh, d, D)]);
           x *= p.scale;
           if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
           w[static_cast<std::size_t>(s)] = x;
@@ -260,7 +264,8 @@ double native_paged_error(const NativeCase& c) {
           double o = 0;
           for (std::int64_t s = 0; s < n_keys; ++s) {
             const std::int64_t page = table.pages(b)[static_cast<std::size_t>(s / ps)];
-            o += w[static_cast<std::size_t>(s)] / sum * (c.v_in_k ? kp[at(page, s % ps, kh, d, D)] : vp[at(page, s % ps, kh, d, Dv)]);
+            o += w[static_cast<std::size_t>(s)] / sum *
+                 static_cast<double>(c.v_in_k ? kp[at(page, s % ps, kh, d, D)] : vp[at(page, s % ps, kh, d, Dv)]);
           }
           const double got = out[static_cast<std::size_t>((r * H + h) * Dv + d)];
           num = std::isnan(got) ? std::numeric_limits<double>::infinity() : std::max(num, std::abs(got - o));
@@ -288,5 +293,20 @@ TEST_CASE("paged decode: CpuFlashKernel reads the pages in place, any page size,
     CAPTURE(c.hnd);
     CAPTURE(c.threads);
     CHECK(native_paged_error(c) < 5e-6);
+  }
+}
+
+// A bf16 pool is read at its own width and widened block by block: the same attention of the
+// bf16 values, accumulated in float, so the float tolerance holds.
+TEST_CASE("paged decode: CpuFlashKernel reads bf16 pages in place, equal to attention of the bf16 values in double") {
+  const std::vector<NativeCase> cases = {
+      {.page_size = 3, .threads = 2},
+      {.page_size = 16, .in_order = true, .heads = 8, .kv_heads = 1, .softcap = 2.0},  // one run, MQA, soft-cap
+      {.page_size = 5, .in_order = true, .v_in_k = true, .heads = 4, .kv_heads = 1, .dim = 24, .dim_v = 16},  // MLA
+      {.page_size = 7, .hnd = true, .heads = 6, .kv_heads = 3, .dim = 20, .dim_v = 12, .tokens = {16, 0, 9}},
+  };
+  for (const NativeCase& c : cases) {
+    CAPTURE(c.page_size);
+    CHECK(native_paged_error<bf16>(c) < 5e-6);
   }
 }

@@ -20,7 +20,9 @@
 ///  - O += P V reads V in place (contiguous vectors of the caller's rows), head dims in the
 ///    lanes, so a single query row wastes no lane;
 ///  - K and V are read once per step for all heads of the group, which is what bounds decode
-///    (memory bandwidth), and nothing is packed.
+///    (memory bandwidth), and nothing is packed: only a cache narrower than the accumulation
+///    type (bf16) is widened, block by block and head by head, into the scratch (it is read at
+///    half the bytes of a float cache, and the block is then in L1/L2 for both products).
 /// With several threads and too few (batch x slab) groups to keep them busy, each group's
 /// keys are split into chunks (flash-decoding): every chunk gives each row a partial (O, LSE),
 /// and a second pass merges the chunks in order with merge_row, exactly. The partials live in
@@ -91,10 +93,9 @@ struct FlashDecode {
   A* part = nullptr;        ///< chunks > 1: per (group, chunk, row) the chunk's O (D_v) then its LSE
   DecodeSplit split = DecodeSplit::of(most_tokens, group_heads(q, p), k.heads(), max_panel<A>);  ///< rows per task
 
-  /// Whether a forward call of this shape takes the decode path: few query rows and K/V
-  /// readable in place (T = A).
+  /// Whether a forward call of this shape takes the decode path: few query rows.
   static bool applies(TensorView<const T> q, TensorView<const T> k, const KernelParams&) {
-    return std::is_same_v<T, A> && q.seq() >= 1 && q.seq() <= decode_max_queries && k.heads() >= 1;
+    return q.seq() >= 1 && q.seq() <= decode_max_queries && k.heads() >= 1;
   }
   /// Most local query heads that read one K/V head.
   static std::int64_t group_heads(TensorView<const T> q, const KernelParams& p) {

@@ -178,25 +178,21 @@ class CpuFlashKernel {
                TensorView<acc_t<T>> lse, const KernelParams& p) {
     prepare(q.dim(), v.dim());  // no-op once prepared
     using Decode = detail::FlashDecode<T, O, acc_t<T>>;
-    // The decode path reads K/V in place as A: a narrower T (bf16) takes the forward's
-    // converting packs instead.
-    if constexpr (std::is_same_v<T, acc_t<T>>) {
-      if (Decode::applies(q, k, p)) {
-        run_decode(Decode{q, k, v, out, lse, p}, k.seq());
-        return;
-      }
+    if (Decode::applies(q, k, p)) {
+      run_decode(Decode{q, k, v, out, lse, p}, k.seq());
+      return;
     }
     detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
   }
 
-  /// See LocalAttentionKernel's forward_paged (float and double): the decode path above with
-  /// the pages read in place, each sequence of the step a batch element of up to 16 rows, a
-  /// key block ending where its run of pages ends (pages whose ids follow each other in an
-  /// NHD pool are one run), and the group's keys split over the threads as for a dense call.
+  /// See LocalAttentionKernel's forward_paged (float, double and bf16 pools): the decode path
+  /// above with the pages read in place, each sequence of the step a batch element of up to 16
+  /// rows, a key block ending where its run of pages ends (pages whose ids follow each other in
+  /// an NHD pool are one run), and the group's keys split over the threads as for a dense call.
   template <class T>
-    requires std::is_same_v<T, acc_t<T>>
-  void forward_paged(TensorView<const T> q, const PagedKV<T>& cache, const PagedRows& rows, TensorView<T> out,
-                     TensorView<T> lse, const KernelParams& p) {
+  void forward_paged(TensorView<const T> q, const PagedKV<T>& cache, const PagedRows& rows, TensorView<acc_t<T>> out,
+                     TensorView<acc_t<T>> lse, const KernelParams& p) {
+    using A = acc_t<T>;
     prepare(q.dim(), cache.v_pool.dim());
     std::int64_t most = 0, keys = 0;
     for (std::int64_t b = 0; b < rows.batch; ++b) {
@@ -207,7 +203,7 @@ class CpuFlashKernel {
       if (n > 0) keys = std::max(keys, rows.key_end[rows.begin[b + 1] - 1]);
     }
     // (most_tokens before split: the split's rows per task follow the longest sequence's.)
-    run_decode(detail::FlashDecode<T, T, T>{q, cache.k_pool, cache.v_pool, out, lse, p, &cache, &rows,
+    run_decode(detail::FlashDecode<T, A, A>{q, cache.k_pool, cache.v_pool, out, lse, p, &cache, &rows,
                                             std::max<std::int64_t>(1, most)},
                keys);
   }

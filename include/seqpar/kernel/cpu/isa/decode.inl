@@ -24,10 +24,12 @@ template <class A>
 #if SEQPAR_ISA_BYTES == 64
     // (maskz with every lane: GCC 12's plain shuffle_f32x4 warns of its own undefined source.)
     V c[8], e[4];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const V a = v[slot(i)], b = v[slot(i + 8)];
       c[i] = _mm512_maskz_shuffle_f32x4(0xFFFF, a, b, 0x44) + _mm512_maskz_shuffle_f32x4(0xFFFF, a, b, 0xEE);
     }
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) e[i] = _mm512_maskz_shuffle_f32x4(0xFFFF, c[i], c[i + 4], 0x88) + _mm512_maskz_shuffle_f32x4(0xFFFF, c[i], c[i + 4], 0xDD);
     const V g0 = _mm512_shuffle_ps(e[0], e[2], 0x44) + _mm512_shuffle_ps(e[0], e[2], 0xEE);
     const V g1 = _mm512_shuffle_ps(e[1], e[3], 0x44) + _mm512_shuffle_ps(e[1], e[3], 0xEE);
@@ -80,16 +82,21 @@ template <class A>
   const std::int64_t dw = dim / W * W;
   for (std::int64_t r0 = 0; r0 < rows; r0 += RB) {
     const A* qr[RB];
+#pragma GCC unroll 16
     for (int rr = 0; rr < RB; ++rr) qr[rr] = q + std::min<std::int64_t>(r0 + rr, rows - 1) * dim;
     for (std::int64_t j0 = 0; j0 < keys; j0 += KB) {
       const A* kr[KB];
+#pragma GCC unroll 16
       for (int kk = 0; kk < KB; ++kk) kr[kk] = k + std::min<std::int64_t>(j0 + kk, keys - 1) * ldk;
       V acc[W] = {};  // lane-sum i = row i / KB, key i % KB
       for (std::int64_t d = 0; d < dw; d += W) {
         V kv[KB];
+#pragma GCC unroll 16
         for (int kk = 0; kk < KB; ++kk) kv[kk] = simd_load(kr[kk] + d);
+#pragma GCC unroll 16
         for (int rr = 0; rr < RB; ++rr) {
           const V qv = simd_load(qr[rr] + d);
+#pragma GCC unroll 16
           for (int kk = 0; kk < KB; ++kk) acc[rr * KB + kk] = simd_fma(kv[kk], qv, acc[rr * KB + kk]);
         }
       }
@@ -207,6 +214,48 @@ template <class A>
   for (; d < n; ++d) row[d] *= alpha;
 }
 
+/// Rows of K or V as decode_block reads them: `ld` elements of A apart from `at`.
+template <class A>
+struct BlockRows {
+  const A* at;        ///< the block's first row
+  std::ptrdiff_t ld;  ///< elements between rows
+  /// Row `j` of the block.
+  const A* row(std::int64_t j) const { return at + j * ld; }
+};
+
+/// The `n` bf16 values at `src` as float at `dst`: a bf16 is a float's upper half, so each
+/// vector of them is zero-extended and shifted (written out: GCC 12 at -O2 leaves the scalar
+/// conversion loop unvectorised, which made a bf16 decode step 2.4x slower).
+inline void widen_bf16(const bf16* src, float* dst, std::int64_t n) {
+  constexpr int W = Simd<float>::width;
+  typedef std::uint16_t Half __attribute__((vector_size(W * 2)));
+  typedef std::uint32_t Word __attribute__((vector_size(W * 4)));
+  std::int64_t d = 0;
+  for (; d + W <= n; d += W) {
+    Half h;
+    std::memcpy(&h, src + d, sizeof h);
+    simd_store(dst + d, bits_as<simd_t<float>>(__builtin_convertvector(h, Word) << 16));
+  }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+/// The `n` rows of `dim` elements at `src` (`ld` apart) as A: in place when T is A, else
+/// widened into `buf` (rows dim apart).
+template <class A, class T>
+[[gnu::always_inline]] inline BlockRows<A> block_rows(const T* src, std::ptrdiff_t ld, std::int64_t n,
+                                                      std::int64_t dim, A* buf) {
+  if constexpr (std::is_same_v<T, A>) {
+    return {src, ld};
+  } else if constexpr (std::is_same_v<T, bf16> && std::is_same_v<A, float>) {
+    for (std::int64_t j = 0; j < n; ++j) widen_bf16(src + j * ld, buf + j * dim, dim);
+    return {buf, dim};
+  } else {
+    for (std::int64_t j = 0; j < n; ++j)
+      for (std::int64_t d = 0; d < dim; ++d) buf[j * dim + d] = static_cast<A>(src[j * ld + d]);
+    return {buf, dim};
+  }
+}
+
 /// One key block [j0, j1] of one head: scores (soft-capped when the call caps them), softmax,
 /// O = alpha O + P V, V and K read in place. NR = 0: scores as dot products into S rows
 /// (decode_scores), a softmax per row; NR = 1, 2: S^T = K Q^T per query panel of NR vectors,
@@ -216,7 +265,11 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
                   std::int64_t j1, const ForwardScratch<A>& s) {
   constexpr int W = FlashTile<A>::width, PW = (NR == 0 ? 1 : NR) * W, MR = FlashTile<A>::mr;
   const std::int64_t dim = job.q.dim(), dim_v = job.v.dim(), R = hd.rows;
-  const std::ptrdiff_t ldk = job.k.stride[1], ldv = job.v.stride[1];
+  // The block's K and V rows of this head: in place when T is A; a narrower T (a bf16 cache)
+  // is read at its own width and widened once into the scratch (rows dim apart).
+  const BlockRows<A> kb = block_rows<A>(job.k_row(b, j0, hd.kh), job.k.stride[1], j1 + 1 - j0, dim, s.kbuf);
+  const BlockRows<A> vb = block_rows<A>(job.v_row(b, j0, hd.kh), job.v.stride[1], j1 + 1 - j0, dim_v, s.vbuf);
+  const std::ptrdiff_t ldk = kb.ld, ldv = vb.ld;
   const std::int64_t* first = s.first + hd.base;
   const std::int64_t* last = s.last + hd.base;
   const A cap = static_cast<A>(job.p.softcap);
@@ -225,7 +278,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
     const auto [ja, nkp, f0, f1] = s.panel[hd.base / max_panel<A>].in_block(j0, j1);
     if (nkp <= 0) return;
     const std::ptrdiff_t lds = fwd_block_k;
-    decode_scores(s.qt + hd.base * dim, R, job.k_row(b, ja, hd.kh), ldk, nkp, dim, s.st, lds);
+    decode_scores(s.qt + hd.base * dim, R, kb.row(ja - j0), ldk, nkp, dim, s.st, lds);
     // (Whole vectors: a row of S is fwd_block_k long, a whole number of them.)
     if (cap > 0)
       for (std::int64_t i = 0; i < R; ++i) softcap_scores(s.st + i * lds, (nkp + W - 1) / W * W, cap);
@@ -236,7 +289,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       const A alpha = softmax_row(s.st + i * lds, a0, a1, s.m[hd.base + i], s.l[hd.base + i]);
       if (alpha != A(1)) scale_values(ot + i * dim_v, dim_v, alpha);
     }
-    decode_block_pv(R, s.st, lds, 1, job.v_row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first, last, dim_v, ot, s.ones);
+    decode_block_pv(R, s.st, lds, 1, vb.row(ja - j0), ldv, ja, nkp, f0, f1, first, last, dim_v, ot, s.ones);
   } else {
     const std::int64_t panels = (R + PW - 1) / PW, qt_panel = dim * PW;
     for (std::int64_t panel = 0, c0 = 0; panel < panels; ++panel, c0 += PW) {
@@ -244,7 +297,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       const auto [ja, nkp, f0, f1] = s.panel[hd.base / PW + panel].in_block(j0, j1);
       if (nkp <= 0) continue;
       const std::int64_t np = std::min<std::int64_t>(PW, R - c0);
-      const A* const kr = job.k_row(b, ja, hd.kh);
+      const A* const kr = kb.row(ja - j0);
       // S^T = K Q^T with K read in place, MR keys at a time.
       flash_tiles<false, NR>(nkp, kr, ldk, 1, MR * ldk, s.qt + hd.base * dim + panel * qt_panel, PW, dim, s.st, PW,
                              static_cast<const A*>(nullptr));
@@ -254,8 +307,8 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       softmax_panel<PW>(s.st, nkp, s.m + hd.base + c0, s.l + hd.base + c0, s.alpha);
       A* const o = ot + c0 * dim_v;
       for (std::int64_t i = 0; i < np; ++i) scale_values(o + i * dim_v, dim_v, s.alpha[i]);
-      decode_block_pv(np, s.st, 1, PW, job.v_row(b, ja, hd.kh), ldv, ja, nkp, f0, f1, first + c0, last + c0, dim_v,
-                      o, s.ones);
+      decode_block_pv(np, s.st, 1, PW, vb.row(ja - j0), ldv, ja, nkp, f0, f1, first + c0, last + c0, dim_v, o,
+                      s.ones);
     }
   }
 }
