@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "support/attention_check.hpp"
+#include "support/paged_check.hpp"
 
 using namespace seqpar;
 
@@ -305,5 +306,65 @@ TEST_CASE("bf16: decode steps over a bf16 cache, against the double reference") 
       CHECK(o < 1e-5);
       CHECK(l < 1e-6);
     }
+  }
+}
+
+namespace {
+
+/// Runs a paged step in bf16 on the host: the engine's pool and queries as bf16 (the schedule's
+/// values are bf16 already), the output bf16, widened back for the check.
+struct Bf16HostStep {
+  template <class Dec>
+  std::int64_t operator()(Dec& dec, PagedDecodePlan& plan, const DecodeBatch& batch, const std::vector<float>& q,
+                          const test::RankPool& pool, std::vector<float>& out, std::span<std::byte> ws) const {
+    auto narrow = [](const std::vector<float>& x) {
+      std::vector<bf16> y(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) y[i] = bf16(x[i]);
+      return y;
+    };
+    const std::vector<bf16> kb = narrow(pool.k), vb = narrow(pool.v), qb = narrow(q);
+    std::vector<bf16> ob(out.size());
+    using CV = TensorView<const bf16>;
+    const std::int64_t rows = static_cast<std::int64_t>(q.size()) / (plan.q_heads().count * pool.D);
+    const CV k = CV::bshd(kb.data(), pool.pages, pool.page_size, pool.K, pool.D);
+    CV v = pool.v_in_k ? k : CV::bshd(vb.data(), pool.pages, pool.page_size, pool.K, pool.Dv);
+    v.extent[3] = pool.Dv;  // MLA: the first D_v columns of K's rows
+    const std::int64_t n = dec.template step<bf16>(plan, batch, CV::bshd(qb.data(), 1, rows, plan.q_heads().count, pool.D),
+                                                   k, v, TensorView<bf16>::bshd(ob.data(), 1, rows, plan.out_heads().count, pool.Dv),
+                                                   ws);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(ob[i]);
+    return n;
+  }
+};
+
+}  // namespace
+
+// A serving engine's bf16 pool: PagedDecode over thread ranks with CpuFlashKernel reading the
+// bf16 pages in place, continuous batching, pages reused after free holding NaN. The truth is
+// attention over the bf16 values in double; O comes out in bf16 (one rounding): 5e-3.
+TEST_CASE("bf16: paged decode over an engine's bf16 pool on thread ranks, continuously batched") {
+  const test::DecodeFeatures mla{.head_dim = 12, .head_dim_v = 8, .softcap = 2.0, .v_in_k = true};
+  const std::vector<test::PagedCase> cases = {
+      {.ranks = 3, .interleave = 1, .page_size = 4, .heads = 4, .kv_heads = 2, .steps = 5},
+      {.ranks = 2, .interleave = 0, .page_size = 4, .heads = 4, .kv_heads = 2, .steps = 4, .features = mla,
+       .max_prompt = 40},
+  };
+  for (const test::PagedCase& c : cases) {
+    CAPTURE(c.ranks);
+    test::Schedule sch(c);
+    auto round = [](std::vector<float>& xs) {
+      for (float& x : xs) x = static_cast<float>(bf16(x));
+    };
+    for (test::Request& r : sch.requests) {
+      round(r.k);
+      round(r.v);
+    }
+    for (test::ScheduledStep& st : sch.steps) round(st.q);
+    std::vector<double> err(static_cast<std::size_t>(c.ranks), 0.0);
+    run_ranks(c.ranks, [&](ThreadCommunicator& world) {
+      err[static_cast<std::size_t>(world.rank())] =
+          test::paged_rank_error<CpuFlashKernel>(world, c, sch, Bf16HostStep{}, DType::bf16);
+    });
+    CHECK(*std::max_element(err.begin(), err.end()) < 5e-3);
   }
 }
