@@ -3,7 +3,7 @@
 /// head dims 64 and 128, sequence 512..16K, causal and not; CpuFlashKernel's thread scaling;
 /// its masks beyond causal (packed documents, a sliding window) against the causal calls
 /// that do the same visible work; and today's models' features (soft-capping against none,
-/// MLA's D 192 / D_v 128 against D 128, MLA's decode step). GFLOPs counts 2 B H Sq Sk (D +
+/// MLA's D 192 / D_v 128 against D 128, MLA's decode step); bf16 against float. GFLOPs counts 2 B H Sq Sk (D +
 /// D_v) (halved for causal) per forward, or 4 B H D per visible pair for the masked ones.
 
 #include <benchmark/benchmark.h>
@@ -179,6 +179,64 @@ void BM_cpu_flash_backward(benchmark::State& state) {
   state.SetLabel(cpu_isa_name(kernel.isa()));
 }
 
+/// Median of `x` (a copy is sorted).
+double median_of(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x.size() % 2 ? x[x.size() / 2] : 0.5 * (x[x.size() / 2 - 1] + x[x.size() / 2]);
+}
+
+/// Args: head_dim, seq, causal. The same forward (4 heads, 1 thread) in float and in bf16 (the
+/// same values rounded to bf16): bf16 by the automatic level (its converting packs, or the
+/// AVX512-BF16 products where they pay, see bf16_dot_pays) and, where the CPU has them, by the
+/// AVX512-BF16 products explicitly. One call of each per iteration, alternated; counters are
+/// medians over the iterations of the per-round ratios (float time / bf16 time: > 1 means bf16
+/// is faster) and of the calls' GFLOP/s.
+void BM_cpu_flash_bf16(benchmark::State& state) {
+  KernelCase c(state.range(1), state.range(0), state.range(2) != 0, 4);
+  std::vector<bf16> qb(c.q.size()), kb(c.k.size()), vb(c.v.size()), ob(c.out.size());
+  for (auto [from, to] : {std::pair{&c.q, &qb}, std::pair{&c.k, &kb}, std::pair{&c.v, &vb}})
+    for (std::size_t i = 0; i < from->size(); ++i) (*to)[i] = bf16((*from)[i]);
+  CpuFlashKernel f32, automatic;
+  const bool has_dot = cpu_isa_supported(CpuIsa::avx512_bf16);
+  CpuFlashKernel dot(CpuFlashOptions{.isa = has_dot ? CpuIsa::avx512_bf16 : CpuIsa::automatic});
+  using BV = TensorView<const bf16>;
+  auto run_bf16 = [&](CpuFlashKernel& k) {
+    k.forward(BV::bshd(qb.data(), batch, c.seq, c.h, c.dim), BV::bshd(kb.data(), batch, c.seq, c.h, c.dim),
+              BV::bshd(vb.data(), batch, c.seq, c.h, c.dim), TensorView<bf16>::bshd(ob.data(), batch, c.seq, c.h, c.dim),
+              TensorView<float>::bshd(c.lse.data(), batch, c.seq, c.h, 1), c.params);
+  };
+  auto timed = [](auto&& f) {
+    const double t0 = thread_cpu_seconds();
+    f();
+    return thread_cpu_seconds() - t0;
+  };
+  c.run(f32);  // warm-up: first touch of the pages and the scratch
+  run_bf16(automatic);
+  if (has_dot) run_bf16(dot);
+  std::vector<double> tf, ta, td, ra, rd;
+  for (auto _ : state) {
+    tf.push_back(timed([&] { c.run(f32); }));
+    ta.push_back(timed([&] { run_bf16(automatic); }));
+    ra.push_back(tf.back() / ta.back());
+    if (has_dot) {
+      td.push_back(timed([&] { run_bf16(dot); }));
+      rd.push_back(tf.back() / td.back());
+    }
+  }
+  const double flops = c.flops() * 1e-9;
+  state.counters["GFLOPs_f32"] = flops / median_of(tf);
+  state.counters["GFLOPs_bf16"] = flops / median_of(ta);
+  state.counters["f32_over_bf16"] = median_of(ra);
+  if (has_dot) {
+    state.counters["GFLOPs_bf16_dot"] = flops / median_of(td);
+    state.counters["f32_over_bf16_dot"] = median_of(rd);
+  }
+  state.counters["seq"] = double(c.seq);
+  state.counters["dim"] = double(c.dim);
+  state.counters["causal"] = c.causal;
+  state.SetLabel(cpu_isa_name(automatic.isa()));
+}
+
 /// Flops of one forward of `c` over the (query, key) pairs its mask leaves visible.
 double visible_flops(const KernelCase& c) {
   MaskView m = c.params.mask;
@@ -345,6 +403,11 @@ BENCHMARK(BM_cpu_flash_backward)
     ->ArgsProduct({{64, 128}, {2048}, {0, 1}})
     ->UseRealTime()
     ->MinTime(1.0)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_cpu_flash_bf16)
+    ->ArgNames({"D", "seq", "causal"})
+    ->ArgsProduct({{64, 128}, {4096}, {0, 1}})
+    ->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_documents)->ArgName("D")->Arg(64)->Arg(128)->MinTime(1.0)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_window)

@@ -1,7 +1,8 @@
 /// \file
 /// The machine's ceilings, measured at the vector width the kernels run at (chosen at run
 /// time, kernel/cpu/isa.hpp) so that the kernels' figures can be quoted as fractions of them:
-/// fp32 FMA peak of one core and of all cores, and memory copy bandwidth.
+/// fp32 FMA peak of one core and of all cores, the AVX512-BF16 dot product's rate, and memory
+/// copy bandwidth.
 
 #include <benchmark/benchmark.h>
 
@@ -37,6 +38,29 @@ void BM_peak_fma_one_core(benchmark::State& state) {
   state.counters["lanes"] = lanes;
 }
 BENCHMARK(BM_peak_fma_one_core)->MinTime(0.3);
+
+#if SEQPAR_CPU_ISA_BF16_DOT
+/// One core's 512-bit AVX512-BF16 dot-product rate (vdpbf16ps: 64 float flops per
+/// instruction) next to the 512-bit FMA's (32), both by the same 16-chain assembly loop the
+/// kernel's level choice uses (bf16_dot_pays). Skipped where the CPU has no AVX512-BF16.
+void BM_peak_bf16_dot_one_core(benchmark::State& state) {
+  if (!seqpar::cpu_isa_supported(seqpar::CpuIsa::avx512_bf16)) {
+    state.SkipWithError("no AVX512-BF16 on this CPU");
+    return;
+  }
+  constexpr std::int64_t rounds = 1 << 18;
+  double dot = 0, fma = 0;
+  for (auto _ : state) {
+    dot += seqpar::detail::time_vector_chains(rounds, true);
+    fma += seqpar::detail::time_vector_chains(rounds, false);
+  }
+  const double n = 16.0 * rounds * double(state.iterations());
+  state.counters["GFLOPs_dot"] = 64 * n / dot * 1e-9;
+  state.counters["GFLOPs_fma"] = 32 * n / fma * 1e-9;
+  state.counters["dot_over_fma"] = (64 / dot) / (32 / fma);
+}
+BENCHMARK(BM_peak_bf16_dot_one_core)->MinTime(0.3);
+#endif
 
 /// All cores: one burst per hardware thread per iteration, timed on the wall clock.
 void BM_peak_fma_all_cores(benchmark::State& state) {

@@ -81,6 +81,7 @@ policy_filter='BM_policy'
 pair_filter='BM_anything_vs_plain'
 feature_filter='BM_cpu_flash_softcap|BM_cpu_flash_value_dim|BM_sinks_vs_plain'
 paged_filter='BM_paged_decode'
+bf16_filter='BM_peak_bf16|BM_cpu_flash_bf16|BM_decode_kernel<.*>/T:(1|16)/threads:1/'
 if [[ "$quick" == 1 ]]; then
   kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_cpu_flash_backward/D:64/seq:2048/causal:1|BM_reference/D:64/seq:512/'
   scaling_filter='BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
@@ -88,15 +89,16 @@ if [[ "$quick" == 1 ]]; then
   pair_filter='BM_anything_vs_plain<UlyssesPolicy>/P:2'
   feature_filter='BM_cpu_flash_softcap/causal:1|BM_cpu_flash_value_dim/causal:1|BM_sinks_vs_plain<UlyssesPolicy>'
   paged_filter='BM_paged_decode/P:1/'
+  bf16_filter='BM_peak_bf16|BM_cpu_flash_bf16/D:64/seq:4096/causal:1|BM_decode_kernel<.*>/T:1/threads:1/'
 fi
 
 wait_idle "machine ceilings (before)"
-gb machine_before 'BM_peak|BM_memory'
+gb machine_before 'BM_peak_fma|BM_memory'
 gb kernels "$kernel_filter"
 wait_idle "thread scaling"
 gb scaling "$scaling_filter"
 wait_idle "machine ceilings (after)"
-gb machine_after 'BM_peak|BM_memory'
+gb machine_after 'BM_peak_fma|BM_memory'
 gb policies "$policy_filter"
 wait_idle "Anything vs plain"
 gb pairs "$pair_filter"
@@ -104,6 +106,8 @@ wait_idle "today's models' features"
 gb features "$feature_filter"
 wait_idle "paged decode"
 gb paged "$paged_filter"
+wait_idle "bf16 against float"
+gb bf16 "$bf16_filter"
 
 # MPI strong scaling: the same global shape on 1 and 2 ranks, alternated so that a change of
 # load on the shared machine hits both.
@@ -144,7 +148,12 @@ fi
   echo "SIMD flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(fma|avx2|avx512f|avx512bw|avx512vl)$' | tr '\n' ' ')"
   echo "Memory: $(grep MemTotal /proc/meminfo | tr -s ' ' | cut -d' ' -f2-)"
 } > "$out/lscpu.txt"
-flags="$(grep -h CXX_FLAGS "$build/bench/CMakeFiles/seqpar_bench.dir/flags.make" | sed 's/^CXX_FLAGS = //')"
+# The bench's compile flags: from Make's flags.make, or from build.ninja in a Ninja build dir.
+flags="$( (grep -h CXX_FLAGS "$build/bench/CMakeFiles/seqpar_bench.dir/flags.make" 2>/dev/null || true) | sed 's/^CXX_FLAGS = //')"
+if [[ -z "$flags" && -f "$build/build.ninja" ]]; then
+  flags="$( (grep -A8 'seqpar_bench.dir/bench_kernels.cpp.o:' "$build/build.ninja" || true) | (grep -m1 'FLAGS = ' || true) \
+    | sed 's/^ *FLAGS = //')"
+fi
 {
   echo "date=$(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "commit=$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- include bench \
