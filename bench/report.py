@@ -56,7 +56,7 @@ def markdown_column(path, name):
         except ValueError:
             value = None
         out.append((", ".join(f"{h} {c}" for h, c in zip(header, cells) if h in
-                              ("D", "S", "causal", "threads", "Variant", "P", "peer")), value))
+                              ("dtype", "D", "S", "causal", "threads", "Variant", "P", "peer")), value))
     return out
 
 

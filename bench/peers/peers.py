@@ -50,6 +50,8 @@ class SeqparShim:
         lib.seqpar_shim_last_error.restype = ctypes.c_char_p
         lib.seqpar_shim_forward.restype = ctypes.c_int
         lib.seqpar_shim_forward.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        lib.seqpar_shim_forward_bf16.restype = ctypes.c_int
+        lib.seqpar_shim_forward_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int]
         self.lib, self.kernels = lib, {}
 
     def kernel(self, threads: int):
@@ -64,9 +66,10 @@ class SeqparShim:
         return self.lib.seqpar_shim_isa(self.kernel(1)).decode()
 
     def forward(self, threads, q, k, v, out, lse, causal: bool) -> None:
-        """q, k, v, out contiguous [B, S, H, D] float32; lse [B, H, S]."""
+        """q, k, v, out contiguous [B, S, H, D] float32 or bfloat16 (all alike); lse [B, H, S] float32."""
         B, S, H, D = q.shape
-        rc = self.lib.seqpar_shim_forward(self.kernel(threads), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        entry = self.lib.seqpar_shim_forward_bf16 if q.dtype == torch.bfloat16 else self.lib.seqpar_shim_forward
+        rc = entry(self.kernel(threads), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                           out.data_ptr(), lse.data_ptr(), B, S, H, D, int(causal))
         if rc:
             raise RuntimeError(self.lib.seqpar_shim_last_error().decode())
@@ -89,9 +92,11 @@ def alternate(sides: dict, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def kernel_row(shim: SeqparShim, D: int, S: int, causal: bool, threads: int, rounds: int, B=1, H=4) -> dict:
+def kernel_row(shim: SeqparShim, D: int, S: int, causal: bool, threads: int, rounds: int, B=1, H=4,
+               dtype=torch.float32) -> dict:
     g = torch.Generator().manual_seed(S * 1000 + D + causal)
-    q, k, v = (torch.randn((B, S, H, D), generator=g) for _ in range(3))  # BSHD, seqpar's layout
+    # BSHD, seqpar's layout, in `dtype` (bf16: rounded once from the float32 draws)
+    q, k, v = (torch.randn((B, S, H, D), generator=g).to(dtype) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # the same values in BHSD, torch's
     out, lse = torch.empty_like(q), torch.empty((B, H, S))
     torch.set_num_threads(threads)
@@ -118,22 +123,25 @@ def kernel_row(shim: SeqparShim, D: int, S: int, causal: bool, threads: int, rou
         torch_out = torch_call().transpose(1, 2)
         seqpar_call()
         torch.set_num_threads(2)  # the reference is untimed
-        ref = reference_rows(q, k, v, torch.arange(S), causal)
+        ref = reference_rows(q.float(), k.float(), v.float(), torch.arange(S), causal)
     gf = attention_gflop(B, H, S, D, causal)
-    return {"D": D, "S": S, "causal": causal, "threads": threads, "torch_gflops": gf / med["torch"],
+    return {"D": D, "S": S, "causal": causal, "threads": threads, "dtype": str(dtype).removeprefix("torch."),
+            "torch_gflops": gf / med["torch"],
             "seqpar_gflops": gf / med["seqpar"], "ratio": med["torch"] / med["seqpar"],
             "torch_err": norm_rel(torch_out, ref), "seqpar_err": norm_rel(out, ref)}
 
 
-def kernel_table(shim: SeqparShim, rounds: int) -> list[str]:
-    configs = [(D, S, c, 1) for D in (64, 128) for S in (2048, 4096, 8192) for c in (False, True)]
-    configs += [(128, 8192, c, 2) for c in (False, True)]
-    lines = ["| D | S | causal | threads | torch GFLOP/s | seqpar GFLOP/s | seqpar/torch | torch err | seqpar err |",
-             "| ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for D, S, c, t in configs:
-        r = kernel_row(shim, D, S, c, t, rounds)
-        lines.append(f"| {D} | {S} | {'yes' if c else 'no'} | {t} | {r['torch_gflops']:.1f} | {r['seqpar_gflops']:.1f} "
-                     f"| {r['ratio']:.2f} | {r['torch_err']:.1e} | {r['seqpar_err']:.1e} |")
+def kernel_table(shim: SeqparShim, rounds: int, dtypes) -> list[str]:
+    configs = []
+    for dt in dtypes:
+        configs += [(D, S, c, 1, dt) for D in (64, 128) for S in (2048, 4096, 8192) for c in (False, True)]
+        configs += [(128, 8192, c, 2, dt) for c in (False, True)]
+    lines = ["| dtype | D | S | causal | threads | torch GFLOP/s | seqpar GFLOP/s | seqpar/torch | torch err | seqpar err |",
+             "| :--- | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for D, S, c, t, dt in configs:
+        r = kernel_row(shim, D, S, c, t, rounds, dtype=dt)
+        lines.append(f"| {r['dtype']} | {D} | {S} | {'yes' if c else 'no'} | {t} | {r['torch_gflops']:.1f} "
+                     f"| {r['seqpar_gflops']:.1f} | {r['ratio']:.2f} | {r['torch_err']:.1e} | {r['seqpar_err']:.1e} |")
         log(lines[-1])
     return lines
 
@@ -264,6 +272,8 @@ def main() -> int:
     ap.add_argument("--build", required=True, help="build folder holding tools/seqpar_demo/seqpar_demo")
     ap.add_argument("--only", choices=["kernel", "dist"], help="run one of the two tables")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per side (>= 3)")
+    ap.add_argument("--kernel-dtypes", default="float32,bfloat16",
+                    help="element types of the kernel table (float32, bfloat16; comma-separated)")
     ap.add_argument("--iters", type=int, default=3, help="forwards per distributed round")
     ap.add_argument("--no-seqpar-check", action="store_true", help="skip seqpar_demo --check (slow: minutes)")
     ap.add_argument("--rows", default=",".join(map(str, range(len(DIST_ROWS)))),
@@ -275,13 +285,15 @@ def main() -> int:
     t0 = time.time()
     report = header(shim, a.command)
     if a.only != "dist":
-        report += ["## Kernel: one forward, float32, B=1, H=4", "",
+        dtypes = [getattr(torch, name) for name in a.kernel_dtypes.split(",")]
+        report += ["## Kernel: one forward, B=1, H=4", "",
                    "torch: `F.scaled_dot_product_attention` on [B, H, S, D] (its CPU flash path), "
-                   "`torch.set_num_threads(threads)`; seqpar: `CpuFlashKernel(threads)` on [B, S, H, D] with LSE. "
-                   "Same values. GFLOP/s = 4 B H S^2 D / time (halved for causal), median of "
+                   "`torch.set_num_threads(threads)`; seqpar: `CpuFlashKernel(threads)` on [B, S, H, D] with LSE "
+                   "(float32; bf16: bf16 inputs and output, float accumulation, the LSE in float32). Same values. "
+                   "GFLOP/s = 4 B H S^2 D / time (halved for causal), median of "
                    f"{a.rounds} alternating rounds after a warm-up. Errors: ||o - ref|| / ||ref|| against "
-                   "float64 attention.", ""]
-        report += kernel_table(shim, a.rounds) + [""]
+                   "float64 attention of the same (bf16: rounded) inputs.", ""]
+        report += kernel_table(shim, a.rounds, dtypes) + [""]
     if a.only != "kernel":
         lines, notes = dist_table(a.build, a.rounds, a.iters, not a.no_seqpar_check,
                                   [int(i) for i in a.rows.split(",")])

@@ -85,10 +85,14 @@ void seqpar_shim_destroy(void* kernel) { delete static_cast<seqpar::CpuFlashKern
 /// Name of the CPU path `kernel` runs (see isa_name).
 const char* seqpar_shim_isa(void* kernel) { return isa_name(static_cast<const seqpar::CpuFlashKernel*>(kernel)); }
 
-/// Self-attention forward over one whole sequence: q, k, v, out contiguous [B, S, H, D]
-/// float32; lse contiguous [B, H, S] (may be null); scale 1/sqrt(D). Returns 0 on success.
-int seqpar_shim_forward(void* kernel, const float* q, const float* k, const float* v, float* out, float* lse,
-                        std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d, int causal) {
+}  // extern "C"
+
+namespace {
+
+/// One self-attention forward over a whole sequence of element type T (see the entries below).
+template <class T>
+int forward_typed(void* kernel, const void* q, const void* k, const void* v, void* out, float* lse, std::int64_t b,
+                  std::int64_t s, std::int64_t h, std::int64_t d, int causal) {
   return guarded([&] {
     using namespace seqpar;
     KernelParams p;
@@ -96,12 +100,31 @@ int seqpar_shim_forward(void* kernel, const float* q, const float* k, const floa
     p.causal = causal != 0;
     p.q_positions = PositionMap::run(s, 0);
     p.k_positions = PositionMap::run(s, 0);
-    using CV = TensorView<const float>;
+    using CV = TensorView<const T>;
     const auto lse_view = lse ? TensorView<float>::lse_bhs(lse, b, s, h) : TensorView<float>{};
-    static_cast<CpuFlashKernel*>(kernel)->forward(CV::bshd(q, b, s, h, d), CV::bshd(k, b, s, h, d),
-                                                  CV::bshd(v, b, s, h, d), TensorView<float>::bshd(out, b, s, h, d),
-                                                  lse_view, p);
+    static_cast<CpuFlashKernel*>(kernel)->forward(
+        CV::bshd(static_cast<const T*>(q), b, s, h, d), CV::bshd(static_cast<const T*>(k), b, s, h, d),
+        CV::bshd(static_cast<const T*>(v), b, s, h, d), TensorView<T>::bshd(static_cast<T*>(out), b, s, h, d),
+        lse_view, p);
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+/// Self-attention forward over one whole sequence: q, k, v, out contiguous [B, S, H, D]
+/// float32; lse contiguous [B, H, S] float32 (may be null); scale 1/sqrt(D). Returns 0 on success.
+int seqpar_shim_forward(void* kernel, const float* q, const float* k, const float* v, float* out, float* lse,
+                        std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d, int causal) {
+  return forward_typed<float>(kernel, q, k, v, out, lse, b, s, h, d, causal);
+}
+
+/// As seqpar_shim_forward with q, k, v, out in bf16 (torch.bfloat16's bits: the upper half of
+/// a float32, what seqpar::bf16 holds); lse stays float32. Returns 0 on success.
+int seqpar_shim_forward_bf16(void* kernel, const void* q, const void* k, const void* v, void* out, float* lse,
+                             std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d, int causal) {
+  return forward_typed<seqpar::bf16>(kernel, q, k, v, out, lse, b, s, h, d, causal);
 }
 
 }  // extern "C"
