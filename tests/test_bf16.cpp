@@ -229,58 +229,69 @@ std::pair<double, double> bf16_case(CpuFlashKernel& kernel, std::int64_t sq, std
 
 }  // namespace
 
-// The AVX512-BF16 path forms both products from pairs of bf16 (head dims for S = K Q^T, keys
-// for O = P V, with P rounded to bf16): odd head dims end in a zero pair, a value dim that is
-// not whole register tiles has a tail tile, a panel whose keys start at an odd key leads with
-// a zero weight, and a key block whose V holds NaN (hidden key padding) takes the float path.
+// The AVX512-BF16 and AMX paths form both products from pairs of bf16 (head dims for S = K
+// Q^T, keys for O = P V, with P rounded to bf16): odd head dims end in a zero pair, a value dim
+// that is not whole register tiles has a tail tile (AMX takes whole tiles only: other dims run
+// the converting path), a panel whose keys start at an odd key leads with a zero weight, and a
+// key block whose V holds NaN (seen by some rows of a panel only) takes the float path.
 // O (float here) carries P's rounding: about bf16's half ulp over the square root of the keys
 // averaged (measured 1.1-1.5e-3 on random inputs): 4e-3; the LSE stays float: 1e-6.
-TEST_CASE("bf16: the AVX512-BF16 products against the double reference, on every shape they pack") {
-  if (!cpu_isa_supported(CpuIsa::avx512_bf16)) {
-    MESSAGE("this CPU has no AVX512-BF16: the dot-product path is not tested here");
-    return;
-  }
-  CpuFlashKernel kernel(CpuFlashOptions{.isa = CpuIsa::avx512_bf16});
-  SUBCASE("odd head dim, a value dim of 5 tiles and a tail, GQA, an odd window, soft-cap, a NaN in V") {
+TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, on every shape they pack") {
+  std::vector<CpuIsa> levels;
+  for (CpuIsa isa : {CpuIsa::avx512_bf16, CpuIsa::amx_bf16})
+    if (cpu_isa_supported(isa)) levels.push_back(isa);
+  if (levels.empty()) MESSAGE("this CPU has no AVX512-BF16: the bf16 product paths are not tested here");
+  // Self-attention over n tokens with scale `scale` and a window [left, right] (-1: none).
+  auto self_params = [](std::int64_t n, double scale, std::int64_t left, std::int64_t right) {
     KernelParams p;
-    p.scale = 0.12;
-    p.softcap = 20;
-    p.group_size = 2;
-    p.mask.window_left = 37;
-    p.mask.window_right = 5;
-    p.q_positions = PositionMap::run(300, 0);
-    p.k_positions = PositionMap::run(300, 0);
-    // Key 100's V is NaN: rows 95-137 see it; rows 64-94 share a panel with row 95 and do not.
-    const auto [o, l] = bf16_case(kernel, 300, 300, 4, 2, 67, 43, p, {100}, 21);
-    CHECK(o < 4e-3);
-    CHECK(l < 1e-6);
-  }
-  SUBCASE("causal, packed documents (a panel starting at an odd key), padded keys holding NaN") {
-    // Rows 32-63 all lie in the document from key 21: their panel's keys start at an odd key.
-    const std::int64_t starts[] = {0, 21, 150, 261};
-    const std::int64_t valid[] = {250};
-    KernelParams p;
-    p.scale = 0.125;
-    p.causal = true;
-    p.mask.doc_starts = starts;
-    p.mask.doc_count = 3;
-    p.mask.kv_valid = valid;
-    p.q_positions = PositionMap::run(261, 0);
-    p.k_positions = PositionMap::run(261, 0);
-    const auto [o, l] = bf16_case(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
-    CHECK(o < 4e-3);
-    CHECK(l < 1e-6);
-  }
-  SUBCASE("bottom-right causal, 1000 keys for 200 queries") {
-    KernelParams p;
-    p.scale = 0.09;
-    p.causal = true;
-    p.group_size = 3;
-    p.q_positions = PositionMap::run(200, 800);
-    p.k_positions = PositionMap::run(1000, 0);
-    const auto [o, l] = bf16_case(kernel, 200, 1000, 3, 1, 128, 128, p, {}, 23);
-    CHECK(o < 4e-3);
-    CHECK(l < 1e-6);
+    p.scale = scale;
+    p.mask.window_left = left;
+    p.mask.window_right = right;
+    p.q_positions = PositionMap::run(n, 0);
+    p.k_positions = PositionMap::run(n, 0);
+    return p;
+  };
+  for (CpuIsa isa : levels) {
+    CAPTURE(cpu_isa_name(isa));
+    CpuFlashKernel kernel(CpuFlashOptions{.isa = isa});
+    SUBCASE("odd head dim, a value dim of 5 tiles and a tail, GQA, an odd window, soft-cap, a NaN in V") {
+      KernelParams p = self_params(300, 0.12, 37, 5);
+      p.softcap = 20;
+      p.group_size = 2;
+      // Key 100's V is NaN: rows 95-137 see it; rows 64-94 share a panel with row 95 and do not.
+      const auto [o, l] = bf16_case(kernel, 300, 300, 4, 2, 67, 43, p, {100}, 21);
+      CHECK(o < 4e-3);
+      CHECK(l < 1e-6);
+    }
+    SUBCASE("causal, packed documents (a panel starting at an odd key), padded keys holding NaN") {
+      // Rows 32-63 all lie in the document from key 21: their panel's keys start at an odd key.
+      const std::int64_t starts[] = {0, 21, 150, 261};
+      const std::int64_t valid[] = {250};
+      KernelParams p = self_params(261, 0.125, -1, -1);
+      p.causal = true;
+      p.mask.doc_starts = starts;
+      p.mask.doc_count = 3;
+      p.mask.kv_valid = valid;
+      const auto [o, l] = bf16_case(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
+      CHECK(o < 4e-3);
+      CHECK(l < 1e-6);
+    }
+    SUBCASE("bottom-right causal, 1000 keys for 200 queries") {
+      KernelParams p = self_params(200, 0.09, -1, -1);
+      p.causal = true;
+      p.group_size = 3;
+      p.q_positions = PositionMap::run(200, 800);
+      p.k_positions = PositionMap::run(1000, 0);
+      const auto [o, l] = bf16_case(kernel, 200, 1000, 3, 1, 128, 128, p, {}, 23);
+      CHECK(o < 4e-3);
+      CHECK(l < 1e-6);
+    }
+    SUBCASE("whole tiles (D 64, D_v 32), a window, a NaN in V") {
+      // Key 100's V is NaN: rows 100-120 see it, rows 96-99 and 121-127 of their panel do not.
+      const auto [o, l] = bf16_case(kernel, 257, 257, 2, 2, 64, 32, self_params(257, 0.125, 20, 0), {100}, 24);
+      CHECK(o < 4e-3);
+      CHECK(l < 1e-6);
+    }
   }
 }
 

@@ -278,11 +278,20 @@ class CpuFlashKernel {
       const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
       // Later query blocks see more keys under a causal mask: hand them out first, so that the
       // cheap ones fill the gaps at the end.
-      // bf16 on a CPU with AVX512-BF16 forms its products by vdpbf16ps (isa/forward_bf16.inl).
+      // bf16 forms its products on AMX tiles, or by AVX512-BF16's vdpbf16ps, where the level
+      // says so (isa/forward_bf16.inl); the tiles take head dims that are whole tiles only.
+      [[maybe_unused]] const bool amx = std::is_same_v<T, bf16> && Kernels::amx && self.isa_ == CpuIsa::amx_bf16 &&
+                                        detail::amx_fits(q.dim(), v.dim());
       [[maybe_unused]] const bool dot = std::is_same_v<T, bf16> && Kernels::bf16_dot && self.isa_ == CpuIsa::avx512_bf16;
       self.run_tasks(tasks, [&](std::int64_t t, int worker) {
         const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
         const auto scratch = self.thread_scratch<A>(worker, q.dim(), v.dim());
+        if constexpr (std::is_same_v<T, bf16> && Kernels::amx) {
+          if (amx) {
+            Kernels::template forward_amx<O>(q, k, v, out, lse, p, b, h, qb * bq, bq, scratch);
+            return;
+          }
+        }
         if constexpr (std::is_same_v<T, bf16> && Kernels::bf16_dot) {
           if (dot) {
             Kernels::template forward_bf16_dot<O>(q, k, v, out, lse, p, b, h, qb * bq, bq, scratch);

@@ -28,6 +28,10 @@ inline constexpr std::int64_t fwd_block_q = 512, fwd_block_k = 128;
 /// rows; 256 keys are whole panels on every target.
 inline constexpr std::int64_t bwd_block_q = 72, bwd_block_k = 256;
 
+/// Whether head dims (dim, dim_v) suit the AMX forward's tiles: dim a multiple of 32 (a
+/// tile's 16 pairs along the summed head dims), dim_v of 16 (a tile's rows of O^T).
+constexpr bool amx_fits(std::int64_t dim, std::int64_t dim_v) { return dim % 32 == 0 && dim_v % 16 == 0; }
+
 /// Hands out 64-byte aligned sub-ranges of one byte range (or, with a null base, only counts).
 class ScratchCarver {
  public:
@@ -92,8 +96,15 @@ struct ForwardScratch {
   std::int64_t *lane_lo, *lane_hi;  ///< per key of a panel's masked part: lanes [lo, hi) see it
   PanelKeys* panel;  ///< per query panel of the block
   /// The AVX512-BF16 forward's pairs of bf16 (one 32-bit word each): V packed in pairs of
-  /// keys, and one panel's P^T in pairs of keys. (Its Q^T and K pairs take qt's and kbuf's bytes.)
+  /// keys, and one panel's P^T in pairs of keys (rows up to whole AMX tiles, zero-padded).
+  /// (Its Q^T and K pairs take qt's and kbuf's bytes.)
   std::uint32_t *vpairs, *ppairs;
+  /// The AMX forward's V^T in bf16: per head dim, the block's keys, vt_keys apart.
+  std::uint16_t* vtrans;
+
+  /// Stride of vtrans' rows, in keys: a block (fwd_block_k), one more key ahead of it (a panel
+  /// starting at an odd key), up to a whole tile of 32 keys past it, and not a power of two.
+  static constexpr std::int64_t vt_keys = fwd_block_k + 48;
 
   /// Stride of kbuf's rows: an odd number of 64-byte lines, so that consecutive rows start in
   /// different L1 sets.
@@ -122,7 +133,8 @@ struct ForwardScratch {
     c.take(r.panel, fwd_block_q);  // at most one panel per query row
     c.take(r.ones, max_panel<A>);
     c.take(r.vpairs, (fwd_block_k / 2) * (dim_v + 8));  // key pairs x V dims padded to whole tiles
-    c.take(r.ppairs, (fwd_block_k / 2) * max_panel<float>);  // key pairs x one panel's lanes
+    c.take(r.ppairs, (fwd_block_k / 2 + 16) * max_panel<float>);  // key pairs (to whole tiles) x a panel's lanes
+    c.take(r.vtrans, (dim_v + 16) * vt_keys);
     if (s) std::fill(r.ones, r.ones + max_panel<A>, A(1));
     return c.used();
   }

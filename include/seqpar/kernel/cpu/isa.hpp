@@ -17,9 +17,13 @@
 ///    bf16 products per float lane and instruction: bf16 inputs' forward runs its products on
 ///    it (twice the float FMA's work per instruction); everything else runs the avx512 copy.
 ///    Compiled by GCC only (its function-level target takes the BF16 intrinsics).
+///  - `amx_bf16`: `avx512_bf16` plus AMX tiles (TDPBF16PS: a 16 x 16 float tile += a 16 x 32
+///    bf16 tile times a 32 x 16 one per instruction, some 14x a core's FMA rate): bf16 inputs'
+///    forward runs both products on tiles where its head dims are whole tiles (D a multiple of
+///    32, D_v of 16); the OS must grant the tile state (Linux: arch_prctl, asked once).
 ///  - `vec128`: 128-bit vectors of whatever the compile target has (SSE2 on x86-64, NEON on
 ///    AArch64); always available, and the only level off x86.
-/// The environment variable `SEQPAR_CPU_ISA` (avx512_bf16, avx512, avx2 or vec128) caps the automatic
+/// The environment variable `SEQPAR_CPU_ISA` (amx_bf16, avx512_bf16, avx512, avx2 or vec128) caps the automatic
 /// choice, e.g. to compare the paths on one machine; CpuFlashOptions::isa picks one per kernel.
 
 #include <algorithm>
@@ -57,6 +61,19 @@
 #define SEQPAR_CPU_ISA_BF16_DOT 0
 #endif
 
+#if SEQPAR_CPU_ISA_BF16_DOT && defined(__linux__) && \
+    (SEQPAR_CPU_ISA_DISPATCH || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+/// 1 when the AMX tile products are compiled (as SEQPAR_CPU_ISA_BF16_DOT, on Linux, whose
+/// arch_prctl grants the tile state).
+#define SEQPAR_CPU_ISA_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+/// 0: no AMX tile products.
+#define SEQPAR_CPU_ISA_AMX 0
+#endif
+
 namespace seqpar {
 
 /// Vector instruction sets of the CPU kernels, narrowest first (see the file comment).
@@ -66,11 +83,13 @@ enum class CpuIsa {
   avx2 = 1,        ///< 256-bit AVX2 + FMA
   avx512 = 2,      ///< 512-bit AVX-512 (F, BW, DQ, VL) + FMA
   avx512_bf16 = 3, ///< avx512 plus AVX512-BF16 dot products for bf16 inputs
+  amx_bf16 = 4,    ///< avx512_bf16 plus AMX tiles for bf16 inputs' forward
 };
 
 /// The level's name as SEQPAR_CPU_ISA spells it ("avx512", "avx2", "vec128", "automatic").
 constexpr const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::amx_bf16: return "amx_bf16";
     case CpuIsa::avx512_bf16: return "avx512_bf16";
     case CpuIsa::avx512: return "avx512";
     case CpuIsa::avx2: return "avx2";
@@ -81,7 +100,7 @@ constexpr const char* cpu_isa_name(CpuIsa isa) {
 
 /// Bits of one vector register at this level.
 constexpr int cpu_isa_vector_bits(CpuIsa isa) {
-  return isa == CpuIsa::avx512 || isa == CpuIsa::avx512_bf16 ? 512 : isa == CpuIsa::avx2 ? 256 : 128;
+  return isa == CpuIsa::avx512 || isa == CpuIsa::avx512_bf16 || isa == CpuIsa::amx_bf16 ? 512 : isa == CpuIsa::avx2 ? 256 : 128;
 }
 
 /// The level of the translation unit's own target: the one copy compiled when
@@ -100,9 +119,34 @@ inline constexpr CpuIsa target_cpu_isa =
 /// SEQPAR_CPU_ISA_DISPATCH, else target_cpu_isa alone; AVX levels only on x86).
 constexpr bool cpu_isa_compiled(CpuIsa isa) {
   if (isa == CpuIsa::avx512_bf16) return SEQPAR_CPU_ISA_BF16_DOT;
+  if (isa == CpuIsa::amx_bf16) return SEQPAR_CPU_ISA_AMX;
   if (!SEQPAR_CPU_ISA_DISPATCH) return isa == target_cpu_isa;
   return isa == CpuIsa::vec128 || (SEQPAR_CPU_ISA_X86 && (isa == CpuIsa::avx2 || isa == CpuIsa::avx512));
 }
+
+namespace detail {
+
+#if SEQPAR_CPU_ISA_AMX
+/// Whether this CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22; GCC 12's
+/// __builtin_cpu_supports does not know them) and the OS grants this process the tile data
+/// state (Linux 5.16+: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once).
+inline bool amx_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
+    constexpr long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    return syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+  }();
+  return granted;
+}
+#else
+/// No AMX in this build.
+inline bool amx_granted() { return false; }
+#endif
+
+
+}  // namespace detail
 
 /// Whether this CPU (and OS: the register state must be saved) runs the level's copy, and the
 /// copy is compiled in (cpu_isa_compiled).
@@ -120,6 +164,7 @@ inline bool cpu_isa_supported(CpuIsa isa) {
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("fma");
     case CpuIsa::avx512_bf16: return cpu_isa_supported(CpuIsa::avx512) && __builtin_cpu_supports("avx512bf16");
+    case CpuIsa::amx_bf16: return cpu_isa_supported(CpuIsa::avx512_bf16) && detail::amx_granted();
 #endif
     default: return false;
   }
@@ -129,6 +174,7 @@ inline bool cpu_isa_supported(CpuIsa isa) {
 /// vec128); `fallback` for anything else.
 constexpr CpuIsa parse_cpu_isa(std::string_view name, CpuIsa fallback) {
   if (name == "avx512_bf16") return CpuIsa::avx512_bf16;
+  if (name == "amx_bf16") return CpuIsa::amx_bf16;
   if (name == "avx512") return CpuIsa::avx512;
   if (name == "avx2") return CpuIsa::avx2;
   if (name == "vec128" || name == "scalar" || name == "sse2" || name == "neon") return CpuIsa::vec128;
@@ -202,9 +248,11 @@ inline bool bf16_dot_pays() {
 #endif
 }
 
-/// The widest level this CPU supports (and the program has compiled in); avx512_bf16 only
-/// where its dot product pays (bf16_dot_pays), since it changes only bf16's products.
+/// The widest level this CPU supports (and the program has compiled in): amx_bf16 where the
+/// CPU and the OS give the tiles; avx512_bf16 only where its dot product pays
+/// (bf16_dot_pays), since it changes only bf16's products.
 inline CpuIsa widest_cpu_isa() {
+  if (cpu_isa_supported(CpuIsa::amx_bf16)) return CpuIsa::amx_bf16;
   if (bf16_dot_pays()) return CpuIsa::avx512_bf16;
   for (CpuIsa isa : {CpuIsa::avx512, CpuIsa::avx2})
     if (cpu_isa_supported(isa)) return isa;

@@ -121,6 +121,7 @@ template <class Fn, class... Args>
 decltype(auto) dispatch_cpu_isa(CpuIsa isa, Args&&... args) {
   switch (isa) {
 #ifdef SEQPAR_HAS_ISA_AVX512
+    case CpuIsa::amx_bf16:     // the AVX-512 copy; its forward_amx is chosen by the caller
     case CpuIsa::avx512_bf16:  // the AVX-512 copy; its forward_bf16_dot is chosen by the caller
     case CpuIsa::avx512: return Fn::template run<isa_avx512::IsaKernels>(std::forward<Args>(args)...);
 #endif

@@ -107,16 +107,28 @@ struct Bf16DotProducts {
   /// is 0). V's exponent bits are checked on the way; a V with NaN or Inf is also packed in
   /// float for ConvertedProducts.
   void pack_block(std::int64_t j0, std::int64_t nk) {
+    pack_keys(j0, nk);
+    pack_values(j0, nk);
+  }
+
+  /// The block's K rows as pair rows ldp apart (an odd dim's last pair ends in 0).
+  void pack_keys(std::int64_t j0, std::int64_t nk) const {
     constexpr std::int64_t ahead = 8;
     const auto& k = conv.k;
-    const auto& v = conv.v;
-    const std::int64_t dim = conv.dim, dim_v = conv.dim_v, b = conv.b, kh = conv.kh;
+    const std::int64_t dim = conv.dim, b = conv.b, kh = conv.kh;
     for (std::int64_t j = 0; j < nk; ++j) {
       if (j + ahead < nk) prefetch_row(k.row(b, j0 + j + ahead, kh), dim, 3);
       std::uint32_t* dst = kpairs() + j * ldp;
       std::memcpy(dst, k.row(b, j0 + j, kh), static_cast<std::size_t>(dim) * sizeof(bf16));
       if (dim % 2) std::memset(reinterpret_cast<std::byte*>(dst) + dim * sizeof(bf16), 0, sizeof(bf16));
     }
+  }
+
+  /// V in key pairs (see pack_block), its finiteness checked on the way.
+  void pack_values(std::int64_t j0, std::int64_t nk) {
+    constexpr std::int64_t ahead = 8;
+    const auto& v = conv.v;
+    const std::int64_t dim_v = conv.dim_v, b = conv.b, kh = conv.kh;
     const std::int64_t pairs = (nk + 1) / 2, whole = dim_v / MR * MR;
     v_tile = MR * pairs;
     const __m128i exponent = _mm_set1_epi16(0x7f80);
@@ -166,6 +178,17 @@ struct Bf16DotProducts {
       conv.add_values(panel, off, nkp, f0, f1, st, alpha, lane_lo, lane_hi);
       return;
     }
+    const std::int64_t lead = off & 1, pairs = pack_p(off, nkp, st, 1);
+    dot_tiles<true>(conv.dim_v, conv.s.vpairs + (off - lead) / 2 * MR, 1, MR, v_tile, conv.s.ppairs, PW, pairs,
+                    conv.s.ot + panel * (conv.dim_v * PW), PW, alpha, 0.0f);
+  }
+
+  /// The panel's P^T (float, `nkp` keys from key `off` of the block, in `st`) rounded to bf16
+  /// in key pairs into the scratch's ppairs: pair row jp holds keys off - lead + 2 jp and the
+  /// next (lead = off & 1, so that pairs start at an even key of the block, as V's do), a key
+  /// outside [0, nkp) at weight 0; rows zero up to a whole number of `rows_to` rows. Returns
+  /// the pairs.
+  std::int64_t pack_p(std::int64_t off, std::int64_t nkp, const float* st, std::int64_t rows_to) const {
     using V = simd_t<float>;
     constexpr int W = Simd<float>::width;
     // Lane 2i of the pair vector takes key r0's lane i, lane 2i + 1 key r1's (cvtne2ps puts r0
@@ -184,7 +207,161 @@ struct Bf16DotProducts {
         _mm512_storeu_si512(pp + jp * PW + h, _mm512_permutexvar_epi16(idx, x));
       }
     }
-    dot_tiles<true>(conv.dim_v, conv.s.vpairs + (off - lead) / 2 * MR, 1, MR, v_tile, pp, PW, pairs,
-                    conv.s.ot + panel * (conv.dim_v * PW), PW, alpha, 0.0f);
+    const std::int64_t padded = (pairs + rows_to - 1) / rows_to * rows_to;
+    std::fill(pp + pairs * PW, pp + padded * PW, 0u);
+    return pairs;
   }
 };
+
+#if SEQPAR_CPU_ISA_AMX
+/// Orders memory for the tile instructions. GCC 12 writes its tile intrinsics as volatile asm
+/// that names no memory (tileloadd, tilestored, tdpbf16ps), and ldtilecfg and tilerelease as
+/// builtins: volatile asm keeps its order among itself, but the optimiser may move ordinary
+/// loads and stores across it, and builtins across it (a tile instruction moved before the
+/// configuration raised SIGILL at -O2). A volatile asm that clobbers memory orders both, so
+/// one goes between code that writes a buffer and the tiles that load it, and between the
+/// tiles' stores and code that reads them.
+inline void tile_memory_fence() { asm volatile("" ::: "memory"); }
+
+/// This thread's AMX tile configuration for AmxProducts, loaded on construction and released
+/// on destruction (the tile state is per thread; a released thread saves none of it on a
+/// context switch). Eight tiles of 16 rows x 64 bytes: C of S^T (0, 1), K (2), Q^T or P^T
+/// pairs (3, 4), C of O^T (5, 6), V^T (7).
+struct AmxTiles {
+  AmxTiles() {
+    alignas(64) std::uint8_t config[64] = {};
+    config[0] = 1;  // palette 1
+    for (int t = 0; t < 8; ++t) {
+      config[16 + 2 * t] = 64;  // bytes per row (a little-endian 16-bit field)
+      config[48 + t] = 16;      // rows
+    }
+    _tile_loadconfig(config);
+    tile_memory_fence();
+  }
+  ~AmxTiles() {
+    tile_memory_fence();
+    _tile_release();
+  }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+/// The forward's products for bf16 inputs on AMX tiles (TDPBF16PS: C[16 x 16 float] += A[16 x
+/// 32 bf16] B[16 pairs x 16], B in pairs along the summed index, as Bf16DotProducts packs
+/// them). S^T = K Q^T takes K's pair rows as A and the Q^T pair panel as B, 16 keys by 32
+/// head dims at a time, and the scale on the stored scores; O^T = alpha O^T + V^T P^T takes V
+/// transposed (head dims by keys, in bf16) as A and the P^T pairs as B, 16 head dims by 32 keys
+/// at a time, after O^T's rows are scaled by alpha. Head dims must be whole tiles (amx_fits): the
+/// kernel takes another path otherwise. A key block whose V holds a NaN or Inf runs its P V
+/// through ConvertedProducts' masked float path, as Bf16DotProducts does.
+struct AmxProducts {
+  static constexpr int PW = FlashTile<float>::panel;
+  Bf16DotProducts dot;  ///< Q^T and K pairs, P^T pairs, and the float path of non-finite V
+  bool v_finite = true;  ///< the block's V holds no NaN or Inf
+
+  /// See Bf16DotProducts::pack_query.
+  void pack_query(std::int64_t i, const bf16* src) const { dot.pack_query(i, src); }
+
+  /// K's pair rows, and V^T: row d holds the block's keys' head dim d, then zeros to a whole
+  /// tile past them; V's exponent bits checked on the way (and V packed in float for the
+  /// masked path when it holds a NaN or Inf).
+  void pack_block(std::int64_t j0, std::int64_t nk) {
+    dot.pack_keys(j0, nk);
+    const auto& v = dot.conv.v;
+    const std::int64_t dim_v = dot.conv.dim_v, b = dot.conv.b, kh = dot.conv.kh;
+    constexpr std::int64_t ld = ForwardScratch<float>::vt_keys;
+    std::uint16_t* vt = dot.conv.s.vtrans;
+    // 32 keys by 16 head dims at a time: the 16 key pairs' rows of pairs (row jp: dims d0..d0+15,
+    // each the pair (V[2 jp][d], V[2 jp + 1][d]), a key past the block 0), then transposed by
+    // gathers into V^T's rows (row d: its 16 pairs = 32 keys).
+    alignas(64) std::uint32_t m[16 * 16];
+    const __m512i exponent = _mm512_set1_epi32(0x7f807f80), column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    __mmask32 bad = 0;
+    const std::int64_t whole = (nk + 31) / 32 * 32;
+    for (std::int64_t k0 = 0; k0 < whole; k0 += 32)
+      for (std::int64_t d0 = 0; d0 < dim_v; d0 += 16) {
+        for (int jp = 0; jp < 16; ++jp) {
+          const std::int64_t j = k0 + 2 * jp;
+          const __m256i lo = j < nk ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.row(b, j0 + j, kh) + d0))
+                                    : _mm256_setzero_si256();
+          const __m256i hi = j + 1 < nk
+                                 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.row(b, j0 + j + 1, kh) + d0))
+                                 : _mm256_setzero_si256();
+          const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+          bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(pair, exponent), exponent);
+          _mm512_store_si512(m + jp * 16, pair);
+        }
+        for (int d = 0; d < 16; ++d)
+          _mm512_storeu_si512(vt + (d0 + d) * ld + k0,
+                              _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32(d)), m, 4));
+      }
+    for (std::int64_t d = 0; d < dim_v; ++d) std::fill(vt + d * ld + whole, vt + d * ld + std::min(ld, nk + 32), 0);
+    v_finite = bad == 0;
+    if (!v_finite) dot.conv.pack_values(j0, nk);
+  }
+
+  /// S^T = scale (K Q^T) of query panel `panel` over the `nkp` keys from key `off` (rows past
+  /// nkp, up to a whole tile, are formed too and never read).
+  void scores(std::int64_t panel, std::int64_t off, std::int64_t nkp, float* st) const {
+    const std::ptrdiff_t ldp = dot.ldp;
+    const std::uint32_t* kp = dot.kpairs() + off * ldp;
+    const std::uint32_t* qp = dot.qpairs() + panel * (dot.dp * PW);
+    tile_memory_fence();  // the pair rows are written
+    for (std::int64_t r0 = 0; r0 < nkp; r0 += 16) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (std::int64_t kc = 0; kc < dot.dp; kc += 16) {
+        _tile_loadd(2, kp + r0 * ldp + kc, ldp * 4);
+        _tile_loadd(3, qp + kc * PW, PW * 4);
+        _tile_loadd(4, qp + kc * PW + 16, PW * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      _tile_stored(0, st + r0 * PW, PW * 4);
+      _tile_stored(1, st + r0 * PW + 16, PW * 4);
+    }
+    tile_memory_fence();  // the scores are stored
+    using V = simd_t<float>;
+    const V sc = simd_splat(dot.conv.scale);
+    for (std::int64_t i = 0; i < nkp * PW; i += Simd<float>::width) simd_store(st + i, simd_load(st + i) * sc);
+  }
+
+  /// O^T = alpha O^T + V^T P^T of query panel `panel` (see ConvertedProducts::add_values).
+  void add_values(std::int64_t panel, std::int64_t off, std::int64_t nkp, std::int64_t f0, std::int64_t f1,
+                  const float* st, const float* alpha, const std::int64_t* lane_lo, const std::int64_t* lane_hi) const {
+    if (!v_finite) {
+      dot.conv.add_values(panel, off, nkp, f0, f1, st, alpha, lane_lo, lane_hi);
+      return;
+    }
+    using V = simd_t<float>;
+    constexpr int W = Simd<float>::width;
+    constexpr std::int64_t ld = ForwardScratch<float>::vt_keys;
+    const std::int64_t dim_v = dot.conv.dim_v, lead = off & 1;
+    const std::int64_t chunks = (dot.pack_p(off, nkp, st, 16) + 15) / 16;
+    float* const ot = dot.conv.s.ot + panel * (dim_v * PW);
+    const V a0 = simd_load(alpha), a1 = simd_load(alpha + W);
+    for (std::int64_t d = 0; d < dim_v; ++d) {
+      simd_store(ot + d * PW, simd_load(ot + d * PW) * a0);
+      simd_store(ot + d * PW + W, simd_load(ot + d * PW + W) * a1);
+    }
+    const std::uint16_t* vt = dot.conv.s.vtrans + (off - lead);
+    const std::uint32_t* pp = dot.conv.s.ppairs;
+    tile_memory_fence();  // P^T's pairs and the rescaled O^T are written
+    for (std::int64_t m0 = 0; m0 < dim_v; m0 += 16) {
+      _tile_loadd(5, ot + m0 * PW, PW * 4);
+      _tile_loadd(6, ot + m0 * PW + 16, PW * 4);
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(7, vt + m0 * ld + c * 32, ld * 2);
+        _tile_loadd(3, pp + c * 16 * PW, PW * 4);
+        _tile_loadd(4, pp + c * 16 * PW + 16, PW * 4);
+        _tile_dpbf16ps(5, 7, 3);
+        _tile_dpbf16ps(6, 7, 4);
+      }
+      _tile_stored(5, ot + m0 * PW, PW * 4);
+      _tile_stored(6, ot + m0 * PW + 16, PW * 4);
+    }
+    tile_memory_fence();  // O^T is stored
+  }
+};
+#endif

@@ -7,7 +7,9 @@
 #if SEQPAR_ISA_BYTES == 64 && SEQPAR_CPU_ISA_BF16_DOT
 /// 1 in the copy that holds the AVX512-BF16 forward (the AVX-512 one, where compiled).
 #define SEQPAR_ISA_HAS_BF16_DOT 1
-#if SEQPAR_CPU_ISA_DISPATCH
+#if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_AMX
+SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512 ",avx512bf16,amx-tile,amx-bf16")
+#elif SEQPAR_CPU_ISA_DISPATCH
 SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512 ",avx512bf16")
 #endif
 #include "seqpar/kernel/cpu/isa/forward_bf16.inl"
@@ -85,6 +87,21 @@ struct IsaKernels {
                                TensorView<O> out, TensorView<float> lse, const KernelParams& p, std::int64_t b,
                                std::int64_t h, std::int64_t i0, std::int64_t bq, const ForwardScratch<float>& s) {
     Bf16DotProducts products{{k, v, b, p.kv_head(h), q.dim(), v.dim(), score_scale<float>(p), s}};
+    forward_query_block<bf16, O, float>(q, k, v, out, lse, p, b, h, i0, bq, s, products);
+  }
+#endif
+  /// Whether this copy has forward_amx (the AVX-512 copy, where SEQPAR_CPU_ISA_AMX).
+  static constexpr bool amx = SEQPAR_ISA_HAS_BF16_DOT && SEQPAR_CPU_ISA_AMX;
+#if SEQPAR_ISA_HAS_BF16_DOT && SEQPAR_CPU_ISA_AMX
+  /// See forward_query_block (with AmxProducts): bf16 inputs, products on AMX tiles; head dims
+  /// that are whole tiles only (amx_fits). The tile configuration is loaded for the
+  /// call and released after it.
+  template <class O>
+  static void forward_amx(TensorView<const bf16> q, TensorView<const bf16> k, TensorView<const bf16> v,
+                          TensorView<O> out, TensorView<float> lse, const KernelParams& p, std::int64_t b,
+                          std::int64_t h, std::int64_t i0, std::int64_t bq, const ForwardScratch<float>& s) {
+    AmxProducts products{{{k, v, b, p.kv_head(h), q.dim(), v.dim(), score_scale<float>(p), s}}};
+    const AmxTiles tiles;
     forward_query_block<bf16, O, float>(q, k, v, out, lse, p, b, h, i0, bq, s, products);
   }
 #endif
