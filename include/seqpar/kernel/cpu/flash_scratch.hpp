@@ -113,6 +113,10 @@ struct ForwardScratch {
     return ((dim + line - 1) / line | 1) * line;
   }
 
+  /// Stride of the bf16 forward's K rows of head-dim pairs (32-bit words): an odd number of
+  /// 64-byte lines, as ld_keys.
+  static constexpr std::int64_t ld_pairs(std::int64_t dim) { return (((dim + 1) / 2 + 15) / 16 | 1) * 16; }
+
   /// Carves the scratch at `base` (or, with a null base, only measures it); returns the bytes.
   static std::size_t carve(std::byte* base, std::int64_t dim, std::int64_t dim_v, ForwardScratch* s) {
     ForwardScratch tmp;
@@ -124,7 +128,10 @@ struct ForwardScratch {
     c.take(r.m, fwd_block_q);
     c.take(r.l, fwd_block_q);
     c.take(r.alpha, max_panel<A>);
-    c.take(r.kbuf, fwd_block_k * ld_keys(dim));  // the key block's K rows, in A
+    // The key block's K rows in A; or (AMX) rows of bf16 pairs, read in blocks of 32 rows from
+    // any key of the block, so up to 32 rows past it.
+    c.take(r.kbuf, std::max<std::int64_t>(fwd_block_k * ld_keys(dim),
+                                          (fwd_block_k + 32) * ld_pairs(dim) * 4 / std::int64_t(sizeof(A))));
     c.take(r.vbuf, fwd_block_k * (dim_v + 8));  // V packed in tiles of up to 8 head dims
     c.take(r.first, fwd_block_q);
     c.take(r.last, fwd_block_q);

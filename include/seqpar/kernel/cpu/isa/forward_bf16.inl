@@ -84,8 +84,8 @@ struct Bf16DotProducts {
   static_assert(PW == 2 * Simd<float>::width && MR == 8, "written for 512-bit vectors and 32 registers");
   ConvertedProducts<bf16, float> conv;  ///< the call's views and scratch; the path of non-finite V
   std::int64_t dp = (conv.dim + 1) / 2;  ///< head-dim pairs of Q and K (an odd dim's last pair ends in 0)
-  /// Stride of the K pair rows: an odd number of 64-byte lines (see ForwardScratch::ld_keys).
-  std::ptrdiff_t ldp = ((dp + 15) / 16 | 1) * 16;
+  /// Stride of the K pair rows (ForwardScratch::ld_pairs).
+  std::ptrdiff_t ldp = ForwardScratch<float>::ld_pairs(conv.dim);
   std::ptrdiff_t v_tile = 0;  ///< pairs of one packed V tile (MR x the block's key pairs)
   bool v_finite = true;       ///< the block's V holds no NaN or Inf
 
@@ -225,8 +225,11 @@ inline void tile_memory_fence() { asm volatile("" ::: "memory"); }
 
 /// This thread's AMX tile configuration for AmxProducts, loaded on construction and released
 /// on destruction (the tile state is per thread; a released thread saves none of it on a
-/// context switch). Eight tiles of 16 rows x 64 bytes: C of S^T (0, 1), K (2), Q^T or P^T
-/// pairs (3, 4), C of O^T (5, 6), V^T (7).
+/// context switch). Eight tiles of 16 rows x 64 bytes, for both products: four accumulators
+/// (0-3: two row blocks x two halves of a query panel), two A tiles (4, 5: the two row blocks'
+/// K rows or V^T rows) and two B tiles (6, 7: the panel's halves of Q^T or P^T pairs). Two row
+/// blocks at once give four independent accumulator chains (a tile product's latency is
+/// several times its issue interval) and load each B tile once per two A tiles.
 struct AmxTiles {
   AmxTiles() {
     alignas(64) std::uint8_t config[64] = {};
@@ -308,18 +311,27 @@ struct AmxProducts {
     const std::uint32_t* kp = dot.kpairs() + off * ldp;
     const std::uint32_t* qp = dot.qpairs() + panel * (dot.dp * PW);
     tile_memory_fence();  // the pair rows are written
-    for (std::int64_t r0 = 0; r0 < nkp; r0 += 16) {
+    // Rows in blocks of 32 keys (two tiles; past nkp they are formed and never read: nkp <=
+    // fwd_block_k, a multiple of 32, so they stay inside st and kbuf's rows).
+    for (std::int64_t r0 = 0; r0 < nkp; r0 += 32) {
       _tile_zero(0);
       _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
       for (std::int64_t kc = 0; kc < dot.dp; kc += 16) {
-        _tile_loadd(2, kp + r0 * ldp + kc, ldp * 4);
-        _tile_loadd(3, qp + kc * PW, PW * 4);
-        _tile_loadd(4, qp + kc * PW + 16, PW * 4);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
+        _tile_loadd(6, qp + kc * PW, PW * 4);
+        _tile_loadd(7, qp + kc * PW + 16, PW * 4);
+        _tile_loadd(4, kp + r0 * ldp + kc, ldp * 4);
+        _tile_loadd(5, kp + (r0 + 16) * ldp + kc, ldp * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
       _tile_stored(0, st + r0 * PW, PW * 4);
       _tile_stored(1, st + r0 * PW + 16, PW * 4);
+      _tile_stored(2, st + (r0 + 16) * PW, PW * 4);
+      _tile_stored(3, st + (r0 + 16) * PW + 16, PW * 4);
     }
     tile_memory_fence();  // the scores are stored
     using V = simd_t<float>;
@@ -348,18 +360,40 @@ struct AmxProducts {
     const std::uint16_t* vt = dot.conv.s.vtrans + (off - lead);
     const std::uint32_t* pp = dot.conv.s.ppairs;
     tile_memory_fence();  // P^T's pairs and the rescaled O^T are written
-    for (std::int64_t m0 = 0; m0 < dim_v; m0 += 16) {
-      _tile_loadd(5, ot + m0 * PW, PW * 4);
-      _tile_loadd(6, ot + m0 * PW + 16, PW * 4);
+    // Head dims in blocks of 32 (two tiles); a last block of 16 alone.
+    std::int64_t m0 = 0;
+    for (; m0 + 32 <= dim_v; m0 += 32) {
+      _tile_loadd(0, ot + m0 * PW, PW * 4);
+      _tile_loadd(1, ot + m0 * PW + 16, PW * 4);
+      _tile_loadd(2, ot + (m0 + 16) * PW, PW * 4);
+      _tile_loadd(3, ot + (m0 + 16) * PW + 16, PW * 4);
       for (std::int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(7, vt + m0 * ld + c * 32, ld * 2);
-        _tile_loadd(3, pp + c * 16 * PW, PW * 4);
-        _tile_loadd(4, pp + c * 16 * PW + 16, PW * 4);
-        _tile_dpbf16ps(5, 7, 3);
-        _tile_dpbf16ps(6, 7, 4);
+        _tile_loadd(6, pp + c * 16 * PW, PW * 4);
+        _tile_loadd(7, pp + c * 16 * PW + 16, PW * 4);
+        _tile_loadd(4, vt + m0 * ld + c * 32, ld * 2);
+        _tile_loadd(5, vt + (m0 + 16) * ld + c * 32, ld * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
-      _tile_stored(5, ot + m0 * PW, PW * 4);
-      _tile_stored(6, ot + m0 * PW + 16, PW * 4);
+      _tile_stored(0, ot + m0 * PW, PW * 4);
+      _tile_stored(1, ot + m0 * PW + 16, PW * 4);
+      _tile_stored(2, ot + (m0 + 16) * PW, PW * 4);
+      _tile_stored(3, ot + (m0 + 16) * PW + 16, PW * 4);
+    }
+    if (m0 < dim_v) {
+      _tile_loadd(0, ot + m0 * PW, PW * 4);
+      _tile_loadd(1, ot + m0 * PW + 16, PW * 4);
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(6, pp + c * 16 * PW, PW * 4);
+        _tile_loadd(7, pp + c * 16 * PW + 16, PW * 4);
+        _tile_loadd(4, vt + m0 * ld + c * 32, ld * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, ot + m0 * PW, PW * 4);
+      _tile_stored(1, ot + m0 * PW + 16, PW * 4);
     }
     tile_memory_fence();  // O^T is stored
   }
