@@ -18,22 +18,13 @@
 #include <vector>
 
 #include "support/attention_check.hpp"
+#include "support/narrow_check.hpp"
 #include "support/paged_check.hpp"
 
 using namespace seqpar;
 
 TEST_CASE("bf16: conversions round once, to nearest even") {
-  for (std::uint32_t b = 0; b < 65536; ++b) {
-    const bf16 x = bf16::from_bits(static_cast<std::uint16_t>(b));
-    const float f = static_cast<float>(x);
-    if (std::isnan(f)) {
-      CHECK(std::isnan(static_cast<float>(bf16(f))));
-      CHECK(std::isnan(static_cast<float>(bf16(static_cast<double>(x)))));
-    } else {
-      CHECK(bf16(f).bits == b);
-      CHECK(bf16(static_cast<double>(x)).bits == b);
-    }
-  }
+  test::check_round_trips<bf16>();
   CHECK(static_cast<float>(bf16(1.0f + 0x1p-8f)) == 1.0f);             // a tie goes to even: down
   CHECK(static_cast<float>(bf16(1.0f + 3 * 0x1p-8f)) == 1.0f + 0x1p-6f);  // and up
   CHECK(static_cast<float>(bf16(1.0f + 0x1p-8f + 0x1p-20f)) == 1.0f + 0x1p-7f);  // above the tie: up
@@ -52,182 +43,19 @@ TEST_CASE("bf16: conversions round once, to nearest even") {
   static_assert(std::is_same_v<acc_t<bf16>, float> && sizeof(bf16) == 2);
 }
 
-namespace {
-
-/// The inputs of one kernel call, as bf16 and exactly as double.
-struct KernelInputs {
-  std::int64_t S, H, K, D;
-  std::vector<bf16> q, k, v, dout;
-  std::vector<double> qd, kd, vd, doutd;
-  KernelInputs(std::int64_t s, std::int64_t h, std::int64_t kh, std::int64_t d) : S(s), H(h), K(kh), D(d) {
-    std::mt19937_64 rng(5);
-    std::normal_distribution<double> n(0, 1);
-    auto fill = [&](std::vector<bf16>& x, std::vector<double>& xd, std::int64_t count) {
-      for (std::int64_t i = 0; i < count; ++i) {
-        x.push_back(bf16(n(rng)));
-        xd.push_back(static_cast<double>(x.back()));
-      }
-    };
-    fill(q, qd, S * H * D);
-    fill(k, kd, S * K * D);
-    fill(v, vd, S * K * D);
-    fill(dout, doutd, S * H * D);
-  }
-  template <class T>
-  TensorView<const T> view(const std::vector<T>& x, std::int64_t heads) const {
-    return TensorView<const T>::bshd(x.data(), 1, S, heads, D);
-  }
-};
-
-/// Normwise error of `got` against `want`: max |got - want| / max |want|.
-template <class G>
-double rel_error(const std::vector<G>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double g = static_cast<double>(got[i]);
-    num = std::isnan(g) ? std::numeric_limits<double>::infinity() : std::max(num, std::abs(g - want[i]));
-    den = std::max(den, std::abs(want[i]));
-  }
-  return num / den;
-}
-
-}  // namespace
 
 TEST_CASE("bf16: CpuFlashKernel's forward and backward accumulate in float, against the double reference") {
-  const KernelInputs in(333, 4, 2, 64);  // causal, GQA 4/2, an odd length
-  KernelParams p;
-  p.scale = 0.125;
-  p.causal = true;
-  p.group_size = 2;
-  p.q_positions = PositionMap::run(in.S, 0);
-  p.k_positions = PositionMap::run(in.S, 0);
-  const auto n = static_cast<std::size_t>(in.S * in.H * in.D), l = static_cast<std::size_t>(in.S * in.H);
-  std::vector<double> want_o(n), want_l(l);
-  ReferenceKernel{}.forward(in.view(in.qd, in.H), in.view(in.kd, in.K), in.view(in.vd, in.K),
-                            TensorView<double>::bshd(want_o.data(), 1, in.S, in.H, in.D),
-                            TensorView<double>::bshd(want_l.data(), 1, in.S, in.H, 1), p);
-  // The automatic level, with both thread counts; the AVX512-BF16 products where the CPU has
-  // them (automatic takes them only where they are faster, see bf16_dot_pays).
-  std::vector<CpuFlashOptions> runs{{.threads = 1}, {.threads = 2}};
-  if (cpu_isa_supported(CpuIsa::avx512_bf16)) runs.push_back({.threads = 2, .isa = CpuIsa::avx512_bf16});
-  for (const CpuFlashOptions& options : runs) {
-    CAPTURE(options.threads);
-    CAPTURE(cpu_isa_name(options.isa));
-    CpuFlashKernel kernel(options);
-    std::vector<bf16> out(n);
-    std::vector<float> lse(l);
-    kernel.forward(in.view(in.q, in.H), in.view(in.k, in.K), in.view(in.v, in.K),
-                   TensorView<bf16>::bshd(out.data(), 1, in.S, in.H, in.D),
-                   TensorView<float>::bshd(lse.data(), 1, in.S, in.H, 1), p);
-    CHECK(rel_error(out, want_o) < 5e-3);
-    CHECK(rel_error(lse, want_l) < 1e-6);
-
-    // Backward from this output (as bf16, what a training engine keeps), both kernels alike.
-    std::vector<double> outd(out.size());
-    for (std::size_t i = 0; i < out.size(); ++i) outd[i] = static_cast<double>(out[i]);
-    const auto kv = static_cast<std::size_t>(in.S * in.K * in.D);
-    std::vector<double> wq(n), wk(kv), wv(kv);
-    std::vector<float> gq(n), gk(kv), gv(kv);
-    std::vector<double> lsed(lse.begin(), lse.end());
-    ReferenceKernel{}.backward(in.view(in.doutd, in.H), in.view(in.qd, in.H), in.view(in.kd, in.K),
-                               in.view(in.vd, in.K), in.view(outd, in.H),
-                               TensorView<const double>::bshd(lsed.data(), 1, in.S, in.H, 1),
-                               TensorView<double>::bshd(wq.data(), 1, in.S, in.H, in.D),
-                               TensorView<double>::bshd(wk.data(), 1, in.S, in.K, in.D),
-                               TensorView<double>::bshd(wv.data(), 1, in.S, in.K, in.D), p);
-    kernel.backward(in.view(in.dout, in.H), in.view(in.q, in.H), in.view(in.k, in.K), in.view(in.v, in.K),
-                    in.view(out, in.H), TensorView<const float>::bshd(lse.data(), 1, in.S, in.H, 1),
-                    TensorView<float>::bshd(gq.data(), 1, in.S, in.H, in.D),
-                    TensorView<float>::bshd(gk.data(), 1, in.S, in.K, in.D),
-                    TensorView<float>::bshd(gv.data(), 1, in.S, in.K, in.D), p);
-    CHECK(rel_error(gq, wq) < 1e-5);
-    CHECK(rel_error(gk, wk) < 1e-5);
-    CHECK(rel_error(gv, wv) < 1e-5);
-  }
+  test::check_kernel_narrow<bf16>(5e-3);
 }
 
-namespace {
-
-/// `Policy` over thread ranks holding `lengths` tokens each, in bf16 with CpuFlashKernel: O to
-/// 5e-3, the LSE to 1e-6, and every rank's bytes the analytic count with 2-byte elements.
-template <class Policy>
-void check_policy_bf16(Policy policy, const test::GlobalShape& c, test::MeshShape mesh,
-                       const std::vector<std::int64_t>& lengths) {
-  const auto g = test::make_global_as<bf16>(c);
-  test::RunOptions opt;
-  opt.lengths_q = opt.lengths_kv = lengths;
-  const int ranks = static_cast<int>(lengths.size());
-  const auto r = test::run_policy<bf16>(ranks, policy, g, opt);
-  CHECK(!r.err.nan);
-  CHECK(r.err.rel() < 5e-3);
-  CHECK(r.err.lse_rel() < 1e-6);
-  const auto want = test::analytic_forward_bytes(c, mesh, lengths, lengths, sizeof(bf16), sizeof(float), true);
-  for (int w = 0; w < ranks; ++w) CHECK(r.bytes_sent[w] == want[w]);
-}
-
-}  // namespace
 
 TEST_CASE("bf16: every policy runs bf16 end to end over thread ranks, bf16 on the wire") {
   const test::GlobalShape c = test::make_case(301, 6, 2, 32, true, 11);  // odd length, causal, GQA
-  check_policy_bf16(AnythingPolicy<RingPolicy<Zigzag>>{}, c, {1, 3}, {150, 0, 151});  // ring degree 3, a rank with none
-  check_policy_bf16(AnythingPolicy<UlyssesPolicy>{}, c, {3, 1}, {100, 101, 100});
-  check_policy_bf16(AnythingPolicy<UnifiedPolicy<Zigzag>>{{2, 2}}, c, {2, 2}, {80, 75, 0, 146});
+  test::check_policy_narrow<bf16>(5e-3, AnythingPolicy<RingPolicy<Zigzag>>{}, c, {1, 3}, {150, 0, 151});  // ring degree 3, a rank with none
+  test::check_policy_narrow<bf16>(5e-3, AnythingPolicy<UlyssesPolicy>{}, c, {3, 1}, {100, 101, 100});
+  test::check_policy_narrow<bf16>(5e-3, AnythingPolicy<UnifiedPolicy<Zigzag>>{{2, 2}}, c, {2, 2}, {80, 75, 0, 146});
 }
 
-namespace {
-
-/// A forward of bf16 Q [S_q, H, D], K [S_k, KH, D], V [S_k, KH, D_v] with `p`, on `kernel`,
-/// against the double reference on the same inputs: {normwise error of O, of the LSE}. The keys
-/// `nan_keys` hold NaN in V: the rows that see one must come out NaN, as the reference's do, and
-/// every other row exact.
-std::pair<double, double> bf16_case(CpuFlashKernel& kernel, std::int64_t sq, std::int64_t sk, std::int64_t h,
-                                   std::int64_t kh, std::int64_t d, std::int64_t dv, const KernelParams& p,
-                                   const std::vector<std::int64_t>& nan_keys, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> n(0, 1.5);
-  auto draw = [&](std::int64_t count, std::vector<bf16>& x, std::vector<double>& xd) {
-    for (std::int64_t i = 0; i < count; ++i) {
-      x.push_back(bf16(n(rng)));
-      xd.push_back(static_cast<double>(x.back()));
-    }
-  };
-  std::vector<bf16> q, k, v;
-  std::vector<double> qd, kd, vd;
-  draw(sq * h * d, q, qd);
-  draw(sk * kh * d, k, kd);
-  draw(sk * kh * dv, v, vd);
-  for (std::int64_t j : nan_keys)
-    for (std::int64_t i = 0; i < kh * dv; ++i) {
-      v[j * kh * dv + i] = bf16(std::numeric_limits<float>::quiet_NaN());
-      vd[j * kh * dv + i] = std::numeric_limits<double>::quiet_NaN();
-    }
-  std::vector<double> want_o(sq * h * dv), want_l(sq * h);
-  ReferenceKernel{}.forward(TensorView<const double>::bshd(qd.data(), 1, sq, h, d),
-                            TensorView<const double>::bshd(kd.data(), 1, sk, kh, d),
-                            TensorView<const double>::bshd(vd.data(), 1, sk, kh, dv),
-                            TensorView<double>::bshd(want_o.data(), 1, sq, h, dv),
-                            TensorView<double>::bshd(want_l.data(), 1, sq, h, 1), p);
-  std::vector<float> out(want_o.size()), lse(want_l.size());
-  kernel.forward(TensorView<const bf16>::bshd(q.data(), 1, sq, h, d), TensorView<const bf16>::bshd(k.data(), 1, sk, kh, d),
-                 TensorView<const bf16>::bshd(v.data(), 1, sk, kh, dv), TensorView<float>::bshd(out.data(), 1, sq, h, dv),
-                 TensorView<float>::bshd(lse.data(), 1, sq, h, 1), p);
-  double lse_err = 0;  // rows that see nothing: -inf on both sides
-  for (std::size_t i = 0; i < lse.size(); ++i)
-    if (!(std::isinf(want_l[i]) && lse[i] == static_cast<float>(want_l[i])))
-      lse_err = std::max(lse_err, std::abs(lse[i] - want_l[i]) / std::max(1.0, std::abs(want_l[i])));
-  double num = 0, den = 0;  // rel_error, where a NaN wanted must be NaN
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    if (std::isnan(want_o[i])) {
-      if (!std::isnan(out[i])) num = std::numeric_limits<double>::infinity();
-      continue;
-    }
-    num = std::isnan(out[i]) ? std::numeric_limits<double>::infinity() : std::max(num, std::abs(out[i] - want_o[i]));
-    den = std::max(den, std::abs(want_o[i]));
-  }
-  return {num / den, lse_err};
-}
-
-}  // namespace
 
 // The AVX512-BF16 and AMX paths form both products from pairs of bf16 (head dims for S = K
 // Q^T, keys for O = P V, with P rounded to bf16): odd head dims end in a zero pair, a value dim
@@ -259,7 +87,7 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
       p.softcap = 20;
       p.group_size = 2;
       // Key 100's V is NaN: rows 95-137 see it; rows 64-94 share a panel with row 95 and do not.
-      const auto [o, l] = bf16_case(kernel, 300, 300, 4, 2, 67, 43, p, {100}, 21);
+      const auto [o, l] = test::narrow_case<bf16>(kernel, 300, 300, 4, 2, 67, 43, p, {100}, 21);
       CHECK(o < 4e-3);
       CHECK(l < 1e-6);
     }
@@ -272,7 +100,7 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
       p.mask.doc_starts = starts;
       p.mask.doc_count = 3;
       p.mask.kv_valid = valid;
-      const auto [o, l] = bf16_case(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
+      const auto [o, l] = test::narrow_case<bf16>(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
       CHECK(o < 4e-3);
       CHECK(l < 1e-6);
     }
@@ -282,13 +110,13 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
       p.group_size = 3;
       p.q_positions = PositionMap::run(200, 800);
       p.k_positions = PositionMap::run(1000, 0);
-      const auto [o, l] = bf16_case(kernel, 200, 1000, 3, 1, 128, 128, p, {}, 23);
+      const auto [o, l] = test::narrow_case<bf16>(kernel, 200, 1000, 3, 1, 128, 128, p, {}, 23);
       CHECK(o < 4e-3);
       CHECK(l < 1e-6);
     }
     SUBCASE("whole tiles (D 64, D_v 48: a last block of 16 dims), a window, a NaN in V") {
       // Key 100's V is NaN: rows 100-120 see it, rows 96-99 and 121-127 of their panel do not.
-      const auto [o, l] = bf16_case(kernel, 257, 257, 2, 2, 64, 48, self_params(257, 0.125, 20, 0), {100}, 24);
+      const auto [o, l] = test::narrow_case<bf16>(kernel, 257, 257, 2, 2, 64, 48, self_params(257, 0.125, 20, 0), {100}, 24);
       CHECK(o < 4e-3);
       CHECK(l < 1e-6);
     }
@@ -313,7 +141,7 @@ TEST_CASE("bf16: decode steps over a bf16 cache, against the double reference") 
       p.mask.kv_valid = valid;
       p.q_positions = PositionMap::run(rows, 1537 - rows);  // the newest tokens, bottom-right
       p.k_positions = PositionMap::run(1537, 0);
-      const auto [o, l] = bf16_case(kernel, rows, 1537, 8, 2, 128, 128, p, {1500, 1536}, 31);  // padded slots hold NaN
+      const auto [o, l] = test::narrow_case<bf16>(kernel, rows, 1537, 8, 2, 128, 128, p, {1500, 1536}, 31);  // padded slots hold NaN
       CHECK(o < 1e-5);
       CHECK(l < 1e-6);
     }

@@ -7,6 +7,7 @@
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/comm/thread_communicator.hpp"
 #include "seqpar/core/bfloat16.hpp"
+#include "seqpar/core/float16.hpp"
 #include "seqpar/core/error.hpp"
 #include "seqpar/core/layout_helpers.hpp"
 #include "seqpar/core/mask.hpp"
