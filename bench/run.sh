@@ -145,7 +145,7 @@ fi
 
 {
   lscpu | grep -E '^(Architecture|CPU\(s\)|Model name|Thread|Core|Socket|L1d|L2|L3|NUMA node\(s\)|CPU max MHz)'
-  echo "SIMD flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(fma|avx2|avx512f|avx512bw|avx512vl)$' | tr '\n' ' ')"
+  echo "SIMD flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(fma|avx2|avx512f|avx512bw|avx512vl|avx512_bf16|avx512_fp16|amx_tile|amx_bf16)$' | tr '\n' ' ')"
   echo "Memory: $(grep MemTotal /proc/meminfo | tr -s ' ' | cut -d' ' -f2-)"
 } > "$out/lscpu.txt"
 # The bench's compile flags: from Make's flags.make, or from build.ninja in a Ninja build dir.
