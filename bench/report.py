@@ -185,14 +185,26 @@ def main(out_dir, results_md):
             f"worst {worst:.1f} GFLOP/s = {100 * worst / peak:.0f}% of {peak:.1f} (D={wd}, seq {ws}, "
             f"{'causal' if wc else 'non-causal'}; best {max(b['GFLOPs'] for _, b in big):.1f})",
             worst >= 0.75 * peak, f"{75 - 100 * worst / peak:.0f} points of peak"))
+        full = [(k, b) for k, b in big if not k[2]]
+        (fd, fs, _), fb = min(full, key=lambda kb: kb[1]["GFLOPs"])
+        target_rows.append((
+            "Raised: CpuFlashKernel >= 80% of one core's fp32 FMA peak on the non-causal rows (D=64 and 128, "
+            "seq 2048-8192, 1 thread)",
+            f"worst {fb['GFLOPs']:.1f} GFLOP/s = {100 * fb['GFLOPs'] / peak:.0f}% of {peak:.1f} (D={fd}, seq {fs}); "
+            "the S = K Q^T and O = P V micro-kernels, the softmax's two passes and the per-block packs share "
+            "the core (hand-runs.md)",
+            fb["GFLOPs"] >= 0.8 * peak, f"{80 - 100 * fb['GFLOPs'] / peak:.0f} points of peak"))
     bwd = [(args_of(n), b) for n, b in kern.items() if base_of(n) == "BM_cpu_flash_backward"]
     if bwd:
         wr = max(b["ratio"] for _, b in bwd)
+        measured = f"worst {wr:.2f}x (all: " + ", ".join(
+            f"D={a['D']} {'causal' if a['causal'] else 'full'} {b['ratio']:.2f}x" for a, b in bwd) + ")"
+        target_rows.append(("CpuFlashKernel backward <= 2.5x forward (seq 2048, 1 thread)", measured, wr <= 2.5,
+                            f"{wr - 2.5:.2f}x"))
         target_rows.append((
-            "CpuFlashKernel backward <= 2.5x forward (seq 2048, 1 thread)",
-            f"worst {wr:.2f}x (all: " + ", ".join(
-                f"D={a['D']} {'causal' if a['causal'] else 'full'} {b['ratio']:.2f}x" for a, b in bwd) + ")",
-            wr <= 2.5, f"{wr - 2.5:.2f}x"))
+            "Raised: backward <= 2.3x forward (seq 2048, 1 thread, float)",
+            measured + "; FlashAttention-2's backward does 2.5x the forward's flops, so 2.3x needs it more "
+            "efficient per flop than the forward", wr <= 2.3, f"{wr - 2.3:.2f}x"))
     if scaling:
         sp = min(b["speedup"] for _, b in scaling)
         target_rows.append((
@@ -335,6 +347,20 @@ def main(out_dir, results_md):
 
     # The peer comparison's ratios (bench/peers/run.sh wrote them; not re-measured here).
     peers_md = perf_dir() / "peers.md"
+    kernel_peer = markdown_column(peers_md, "seqpar/torch") if peers_md.exists() else []
+    for dtype, mean_target, row_target in (("float32", 1.25, 1.05), ("bfloat16", 2.0, 2.0)):
+        rows = [(row, v) for row, v in kernel_peer if v is not None and f"dtype {dtype}" in row]
+        if not rows:
+            continue
+        mean = sum(v for _, v in rows) / len(rows)
+        worst_row, worst_v = min(rows, key=lambda rv: rv[1])
+        why = (" (torch's bf16 SDPA runs on this CPU's AMX tiles, as seqpar's does)" if dtype == "bfloat16" else "")
+        target_rows.append((
+            f"Raised: CpuFlashKernel {dtype} vs torch's CPU SDPA: mean >= {mean_target}x and every row >= "
+            f"{row_target}x ([peers.md](peers.md))",
+            f"mean {mean:.2f}x over {len(rows)} rows, worst {worst_v:.2f}x ({worst_row}){why}",
+            mean >= mean_target and worst_v >= row_target,
+            f"{max(mean_target - mean, row_target - worst_v):.2f}x"))
     for column, label in (("seqpar/torch", "CpuFlashKernel >= 1.1x torch's CPU SDPA (same run, same inputs)"),
                           ("peer/seqpar", "seqpar over MPI >= 1.1x yunchang and diffusers (same run)")):
         found = markdown_column(peers_md, column) if peers_md.exists() else []
