@@ -184,9 +184,10 @@ struct Bf16HostStep {
 TEST_CASE("bf16: paged decode over an engine's bf16 pool on thread ranks, continuously batched") {
   const test::DecodeFeatures mla{.head_dim = 12, .head_dim_v = 8, .softcap = 2.0, .v_in_k = true};
   const std::vector<test::PagedCase> cases = {
-      {.ranks = 3, .interleave = 1, .page_size = 4, .heads = 4, .kv_heads = 2, .steps = 5},
-      {.ranks = 2, .interleave = 0, .page_size = 4, .heads = 4, .kv_heads = 2, .steps = 4, .features = mla,
-       .max_prompt = 40},
+      {.ranks = 3, .interleave = 1, .page_size = 4, .heads = 4, .kv_heads = 2, .exchange = DecodeExchange::all_gather,
+       .steps = 5},
+      {.ranks = 2, .interleave = 0, .page_size = 4, .heads = 4, .kv_heads = 2, .exchange = DecodeExchange::heads,
+       .steps = 4, .features = mla, .max_prompt = 40},
   };
   for (const test::PagedCase& c : cases) {
     CAPTURE(c.ranks);

@@ -291,13 +291,16 @@ struct AmxProducts {
           const __m256i hi = j + 1 < nk
                                  ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.row(b, j0 + j + 1, kh) + d0))
                                  : _mm256_setzero_si256();
-          const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+          // (maskz forms with every lane: GCC 12's plain ones warn of their own undefined source.)
+          const __m512i pair = _mm512_or_si512(_mm512_maskz_cvtepu16_epi32(0xFFFF, lo),
+                                               _mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, hi), 16));
           bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(pair, exponent), exponent);
           _mm512_store_si512(m + jp * 16, pair);
         }
         for (int d = 0; d < 16; ++d)
           _mm512_storeu_si512(vt + (d0 + d) * ld + k0,
-                              _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32(d)), m, 4));
+                              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), 0xFFFF,
+                                                          _mm512_add_epi32(column, _mm512_set1_epi32(d)), m, 4));
       }
     for (std::int64_t d = 0; d < dim_v; ++d) std::fill(vt + d * ld + whole, vt + d * ld + std::min(ld, nk + 32), 0);
     v_finite = bad == 0;
