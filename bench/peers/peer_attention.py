@@ -40,6 +40,7 @@ class Case:
     ulysses: int
     ring: int
     batch: int = 1
+    dtype: str = "float32"  # or bfloat16: inputs rounded once from the float32 draws, sent as such
 
     def split(self) -> list[int]:
         """Tokens per rank: the first seq % procs ranks get one more (the peers' and
@@ -59,8 +60,8 @@ class Case:
         return torch.arange(start, start + lens[rank])
 
     def bytes_per_rank(self) -> int:
-        """Bytes the busiest rank sends per forward, from the peer's code (float32)."""
-        s, B, D, H, P = 4, self.batch, self.head_dim, self.heads, self.procs
+        """Bytes the busiest rank sends per forward, from the peer's code."""
+        s, B, D, H, P = getattr(torch, self.dtype).itemsize, self.batch, self.head_dim, self.heads, self.procs
         U, R = self.ulysses, self.ring
         if self.algo == "anything":
             # diffusers pads the heads to a multiple of P (zeros travel) and sends Q, K, V rows
@@ -128,10 +129,11 @@ def _diffusers_attention(case: Case, rank: int):
 
 
 def global_inputs(case: Case, seed: int = 1) -> tuple[torch.Tensor, ...]:
-    """Q, K, V [B, S, H, D] float32, the same on every rank."""
+    """Q, K, V [B, S, H, D] in the case's dtype, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     shape = (case.batch, case.seq, case.heads, case.head_dim)
-    return tuple(torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(3))
+    dtype = getattr(torch, case.dtype)
+    return tuple(torch.randn(shape, generator=g, dtype=torch.float32).to(dtype) for _ in range(3))
 
 
 def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, causal: bool,

@@ -194,21 +194,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dist_table(build: str, rounds: int, iters: int, check_seqpar: bool, rows: list[int]) -> tuple[list[str], list[str]]:
+# seqpar_demo's name of each torch dtype the distributed table runs
+DEMO_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def dist_table(build: str, rounds: int, iters: int, check_seqpar: bool, rows: list[int],
+               dtypes: list[str]) -> tuple[list[str], list[str]]:
     seqpar = Seqpar(build)
-    lines = ["| Variant | P | S | H | causal | peer | peer ms | seqpar ms | peer/seqpar | peer bytes/rank "
+    lines = ["| Variant | dtype | P | S | H | causal | peer | peer ms | seqpar ms | peer/seqpar | peer bytes/rank "
              "| seqpar bytes/rank | peer err | seqpar err |",
-             "| --- | ---: | ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | ---: | ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     notes = []
-    for label, algo, P, S, H, causal, U, R, options in (DIST_ROWS[i] for i in rows):
+    for dtype, (label, algo, P, S, H, causal, U, R, row_options) in ((d, DIST_ROWS[i]) for i in rows for d in dtypes):
+        options = row_options + ["--dtype", DEMO_DTYPE[dtype]]
         pools, peer_med, peer_err = {}, {}, {}
         for peer in PEERS:
-            case = Case(peer, algo, P, S, H, 64, causal, U, R)
+            case = Case(peer, algo, P, S, H, 64, causal, U, R, dtype=dtype)
             try:
                 pools[peer] = PeerPool(case, free_port())
             except PeerError as e:
                 peer_med[peer] = None
-                notes.append(f"{label} P={P} S={S}{' causal' if causal else ''}, {peer}: {e}")
+                notes.append(f"{label} {dtype} P={P} S={S}{' causal' if causal else ''}, {peer}: {e}")
                 log(notes[-1])
         sides = {"seqpar": lambda: float(seqpar.run(P, S, H, causal, options, iters)["time_ms_per_iter"])}
         sides.update({peer: (lambda p=pool: p.time_ms(iters)) for peer, pool in pools.items()})
@@ -220,11 +226,11 @@ def dist_table(build: str, rounds: int, iters: int, check_seqpar: bool, rows: li
         # bytes from the untimed check run, or (without it) from a one-iteration run
         sp = seqpar.run(P, S, H, causal, options, 1, check=check_seqpar)
         for peer in PEERS:
-            case = Case(peer, algo, P, S, H, 64, causal, U, R)
+            case = Case(peer, algo, P, S, H, 64, causal, U, R, dtype=dtype)
             t, err = peer_med.get(peer), peer_err.get(peer)
             timing = (f"- | {med['seqpar']:.1f} | - | -" if t is None else
                       f"{t:.1f} | {med['seqpar']:.1f} | {t / med['seqpar']:.2f} | {case.bytes_per_rank():,}")
-            lines.append(f"| {label} | {P} | {S} | {H} | {'yes' if causal else 'no'} | {peer} | {timing} "
+            lines.append(f"| {label} | {DEMO_DTYPE[dtype]} | {P} | {S} | {H} | {'yes' if causal else 'no'} | {peer} | {timing} "
                          f"| {int(sp['bytes_sent_per_rank']):,} | {'-' if err is None else format(err['max_rel'], '.1e')} "
                          f"| {sp['max_rel_err']} |")
             log(lines[-1])
@@ -274,6 +280,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per side (>= 3)")
     ap.add_argument("--kernel-dtypes", default="float32,bfloat16",
                     help="element types of the kernel table (float32, bfloat16; comma-separated)")
+    ap.add_argument("--dist-dtypes", default="float32,bfloat16",
+                    help="element types of the distributed table (float32, bfloat16), comma-separated")
     ap.add_argument("--iters", type=int, default=3, help="forwards per distributed round")
     ap.add_argument("--no-seqpar-check", action="store_true", help="skip seqpar_demo --check (slow: minutes)")
     ap.add_argument("--rows", default=",".join(map(str, range(len(DIST_ROWS)))),
@@ -296,15 +304,16 @@ def main() -> int:
         report += kernel_table(shim, a.rounds, dtypes) + [""]
     if a.only != "kernel":
         lines, notes = dist_table(a.build, a.rounds, a.iters, not a.no_seqpar_check,
-                                  [int(i) for i in a.rows.split(",")])
-        report += ["## Sequence parallel: one forward, float32, B=1, D=64, one thread per rank", "",
+                                  [int(i) for i in a.rows.split(",")], a.dist_dtypes.split(","))
+        report += ["## Sequence parallel: one forward, B=1, D=64, one thread per rank", "",
                    "seqpar: `mpirun --oversubscribe --bind-to none -np P seqpar_demo ... --threads 1` (Open MPI, "
                    "`OMPI_MCA_mpi_yield_when_idle=1`); peers: P processes over torch.distributed gloo, "
                    "`torch.set_num_threads(1)`. Time: ms per forward of the slowest rank, median of "
                    f"{a.rounds} alternating rounds of {a.iters} forwards after a warm-up. Bytes: seqpar's "
                    "counted bytes (RESULT line); the peers' from their code's traffic (README.md). "
                    "Errors: max|o - ref| / max|ref| against float64 attention (seqpar: `--check`, in a "
-                   "separate untimed run).", ""]
+                   "separate untimed run). bf16: both sides take bf16 inputs (rounded once from the same "
+                   "float32 draws), send bf16 and return bf16 (seqpar: `--dtype bf16`).", ""]
         report += lines + [""]
         if notes:
             report += ["Rows a peer could not run:", ""] + [f"- {n}" for n in notes] + [""]

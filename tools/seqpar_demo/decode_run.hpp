@@ -189,7 +189,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   std::printf("problem      prompts=%s heads=%lld kv_heads=%lld head_dim=%lld head_dim_v=%lld dtype=%s new_tokens=%lld steps=%lld "
               "cache=%s exchange=%s\n",
               lens.c_str(), static_cast<long long>(H), static_cast<long long>(K), static_cast<long long>(D),
-              static_cast<long long>(Dv), o.f64 ? "f64" : "f32", static_cast<long long>(Tn), static_cast<long long>(o.steps),
+              static_cast<long long>(Dv), dtype_name(o.dtype), static_cast<long long>(Tn), static_cast<long long>(o.steps),
               o.page > 0 ? ("pages of " + std::to_string(o.page) + " round-robin").c_str() : "contiguous",
               o.exchange == DecodeExchange::heads ? "heads" : "all-gather");
   if (!o.model.empty()) std::printf("model        %s, layer kind %s\n", o.model.c_str(), o.layer.c_str());
@@ -216,7 +216,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
   // FLOPs: 2 x (D + D_v) per visible (query, key) pair, every query head.
   const double gflops = 2.0 * static_cast<double>((D + Dv) * H) * pairs / (max_ms * static_cast<double>(o.steps) * 1e6);
   std::printf("traffic      bytes sent per step %s plan.step_bytes() on every rank\n", bytes_match ? "equal" : "DIFFER FROM");
-  const double tol = o.f64 ? 1e-12 : 1e-5;
+  const double tol = o.dtype == DType::f64 ? 1e-12 : 1e-5;
   bool ok = true;
   if (o.check) {
     ok = print_check("prefill: ", pre.err, tol, "exact double reference") && ok;
@@ -232,7 +232,7 @@ int decode_rank(Comm& comm, const Options& o, const ex::GlobalInputs& full) {
                 o.policy == PolicyKind::ulysses ? "none" : layout_names[static_cast<int>(o.layout)], lens.c_str(),
                 static_cast<long long>(Tn), static_cast<long long>(o.steps), static_cast<long long>(o.page),
                 o.exchange == DecodeExchange::heads ? "heads" : "all-gather", pre.ulysses, pre.ring,
-                o.f64 ? "f64" : "f32", gflops, error_text(o.check, pre.err.rel()).c_str(),
+                dtype_name(o.dtype), gflops, error_text(o.check, pre.err.rel()).c_str(),
                 static_cast<unsigned long long>(max_pre_bytes), max_pre_ms, static_cast<unsigned long long>(max_handoff),
                 features_name(fs).c_str(), model_keys(o).c_str());
   g_results.push_back(result_head(o, world, prompts.shape.seq_q, err, max_step_bytes, max_ms) + tail);

@@ -31,7 +31,11 @@ namespace {
 template <class Comm>
 int run_options(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
   check_degrees(o, comm.size());
-  return o.f64 ? run_typed<double>(comm, o, g, sweep_at) : run_typed<float>(comm, o, g, sweep_at);
+  switch (o.dtype) {
+    case DType::f64: return run_typed<double>(comm, o, g, sweep_at);
+    case DType::bf16: return run_typed<bf16>(comm, o, g, sweep_at);
+    default: return run_typed<float>(comm, o, g, sweep_at);
+  }
 }
 
 /// The global inputs of run `at` (the sweep's length `at`, or the one run). Decode: one
@@ -63,7 +67,8 @@ ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
       shape.seq_q += n + o.steps * o.new_tokens;
     }
   }
-  ex::GlobalInputs g = ex::make_inputs(shape);
+  // bf16 runs: the reference sees the inputs the kernel sees, rounded once to bf16.
+  ex::GlobalInputs g = o.dtype == DType::bf16 ? ex::make_inputs<bf16>(shape) : ex::make_inputs(shape);
   if (o.v_in_k) {  // MLA's latent cache: V is the first D_v columns of each K row
     const std::int64_t rows = shape.batch * shape.kv_len() * shape.kv_head_count(), D = shape.head_dim,
                        Dv = shape.value_dim();

@@ -22,7 +22,7 @@ constexpr const char* usage_text =
     "                   [--ulysses-degree U] [--ring-degree R] [--batch B] [--seq S | --sweep S1,S2,...]\n"
     "                   [--kv-seq S] [--heads H] [--kv-heads K] [--head-dim D] [--causal]\n"
     "                   [--causal-align top-left|bottom-right] [--window L,R] [--docs N1,N2,...]\n"
-    "                   [--kv-valid N1,N2,...] [--dtype f32|f64] [--comm mpi|threads] [--ranks N] [--iters I]\n"
+    "                   [--kv-valid N1,N2,...] [--dtype f32|f64|bf16] [--comm mpi|threads] [--ranks N] [--iters I]\n"
     "                   [--check] [--threads N] [--seed N] [--backward] [--profile] [--verbose]\n"
     "                   [--head-dim-v D] [--softcap C] [--sinks] [--scale X]\n"
     "       seqpar_demo --model NAME|list [--local N] [--seq S] [--decode ...] [--policy ... and run options]\n"
@@ -33,7 +33,8 @@ constexpr const char* usage_text =
     "                   [--check] [--heads H] [--kv-heads K] [--head-dim D] [--dtype f32|f64] [--seed N]\n"
     "  --seq is the global length, split over the ranks as evenly as the mesh allows; plain policies\n"
     "  need it to divide evenly (use --anything otherwise). Defaults: --batch 1 --seq 2048 --heads 8\n"
-    "  --kv-heads H --head-dim 64 --dtype f32 --iters 2; --comm mpi under an MPI launcher (when built\n"
+    "  --kv-heads H --head-dim 64 --dtype f32 --iters 2 (bf16: inputs and outputs in bf16, float accumulation;\n"
+    "  the reference sees the bf16-rounded inputs); --comm mpi under an MPI launcher (when built\n"
     "  with MPI), else threads with --ranks 4. The last line printed is\n"
     "  RESULT policy=... ranks=... seq=... heads=... max_abs_err=... max_rel_err=... bytes_sent_per_rank=... "
     "time_ms_per_iter=... cpu_isa=... layout=... causal=... mesh=UxR dtype=... backward=... gflops=...\n"
@@ -145,6 +146,8 @@ void check_combinations(Options& o) {
     for (const char* n : names)
       if (o.has(n)) throw UsageError(std::string(n) + ": not used with " + mode + " (" + why + ")");
   };
+  if ((o.decode || o.serve) && o.dtype == DType::bf16)
+    throw UsageError("--dtype bf16: forward and --backward runs only (--decode and --serve run f32 or f64)");
   if (!o.serve)
     refuse_with({"--requests", "--prompt-len", "--gen-len", "--arrive", "--max-batch", "--spec-every", "--interleave",
                  "--pool-pages"},
@@ -253,9 +256,10 @@ Options parse(int argc, char** argv) {
       else if (s == "stripe") o.layout = LayoutKind::stripe;
       else throw UsageError("--layout: expected contiguous, zigzag or stripe, got '" + std::string(s) + "'");
     } else if (a == "--dtype") {
-      if (s != "f32" && s != "f64")
-        throw UsageError("--dtype: expected f32 or f64 (the CPU kernel's types), got '" + std::string(s) + "'");
-      o.f64 = s == "f64";
+      if (s == "f32") o.dtype = DType::f32;
+      else if (s == "f64") o.dtype = DType::f64;
+      else if (s == "bf16") o.dtype = DType::bf16;
+      else throw UsageError("--dtype: expected f32, f64 or bf16, got '" + std::string(s) + "'");
     } else if (a == "--comm") {
       if (s != "mpi" && s != "threads") throw UsageError("--comm: expected mpi or threads, got '" + std::string(s) + "'");
       o.comm = s;

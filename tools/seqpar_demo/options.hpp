@@ -48,7 +48,7 @@ struct Options {
   Window window{};
   std::vector<std::int64_t> docs, kv_valid;  // empty: none
   std::vector<std::int64_t> sweep;           // empty: the one --seq
-  bool f64 = false;
+  DType dtype = DType::f32;  // bf16: forward and backward runs only (the inputs rounded to bf16)
   std::string comm;  // "" = choose
   int ranks = 0;     // 0 = world size (mpi) or 4 (threads)
   int iters = 2;

@@ -1,9 +1,11 @@
 #pragma once
 /// \file
-/// The runs of seqpar_demo by element type, compiled apart: runs_f32.cpp and runs_f64.cpp each
+/// The runs of seqpar_demo by element type, compiled apart: runs_f32.cpp, runs_f64.cpp and runs_bf16.cpp each
 /// instantiate run_typed for one type and every communicator (most of the demo's build), so
 /// that two cores build the demo in about half the time of one (CMakeLists.txt: the README's
 /// first command builds it). Every other file sees the instantiations as extern.
+
+#include <type_traits>
 
 #include "common.hpp"
 #include "decode_run.hpp"
@@ -20,13 +22,17 @@ namespace seqpar_demo {
 /// Runs the options' policy (or decode, or serve) with element type T on one rank.
 template <class T, class Comm>
 int run_typed(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
-  if (o.serve) return serve_rank<T>(comm, o);
-  if (o.decode) return decode_rank<T>(comm, o, g);
-  return run_rank<T>(comm, o, g, sweep_at);
+  if constexpr (std::is_same_v<T, bf16>) {  // parse_options refuses --decode and --serve in bf16
+    return run_rank<T>(comm, o, g, sweep_at);
+  } else {
+    if (o.serve) return serve_rank<T>(comm, o);
+    if (o.decode) return decode_rank<T>(comm, o, g);
+    return run_rank<T>(comm, o, g, sweep_at);
+  }
 }
 
 /// The explicit instantiations of run_typed<T> for every communicator, each preceded by `prefix`:
-/// `extern` here, nothing in runs_f32.cpp and runs_f64.cpp (the definitions).
+/// `extern` here, nothing in the runs_*.cpp files (the definitions).
 #define SEQPAR_DEMO_RUN_TYPED(prefix, T, Comm) \
   prefix template int run_typed<T, Comm>(Comm&, const Options&, const ex::GlobalInputs&, int)
 #ifdef SEQPAR_HAS_MPI
@@ -39,5 +45,6 @@ int run_typed(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep
 
 SEQPAR_DEMO_RUNS(extern, float);
 SEQPAR_DEMO_RUNS(extern, double);
+SEQPAR_DEMO_RUNS(extern, bf16);
 
 }  // namespace seqpar_demo

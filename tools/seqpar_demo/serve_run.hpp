@@ -310,7 +310,7 @@ inline bool report_serve(const Options& o, const ServeSchedule& sch, const std::
               static_cast<long long>(o.arrive), static_cast<long long>(o.max_batch));
   std::printf("problem      heads=%lld kv_heads=%lld head_dim=%lld dtype=%s placement=%s pages of %lld tokens, %lld per "
               "rank's pool\n", static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads ? o.kv_heads : o.heads),
-              static_cast<long long>(o.head_dim), o.f64 ? "f64" : "f32",
+              static_cast<long long>(o.head_dim), dtype_name(o.dtype),
               o.interleave > 0 ? ("runs of " + std::to_string(o.interleave) + " round-robin").c_str() : "contiguous",
               static_cast<long long>(o.page), static_cast<long long>(pool_pages));
   print_kernel(o);
@@ -336,7 +336,7 @@ inline bool report_serve(const Options& o, const ServeSchedule& sch, const std::
   std::printf("traffic      bytes sent at every step %s plan.step_bytes(rows) on every rank (%zu for 1 row, %zu for "
               "the largest step's %lld)\n", bytes_ok ? "equal" : "DIFFER FROM", plan.step_bytes(1),
               plan.step_bytes(most_rows), static_cast<long long>(most_rows));
-  const double tol = o.f64 ? 1e-12 : 1e-4;
+  const double tol = o.dtype == DType::f64 ? 1e-12 : 1e-4;
   bool ok = bytes_ok;
   if (o.check) {
     ok = print_check("prefill: ", pre_err, tol, "every admission, exact double reference") && ok;
@@ -351,7 +351,7 @@ inline bool report_serve(const Options& o, const ServeSchedule& sch, const std::
                 steps, tokens_per_s, p50, p99, prefill_ms, error_text(o.check, pre_err.rel()).c_str(),
                 static_cast<long long>(o.page), static_cast<long long>(o.interleave), static_cast<long long>(o.spec_every),
                 static_cast<long long>(o.max_batch), static_cast<long long>(pool_pages), static_cast<long long>(pages_max),
-                balance, o.f64 ? "f64" : "f32");
+                balance, dtype_name(o.dtype));
   g_results.push_back(result_head(o, world, prompt_tokens, err, bytes_max, decode_ms / static_cast<double>(steps)) + tail);
   std::fflush(stdout);
   return ok;
