@@ -1,0 +1,145 @@
+// The cost model and the advisor: the plan it builds without communicating is the plan every
+// rank builds together (work and bytes per rank, for uneven lengths and meshes); each phase's
+// estimate is the model's arithmetic, checked by hand on shapes small enough to count; ranks
+// sharing cores, links crossing nodes and causal imbalance move the estimate the way they
+// should; the advisor ranks what runs and gives plan's reason for what does not.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "seqpar/advise/advisor.hpp"
+#include "seqpar/advise/machines.hpp"
+#include "seqpar/seqpar.hpp"
+
+using namespace seqpar;
+
+namespace {
+
+AttentionProblem problem(std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, bool causal) {
+  AttentionProblem p;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = dim;
+  p.causal = causal;
+  p.dtype = DType::f32;
+  return p;
+}
+
+/// A machine whose numbers make hand counts easy: 1 GFLOP/s, links of 1 MB/s, no latency.
+Machine slow_machine(int ranks_per_node, int cores_per_node = 0) {
+  Machine m;
+  m.ranks_per_node = ranks_per_node;
+  m.cores_per_node = cores_per_node;
+  m.intra = {1e-3, 0};
+  m.inter = {0.5e-3, 0};
+  m.forward_gflops = 1;
+  m.backward_gflops = 0.5;
+  m.copy_gbytes_per_s = 1;
+  return m;
+}
+
+std::vector<LocalLengths> even(std::int64_t total, const MeshConfig& mesh) {
+  std::vector<LocalLengths> l;
+  for (std::int64_t n : split_sequence(total, mesh)) l.push_back({n, -1});
+  return l;
+}
+
+double ms(Estimate::PhaseMs t, Phase p) { return t[static_cast<int>(p)]; }
+
+/// Every rank's collective plan against the offline one: work and bytes of every rank.
+template <class Policy>
+void check_offline_plan(int ranks, Policy policy, const AttentionProblem& pr, std::int64_t seq) {
+  const std::vector<LocalLengths> lengths = even(seq, mesh_config(policy, ranks));
+  const Plan offline = detail::offline_plan(policy, pr, std::span<const LocalLengths>(lengths));
+  std::vector<int> mismatches(static_cast<std::size_t>(ranks), 0);
+  run_ranks(ranks, [&](ThreadCommunicator& comm) {
+    SequenceParallelAttention<Policy, ThreadCommunicator, ReferenceKernel> attn(comm, policy);
+    const Plan p = attn.plan(pr, lengths[static_cast<std::size_t>(comm.rank())]);
+    for (int w = 0; w < ranks; ++w)
+      if (p.work(w) != offline.work(w) || p.forward_bytes(w) != offline.forward_bytes(w) ||
+          p.backward_bytes(w) != offline.backward_bytes(w))
+        ++mismatches[static_cast<std::size_t>(comm.rank())];
+  });
+  for (int n : mismatches) CHECK(n == 0);
+}
+
+}  // namespace
+
+TEST_CASE("the offline plan is the plan the ranks build together") {
+  check_offline_plan(4, AnythingPolicy<UnifiedPolicy<Zigzag>>{{2, 2}}, problem(6, 3, 32, true), 389);
+  check_offline_plan(3, AnythingPolicy<RingPolicy<Stripe>>{}, problem(4, 1, 16, true), 101);
+  check_offline_plan(5, AnythingPolicy<UlyssesPolicy>{}, problem(7, 7, 16, false), 97);
+  check_offline_plan(6, UnifiedPolicy<Contiguous>{3, 2, MeshPlacement::ring_adjacent}, problem(6, 2, 16, false), 120);
+}
+
+TEST_CASE("ring forward and backward, counted by hand: the hop hides the compute it outlasts") {
+  // 2 ranks, 1024 tokens, one head of D 64, f32, not causal: each step 512 x 512 pairs.
+  const AttentionProblem pr = problem(1, 1, 64, false);
+  const Machine m = slow_machine(8);
+  const Estimate e = estimate(RingPolicy<Contiguous>{}, pr, 1024, -1, 2, m);
+  const double pairs = 512.0 * 512.0, fwd_step = pairs * 256 / 1e6;  // ms at 1 GFLOP/s
+  const double block = 512.0 * 128 * 4;                               // K and V of one block, bytes
+  const double hop = block / (1e-3 * 1e6);                            // ms at 1 MB/s
+  const double merge = 512.0 * 65 * 4 * 3 / 1e6;                     // output and LSE, read twice, written once
+  CHECK(ms(e.forward, Phase::compute) == doctest::Approx(2 * fwd_step));
+  CHECK(ms(e.forward, Phase::merge) == doctest::Approx(merge));
+  CHECK(ms(e.forward, Phase::wait) == doctest::Approx(hop - fwd_step));  // step 0 waits for its hop
+  CHECK(ms(e.forward, Phase::pack) == doctest::Approx(block / 1e6));
+  CHECK(ms(e.forward, Phase::finish) == doctest::Approx(512.0 * 64 * 8 / 1e6));
+  CHECK(ms(e.forward, Phase::all_to_all_in) == 0);
+  CHECK(e.forward_bytes == static_cast<std::size_t>(block));
+  CHECK(e.backward_bytes == static_cast<std::size_t>(block + 2 * block));  // K/V once, dK/dV twice (home)
+  // Backward: 2.5x the FLOPs at half the rate; dK/dV travel every step, K/V all but the last.
+  const double bwd_step = 2.5 * fwd_step * 2;
+  CHECK(ms(e.backward, Phase::compute) == doctest::Approx(2 * bwd_step));
+  CHECK(ms(e.backward, Phase::wait) == doctest::Approx(std::max(0.0, 2 * hop - bwd_step) + std::max(0.0, hop - bwd_step)));
+  CHECK(e.forward_ms() == doctest::Approx(block / 1e6 + hop + fwd_step + merge + 512.0 * 64 * 8 / 1e6));
+}
+
+TEST_CASE("Ulysses all-to-all: bytes to the node's ranks and to other nodes' move at once") {
+  // 4 ranks, 2 per node: each rank sends a third of its bytes inside its node, two thirds out.
+  const AttentionProblem pr = problem(4, 4, 32, false);
+  const Estimate one_node = estimate(UlyssesPolicy{}, pr, 400, -1, 4, slow_machine(4));
+  const Estimate two_nodes = estimate(UlyssesPolicy{}, pr, 400, -1, 4, slow_machine(2));
+  const double sent = 3.0 * 100 * 3 * 32 * 4;  // Q, K, V: 100 rows, 3 of 4 heads leave, D 32, f32
+  CHECK(ms(one_node.forward, Phase::all_to_all_in) == doctest::Approx(sent / 1e3));
+  CHECK(ms(two_nodes.forward, Phase::all_to_all_in) == doctest::Approx(sent * 2 / 3 / 0.5e3));
+  CHECK(ms(one_node.forward, Phase::all_to_all_out) == doctest::Approx(sent / 3 / 1e3));
+  CHECK(ms(one_node.forward, Phase::compute) == doctest::Approx(400.0 * 400 * 128 / 1e6));
+  CHECK(one_node.forward_bytes == static_cast<std::size_t>(sent * 4 / 3));
+}
+
+TEST_CASE("ranks sharing cores get their share of the rate; causal contiguous rings are slow") {
+  const AttentionProblem pr = problem(2, 2, 32, true);
+  const Estimate own = estimate(RingPolicy<Zigzag>{}, pr, 512, -1, 4, slow_machine(4));
+  const Estimate shared = estimate(RingPolicy<Zigzag>{}, pr, 512, -1, 4, slow_machine(4, 2));
+  CHECK(ms(shared.forward, Phase::compute) == doctest::Approx(2 * ms(own.forward, Phase::compute)));
+  CHECK(own.imbalance() == doctest::Approx(1.0));
+  const Estimate contiguous = estimate(RingPolicy<Contiguous>{}, pr, 512, -1, 4, slow_machine(4));
+  CHECK(contiguous.imbalance() > 1.5);
+  CHECK(ms(contiguous.forward, Phase::compute) > 1.5 * ms(own.forward, Phase::compute));
+}
+
+TEST_CASE("the advisor ranks what runs and says why the rest does not") {
+  const AttentionProblem pr = problem(8, 8, 128, true);
+  const Machine h100 = machines::h100_sxm_nvlink_ib();
+  const std::vector<Choice> cs = advise(pr, 1 << 18, -1, 16, h100, true);
+  REQUIRE(!cs.empty());
+  REQUIRE(cs.front().runs);
+  bool sorted = true, refused_ulysses = false, anything_ulysses = false;
+  for (std::size_t i = 1; i < cs.size(); ++i)
+    if (cs[i].runs && cs[i].ms < cs[i - 1].ms) sorted = false;
+  for (const Choice& c : cs) {
+    if (c.name == "ulysses") refused_ulysses = !c.runs && c.reason.find("divisible") != std::string::npos;
+    if (c.name == "anything ulysses") anything_ulysses = c.runs;
+  }
+  CHECK(sorted);
+  CHECK(refused_ulysses);   // 8 heads on 16 ranks
+  CHECK(anything_ulysses);  // ... runs as AnythingPolicy
+  // Causal: the first choice balances its ring; across nodes it keeps the all-to-all inside one.
+  CHECK(cs.front().estimate.imbalance() < 1.01);
+  CHECK(cs.front().mesh.placement == MeshPlacement::ulysses_adjacent);
+  CHECK(cs.front().mesh.ulysses == 8);
+  CHECK_THROWS_AS(machines::by_name("no-such-machine"), ConfigError);
+}
