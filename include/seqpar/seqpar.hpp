@@ -16,6 +16,7 @@
 #include "seqpar/core/problem.hpp"
 #include "seqpar/core/sequence_layout.hpp"
 #include "seqpar/core/tensor_view.hpp"
+#include "seqpar/core/trace.hpp"
 #include "seqpar/core/types.hpp"
 #include "seqpar/core/workspace.hpp"
 #include "seqpar/decode/decode_plan.hpp"

@@ -9,6 +9,7 @@
 
 #include "seqpar/comm/communicator.hpp"
 #include "seqpar/core/mesh.hpp"
+#include "seqpar/core/nvtx.hpp"
 #include "seqpar/core/profile.hpp"
 #include "seqpar/ops/host_ops.hpp"
 
@@ -30,6 +31,7 @@ struct EngineContext {
   Comm ring;              ///< this rank's ring
   TensorOps<Space> ops;   ///< packing, merge, fill
   PhaseClock clock;       ///< times phases when a profile is set
+  NvtxRanges nvtx;        ///< NVTX ranges of the call and its phases (nothing without NVTX)
   Pass pass = Pass::forward;                      ///< the call being timed
   PhaseClock::time_point call_start{}, mark{};    ///< start of the call, end of the last lap
   std::uint64_t calls = 0;                        ///< calls committed so far (alike on every rank)
@@ -45,14 +47,24 @@ struct EngineContext {
     pass = p;
     tag = call_tag(p == Pass::forward ? CallKind::forward : CallKind::backward, calls++);
     mark = call_start = clock.now();
+    nvtx.begin_call(p, clock.get() != nullptr);
     return Guard(p == Pass::forward ? "an exception left forward after its communication began"
                                     : "an exception left backward after its communication began",
                  world, ulysses, ring);
   }
+  /// Marks where the work of `phase` begins, for its NVTX range (the clock needs no start:
+  /// a phase runs from the last lap). Without NVTX a no-op.
+  void enter(Phase phase, int step = 0) { nvtx.enter(phase, step); }
   /// Charges the time since the last lap to `phase` at ring step `step`.
-  void lap(Phase phase, int step = 0) { mark = clock.lap(mark, pass, phase, step); }
+  void lap(Phase phase, int step = 0) {
+    mark = clock.lap(mark, pass, phase, step);
+    nvtx.leave();
+  }
   /// Ends the call's timing.
-  void end_call() { clock.call(call_start, pass); }
+  void end_call() {
+    clock.call(call_start, pass);
+    nvtx.end_call();
+  }
 };
 
 }  // namespace seqpar::detail

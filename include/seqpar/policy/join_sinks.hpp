@@ -89,6 +89,7 @@ struct JoinSinks : NoShapeRules {
   template <class Call, class T, class Space>
   static void out(Call& call, const ForwardOperands<T, Space>& inner, const ForwardOperands<T, Space>&) {
     const Plan& p = call.plan;
+    call.cx.enter(Phase::finish);
     if constexpr (ops_have_sinks<Space>)  // otherwise the plan was refused (sinks_reason)
       call.cx.ops.join_sinks(inner.out, inner.lse, p.problem().sinks + p.q_heads(p.ulysses_rank()).begin);
     call.cx.lap(Phase::finish);

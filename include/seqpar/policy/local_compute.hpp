@@ -49,6 +49,7 @@ struct LocalCompute : NoShapeRules {
   /// Forward: one kernel call into x's output and LSE.
   template <class Call, class T, class Space>
   static void compute(Call& call, const ForwardOperands<T, Space>& x) {
+    call.cx.enter(Phase::compute);
     call.kernel.forward(x.q, x.k, x.v, x.out, x.lse, kernel_params(call.plan, x.k_positions));
     call.cx.lap(Phase::compute);
   }
@@ -62,6 +63,7 @@ struct LocalCompute : NoShapeRules {
     const LocalShape n(call.plan);
     const auto s = n.extents();
     const auto acc = zero_accumulators<A>(call, s.kr);
+    call.cx.enter(Phase::compute);
     if (PlanAccess::state<LocalCompute>(call.plan).keys_visible)
       call.kernel.backward(x.dout, x.q, x.k, x.v, x.out, x.lse, acc.dq, AView::sbhd(acc.grad, s.B, s.kr, s.hk, s.D),
                            AView::sbhd(acc.grad + n.kv_block(n.kr), s.B, s.kr, s.hk, s.Dv),

@@ -167,6 +167,7 @@ class MeshEngine {
     const auto guard = cx_.start_call(Pass::backward);
     // The sinks' gradient needs only this rank's rows (and no message): it comes first.
     if (d_sinks) {
+      cx_.enter(Phase::finish);
       if constexpr (ops_have_sinks<Space>) cx_.ops.sink_grads(dout, out, lse, pr.sinks, d_sinks);
       cx_.lap(Phase::finish);
     }

@@ -217,6 +217,7 @@ template <class A, class Call>
 GradientAccumulators<A, typename Call::Space> zero_accumulators(Call& call, std::int64_t kv_rows) {
   using AView = TensorView<A, typename Call::Space>;
   const auto s = LocalShape(call.plan).extents();
+  call.cx.enter(Phase::pack);
   const AView dq = AView::sbhd(call.ws.template get<A>(SharedSlots::dq_acc), s.B, s.qr, s.hq, s.D);
   call.cx.ops.fill(dq, A(0));
   A* grad = call.ws.template get<A>(SharedSlots::grad);
@@ -233,6 +234,7 @@ void deliver_gradients(Call& call, const TensorView<acc_t<T>, Space>& dq, const 
   using CView = TensorView<const acc_t<T>, Space>;
   const LocalShape n(call.plan);
   const auto s = n.extents();
+  call.cx.enter(Phase::finish);
   call.cx.ops.copy(CView(dq), x.dq);
   call.cx.ops.copy(CView::sbhd(own, s.B, s.kr, s.hk, s.D), x.dk);
   call.cx.ops.copy(CView::sbhd(own + n.kv_block(n.kr), s.B, s.kr, s.hk, s.Dv), x.dv);

@@ -184,6 +184,7 @@ struct RingLoop {
       const AView o_acc = AView::sbhd(ws.template get<A>(F::o_acc), s.B, s.qr, s.hq, s.Dv);
       const AView l_all = AView::sbhd(l_acc, s.B, s.qr, s.hq, 1);
       run(o_acc, l_all);
+      call.cx.enter(Phase::finish);
       call.cx.ops.copy(TensorView<const A, Space>(o_acc), x.out);
       if (!x.lse.absent()) call.cx.ops.copy(TensorView<const A, Space>(l_all), x.lse);
       call.cx.lap(Phase::finish);
@@ -219,6 +220,7 @@ struct RingLoop {
     if (x.k.data == kv) return kv;
     const LocalShape n(call.plan);
     const auto s = n.extents();
+    call.cx.enter(Phase::pack);
     call.cx.ops.copy(x.k, TensorView<T, Space>::sbhd(kv, s.B, s.kr, s.hk, s.D));
     call.cx.ops.copy(x.v, TensorView<T, Space>::sbhd(kv + n.kv_block(n.kr), s.B, s.kr, s.hk, s.Dv));
     call.cx.lap(Phase::pack);
@@ -264,6 +266,7 @@ struct RingSteps {
       return step < 0 || complete;
     }
     void finish(EngineContext<Comm>& c) {
+      c.enter(Phase::wait, step);
       c.ring.wait(req);
       c.lap(Phase::wait, step);
       c.clock.hop(c.pass, step, started, complete ? done : c.mark);
@@ -337,8 +340,12 @@ struct RingSteps {
       const int src = (r - s + R) % R;
       const std::int64_t kb = p.kv_layout().block(src).size();
       Hop hop;
-      if (s + 1 < R) hop.start(cx, start_hop(p, cur, src, nxt), s);
+      if (s + 1 < R) {
+        cx.enter(Phase::wait, s);  // posting the hop: charged with its wait
+        hop.start(cx, start_hop(p, cur, src, nxt), s);
+      }
       if (computes[static_cast<std::size_t>(s)]) {
+        cx.enter(Phase::compute, s);
         params.k_positions = p.kv_layout().block(src);
         const auto k = TensorView<const T, Space>::sbhd(cur, B, kb, hk, D);
         const auto v = TensorView<const T, Space>::sbhd(cur + kb * B * hk * D, B, kb, hk, Dv);
@@ -350,6 +357,7 @@ struct RingSteps {
         }
         cx.lap(Phase::compute, s);
         if (!empty) {
+          cx.enter(Phase::merge, s);
           cx.ops.merge(o_acc, l_acc, TensorView<const Part, Space>(o_part), TensorView<const A, Space>(l_part));
           cx.lap(Phase::merge, s);
         }
@@ -361,6 +369,7 @@ struct RingSteps {
       }
     }
     if (empty) {  // no key block reached any of my queries
+      cx.enter(Phase::finish);
       cx.ops.fill(o_acc, A(0));
       cx.ops.fill(l_acc, -std::numeric_limits<A>::infinity());
       cx.lap(Phase::finish);
@@ -425,26 +434,34 @@ struct RingSteps {
       const int src = (r - s + R) % R;
       const std::int64_t kb = p.kv_layout().block(src).size();
       Hop kv_hop;
-      if (s + 1 < R) kv_hop.start(cx, start_hop(p, cur, src, nxt), s);
+      if (s + 1 < R) {
+        cx.enter(Phase::wait, s);
+        kv_hop.start(cx, start_hop(p, cur, src, nxt), s);
+      }
       if (s == 0) {
+        cx.enter(Phase::compute, s);
         if (computes[0]) compute(cur, kb, src, g_cur, kv_hop, nullptr);
         cx.lap(Phase::compute, s);
       } else {
         // Requests to one peer complete in the order they started: the gradient hop first.
         if (computes[static_cast<std::size_t>(s)]) {
+          cx.enter(Phase::pack, s);
           cx.ops.fill(grad_view(grad_part, kb), A(0));
           cx.lap(Phase::pack, s);
+          cx.enter(Phase::compute, s);
           compute(cur, kb, src, grad_part, kv_hop, &g_hop);
           cx.lap(Phase::compute, s);
         }
         g_hop.finish(cx);
         std::swap(g_cur, g_nxt);
         if (computes[static_cast<std::size_t>(s)]) {
+          cx.enter(Phase::merge, s);
           cx.ops.accumulate(TensorView<const A, Space>(grad_view(grad_part, kb)), grad_view(g_cur, kb));
           cx.lap(Phase::merge, s);
         }
       }
       g_hop = Hop{};
+      cx.enter(Phase::wait, s);
       g_hop.start(cx, start_hop(p, g_cur, src, g_nxt), s);
       if (s + 1 < R) {
         kv_hop.finish(cx);

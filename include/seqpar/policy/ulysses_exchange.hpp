@@ -63,12 +63,14 @@ TensorView<const E, typename Comm::memory_space> gather_heads(EngineContext<Comm
                                                               const Plan& p, HeadKind kind, const AllToAllTable& t,
                                                               E* send, E* block, std::int64_t rows, std::int64_t nheads) {
   using Space = typename Comm::memory_space;
+  cx.enter(Phase::pack);
   for (int m = 0; m < p.mesh().ulysses; ++m) {
     const HeadRange h = heads_of(p, kind, m);
     cx.ops.copy(x.slice_heads(h.begin, h.count),
                 TensorView<E, Space>::sbhd(send + t.send_displs[m] / sizeof(E), x.batch(), x.seq(), h.count, x.dim()));
   }
   cx.lap(Phase::pack);
+  cx.enter(Phase::all_to_all_in);
   exchange(cx.ulysses, send, t, block, Direction::out);
   cx.lap(Phase::all_to_all_in);
   return TensorView<const E, Space>::sbhd(block, x.batch(), rows, nheads, x.dim());
@@ -85,12 +87,15 @@ void scatter_heads(EngineContext<Comm>& cx, TensorView<S, typename Comm::memory_
   using Space = typename Comm::memory_space;
   const auto packed = TensorView<E, Space>::sbhd(send, block.batch(), block.seq(), block.heads(), block.dim());
   // The phases inside compute straight into `send` when the types agree: nothing to copy then.
+  cx.enter(Phase::finish);
   if (!std::is_same_v<std::remove_const_t<S>, E> ||
       static_cast<const void*>(block.data) != static_cast<const void*>(send) || block.stride != packed.stride)
     cx.ops.copy(TensorView<const S, Space>(block), packed);
   cx.lap(Phase::finish);
+  cx.enter(Phase::all_to_all_out);
   exchange(cx.ulysses, send, t, recv, Direction::back);
   cx.lap(Phase::all_to_all_out);
+  cx.enter(Phase::unpack);
   using AView = TensorView<acc_t<E>, Space>;
   const AView total = sum ? AView::bshd(sum, out.batch(), out.seq(), out.heads(), out.dim()) : AView{};
   if (sum) cx.ops.fill(total, acc_t<E>(0));
