@@ -38,11 +38,9 @@ int run_options(Comm& comm, const Options& o, const ex::GlobalInputs& g, int swe
   }
 }
 
-/// The global inputs of run `at` (the sweep's length `at`, or the one run). Decode: one
+/// The global shape of run `at` (the sweep's length `at`, or the one run). Decode: one
 /// sequence holding every prompt and its steps' tokens, as causal documents.
-/// Inputs come from the seed alone, so every process makes the same global tensors.
-ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
-  if (o.serve) return {};  // serve_rank makes each admission's inputs itself
+ex::GlobalShape shape_for(const Options& o, std::size_t at) {
   ex::GlobalShape shape = ex::make_case(o.lengths()[at], o.heads, o.kv_heads, o.head_dim, o.causal, o.seed, o.batch);
   shape.seq_kv = o.kv_seq ? o.kv_seq : -1;
   shape.causal_align = o.causal_align;
@@ -67,6 +65,14 @@ ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
       shape.seq_q += n + o.steps * o.new_tokens;
     }
   }
+  return shape;
+}
+
+/// The global inputs of run `at`. They come from the seed alone, so every process makes the
+/// same global tensors.
+ex::GlobalInputs inputs_for(const Options& o, std::size_t at) {
+  if (o.serve) return {};  // serve_rank makes each admission's inputs itself
+  const ex::GlobalShape shape = shape_for(o, at);
   // bf16 runs: the reference sees the inputs the kernel sees, rounded once to bf16.
   ex::GlobalInputs g = o.dtype == DType::bf16 ? ex::make_inputs<bf16>(shape) : ex::make_inputs(shape);
   if (o.v_in_k) {  // MLA's latent cache: V is the first D_v columns of each K row
@@ -178,6 +184,13 @@ int main(int argc, char** argv) {
   if (o.model == "list") {
     print_model_list();
     return 0;
+  }
+  if (o.advise) {
+    try {
+      return print_advice(o, shape_for(o, 0));
+    } catch (const std::exception& e) {
+      return report(e, "", o.verbose);
+    }
   }
   if (o.comm.empty()) {
 #ifdef SEQPAR_HAS_MPI

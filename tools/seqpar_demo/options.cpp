@@ -25,6 +25,8 @@ constexpr const char* usage_text =
     "                   [--kv-valid N1,N2,...] [--dtype f32|f64|bf16] [--comm mpi|threads] [--ranks N] [--iters I]\n"
     "                   [--check] [--threads N] [--seed N] [--backward] [--profile] [--verbose]\n"
     "                   [--head-dim-v D] [--softcap C] [--sinks] [--scale X]\n"
+    "       seqpar_demo --advise [--ranks N] [--machine h100-sxm-ib|l20-pcie|ci-xeon-2core] [--ranks-per-node N]\n"
+    "                   [--backward] [shape options]: every policy and mesh ranked by the cost model\n"
     "       seqpar_demo --model NAME|list [--local N] [--seq S] [--decode ...] [--policy ... and run options]\n"
     "       seqpar_demo --decode --kv-len N1,N2,... [--new-tokens T] [--page N] [--steps S]\n"
     "                   [--exchange all-gather|heads] [the prefill's --policy ... and shape options]\n"
@@ -238,6 +240,7 @@ Options parse(int argc, char** argv) {
     if (a == "--verbose") { o.verbose = true; continue; }
     if (a == "--decode") { o.decode = true; continue; }
     if (a == "--serve") { o.serve = true; continue; }
+    if (a == "--advise") { o.advise = true; continue; }
     if (a == "--sinks") { o.sinks = true; continue; }
     if (a.substr(0, 2) != "--") throw UsageError("'" + std::string(a) + "': expected an option such as --seq (see --help)");
     if (i + 1 >= argc) throw UsageError(std::string(a) + ": unknown option or missing value (see --help)");
@@ -302,6 +305,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--scale") o.scale = parse_real(a, v, 1e-6, 1e6);
     else if (a == "--softcap") o.softcap = parse_real(a, v, 0, 1e6);
     else if (a == "--model") o.model = s;
+    else if (a == "--machine") o.machine = s;
+    else if (a == "--ranks-per-node") o.ranks_per_node = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--local") o.local = parse_int(a, v, 1);
     else if (a == "--ranks") o.ranks = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--iters") o.iters = static_cast<int>(parse_int(a, v, 1));
@@ -311,6 +316,7 @@ Options parse(int argc, char** argv) {
   }
   if (o.model == "list") return o;  // main prints the list
   if (!o.has("--policy")) {
+    if (o.advise) return o;  // the advisor tries every policy
     if (!o.decode && !o.serve) throw UsageError("--policy: required (ulysses, ring or unified)");
     // The prompts' total rarely divides evenly, and stripe balances packed documents.
     o.policy = PolicyKind::ring;

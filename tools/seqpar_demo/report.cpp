@@ -3,6 +3,9 @@
 
 #include "report.hpp"
 
+#include "seqpar/advise/advisor.hpp"
+#include "seqpar/advise/machines.hpp"
+
 #include <algorithm>
 #include <cstdio>
 
@@ -175,6 +178,46 @@ bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& me
 void print_results() {
   for (const std::string& line : g_results) std::printf("%s\n", line.c_str());
   std::fflush(stdout);
+}
+
+int print_advice(const Options& o, const ex::GlobalShape& s) {
+  Machine m = machines::by_name(o.machine);
+  if (o.ranks_per_node) m.ranks_per_node = o.ranks_per_node;
+  const int world = o.ranks ? o.ranks : 4;
+  AttentionProblem pr = s.problem<float>(o.backward);
+  pr.dtype = o.dtype;
+  const std::vector<Choice> choices = advise(pr, s.seq_q, s.kv_len(), world, m, o.backward);
+  std::printf("advise       %d ranks of %s (%d per node), %s\n", world, m.name.c_str(), std::min(m.ranks_per_node, world),
+              o.backward ? "forward + backward" : "forward");
+  std::printf("problem      batch=%lld seq=%lld kv_seq=%lld heads=%lld kv_heads=%lld head_dim=%lld mask=%s dtype=%s\n",
+              static_cast<long long>(s.batch), static_cast<long long>(s.seq_q), static_cast<long long>(s.kv_len()),
+              static_cast<long long>(s.heads), static_cast<long long>(s.kv_head_count()),
+              static_cast<long long>(s.head_dim), mask_name(s).c_str(), dtype_name(o.dtype));
+  std::printf("machine      %s\n", m.source.c_str());
+  std::printf("%-36s %10s %10s %10s %10s %9s %14s\n", "choice", "est ms", "fwd ms", "bwd ms", "comm ms", "imbalance",
+              "bytes/rank");
+  for (const Choice& c : choices) {
+    if (!c.runs) continue;
+    const Estimate& e = c.estimate;
+    double comm = 0;
+    for (const Estimate::PhaseMs* t : {&e.forward, &e.backward})
+      if (t == &e.forward || o.backward)
+        for (Phase p : {Phase::all_to_all_in, Phase::all_to_all_out, Phase::wait}) comm += (*t)[static_cast<int>(p)];
+    char bwd[32] = "-";
+    if (o.backward) std::snprintf(bwd, sizeof bwd, "%.3f", e.backward_ms());
+    std::printf("%-36s %10.3f %10.3f %10s %10.3f %9.2f %14llu\n", c.name.c_str(), c.ms, e.forward_ms(), bwd, comm,
+                e.imbalance(),
+                static_cast<unsigned long long>(e.forward_bytes + (o.backward ? e.backward_bytes : 0)));
+  }
+  for (const Choice& c : choices)
+    if (!c.runs) std::printf("%-36s refused: %s\n", c.name.c_str(), c.reason.c_str());
+  if (choices.empty() || !choices.front().runs) {
+    std::printf("RESULT advise=none\n");
+    return 1;
+  }
+  std::printf("RESULT advise=%s est_ms=%.3f world=%d machine=%s\n", choices.front().name.c_str(), choices.front().ms,
+              world, m.name.c_str());
+  return 0;
 }
 
 }  // namespace seqpar_demo

@@ -39,6 +39,10 @@ void print_kernel(const Options& o);
 /// A checked error as RESULT writes it ("n/a" without --check).
 std::string error_text(bool checked, double x);
 
+/// --advise: the cost model's ranking of every policy and mesh for the options' problem on
+/// --ranks ranks of the --machine preset (nothing runs); returns the exit status.
+int print_advice(const Options& o, const ex::GlobalShape& s);
+
 /// The check line: the error against the tolerance, and whether it passes.
 bool print_check(const char* what, const ex::ErrorStats& e, double tol, const char* how);
 
