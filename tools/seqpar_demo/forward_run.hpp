@@ -8,6 +8,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <span>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -16,6 +19,53 @@
 #include "report.hpp"
 
 namespace seqpar_demo {
+
+/// --trace: gathers every rank's event log to rank 0, which writes them as one Chrome trace
+/// (collective). Events travel as 6 integers each (kind, pass, phase, step, and the two times'
+/// bits), padded to the longest log; the first integer of a row is its event count, the
+/// second its dropped events. Returns false (on rank 0, having said why) when the file could
+/// not be written: no throw after the collective, so no rank is left waiting.
+template <class Comm>
+bool write_trace(Comm& comm, const PhaseProfile& profile, const std::string& path) {
+  constexpr std::size_t fields = 6;
+  const std::span<const ProfileEvent> mine = profile.events();
+  std::int64_t most = 0;
+  for (const auto& row : ex::gather_rows(comm, {static_cast<std::int64_t>(mine.size())})) most = std::max(most, row[0]);
+  std::vector<std::int64_t> row(2 + static_cast<std::size_t>(most) * fields, 0);
+  row[0] = static_cast<std::int64_t>(mine.size());
+  row[1] = static_cast<std::int64_t>(profile.dropped_events());
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    const ProfileEvent& e = mine[i];
+    std::int64_t* f = row.data() + 2 + i * fields;
+    f[0] = static_cast<std::int64_t>(e.kind);
+    f[1] = static_cast<std::int64_t>(e.pass);
+    f[2] = static_cast<std::int64_t>(e.phase);
+    f[3] = e.step;
+    f[4] = std::bit_cast<std::int64_t>(e.start_us);
+    f[5] = std::bit_cast<std::int64_t>(e.end_us);
+  }
+  const std::vector<std::vector<std::int64_t>> all = ex::gather_rows(comm, row);
+  if (comm.rank() != 0) return true;
+  ChromeTrace trace;
+  for (std::size_t w = 0; w < all.size(); ++w) {
+    std::vector<ProfileEvent> events(static_cast<std::size_t>(all[w][0]));
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      const std::int64_t* f = all[w].data() + 2 + i * fields;
+      events[i] = {static_cast<ProfileEvent::Kind>(f[0]), static_cast<Pass>(f[1]), static_cast<Phase>(f[2]),
+                   static_cast<int>(f[3]), std::bit_cast<double>(f[4]), std::bit_cast<double>(f[5])};
+    }
+    trace.add_rank(static_cast<int>(w), events, static_cast<std::uint64_t>(all[w][1]));
+  }
+  std::ofstream out(path);
+  trace.write(out);
+  if (!out) {
+    std::fprintf(stderr, "seqpar_demo: --trace: could not write '%s'\n", path.c_str());
+    return false;
+  }
+  std::printf("trace        %s: every rank's phases of the timed calls (Chrome trace JSON; Perfetto opens it,\n"
+              "             tools/trace_svg.py draws it)\n", path.c_str());
+  return true;
+}
 
 /// One rank's run of the options' policy with element type T: plan, a checked forward, timed
 /// forwards, and (rank 0) the report. `sweep_at`: the length's index in --sweep (-1: no sweep).
@@ -78,7 +128,11 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_
   const double check_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
 
   PhaseProfile profile;  // only the timed calls
-  if (o.profile) attn.set_profile(&profile);
+  // --trace: an event per phase lap, hop and call of the timed calls (a ring of R steps lays
+  // down about 4R + 8 per forward and 8R + 8 per backward), reserved before the first one.
+  const auto R = static_cast<std::size_t>(mesh.ring);
+  if (!o.trace.empty()) profile.keep_events(static_cast<std::size_t>(o.iters) * (12 * R + 32));
+  if (o.profile || !o.trace.empty()) attn.set_profile(&profile);
   comm.barrier();
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.iters; ++i) step();
@@ -88,12 +142,13 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_
   std::vector<PhaseProfile> profiles;
   if (o.profile)
     for (const auto& row : ex::gather_rows(comm, ex::profile_row(profile))) profiles.push_back(ex::profile_from_row(row));
+  const bool traced = o.trace.empty() || write_trace(comm, profile, o.trace);
   const std::uint64_t formula = plan.forward_bytes(me) + (o.backward ? plan.backward_bytes(me) : 0);
 
   const RunFigures figures(ex::gather_rows(comm, {plan.local_q(), plan.local_kv(), plan.work(me), static_cast<std::int64_t>(bytes),
                                                   static_cast<std::int64_t>(formula), std::bit_cast<std::int64_t>(ms)}));
   if (!print) return 0;
-  return report_run(o, s, mesh, figures, err, grad_err, check_s, sweep_at, profiles) ? 0 : 1;
+  return report_run(o, s, mesh, figures, err, grad_err, check_s, sweep_at, profiles) && traced ? 0 : 1;
 }
 
 }  // namespace seqpar_demo

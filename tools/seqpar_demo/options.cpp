@@ -23,7 +23,7 @@ constexpr const char* usage_text =
     "                   [--kv-seq S] [--heads H] [--kv-heads K] [--head-dim D] [--causal]\n"
     "                   [--causal-align top-left|bottom-right] [--window L,R] [--docs N1,N2,...]\n"
     "                   [--kv-valid N1,N2,...] [--dtype f32|f64|bf16] [--comm mpi|threads] [--ranks N] [--iters I]\n"
-    "                   [--check] [--threads N] [--seed N] [--backward] [--profile] [--verbose]\n"
+    "                   [--check] [--threads N] [--seed N] [--backward] [--profile] [--trace FILE] [--verbose]\n"
     "                   [--head-dim-v D] [--softcap C] [--sinks] [--scale X]\n"
     "       seqpar_demo --advise [--ranks N] [--machine h100-sxm-ib|l20-pcie|ci-xeon-2core] [--ranks-per-node N]\n"
     "                   [--backward] [shape options]: every policy and mesh ranked by the cost model\n"
@@ -306,6 +306,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--softcap") o.softcap = parse_real(a, v, 0, 1e6);
     else if (a == "--model") o.model = s;
     else if (a == "--machine") o.machine = s;
+    else if (a == "--trace") o.trace = s;
     else if (a == "--ranks-per-node") o.ranks_per_node = static_cast<int>(parse_int(a, v, 1));
     else if (a == "--local") o.local = parse_int(a, v, 1);
     else if (a == "--ranks") o.ranks = static_cast<int>(parse_int(a, v, 1));

@@ -57,6 +57,7 @@ struct Options {
   std::uint64_t seed = 2024;
   bool backward = false;
   bool profile = false;
+  std::string trace;                    // --trace FILE: the timed calls' phases per rank, Chrome trace JSON
   bool advise = false;                  // --advise: print the advisor's ranked choices, run nothing
   std::string machine = "ci-xeon-2core";  // --machine: the advisor's machine preset
   int ranks_per_node = 0;               // --ranks-per-node: overrides the preset's (0: keep it)
