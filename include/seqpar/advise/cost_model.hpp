@@ -141,9 +141,8 @@ inline double all_to_all_ms(const Plan& p, const RankSeat& seat, int w, double b
   for (int v = 0; v < U; ++v) {
     if (v == u) continue;
     const int peer = mesh.world_rank(r, v);
-    const Link& l = seat.link(w, peer);
-    (&l == &seat.m.intra ? intra : inter) += bytes / (U - 1);
-    latency = std::max(latency, l.latency_us / 1e3);
+    (seat.node(w) == seat.node(peer) ? intra : inter) += bytes / (U - 1);
+    latency = std::max(latency, seat.link(w, peer).latency_us / 1e3);
   }
   return latency + std::max(transfer_ms(intra, seat.m.intra.gbytes_per_s), transfer_ms(inter, seat.m.inter.gbytes_per_s));
 }

@@ -288,8 +288,6 @@ class PhaseClock {
     if (profile_) profile_->add_call(pass, since, std::chrono::steady_clock::now());
   }
 
-  static double ms(time_point a, time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
-
  private:
   PhaseProfile* profile_ = nullptr;
 };
