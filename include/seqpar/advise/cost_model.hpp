@@ -66,9 +66,11 @@ struct Machine {
 /// What a policy costs on a machine: per phase, the slowest rank's time (ranks move in
 /// lockstep from one collective step to the next), summed over the ring steps.
 struct Estimate {
+  /// Milliseconds, one entry per Phase.
   using PhaseMs = std::array<double, static_cast<int>(Phase::count)>;
   MeshConfig mesh;                 ///< the resolved mesh
-  PhaseMs forward{}, backward{};   ///< ms per phase
+  PhaseMs forward{};               ///< ms per phase of one forward
+  PhaseMs backward{};              ///< ms per phase of one backward
   std::size_t forward_bytes = 0;   ///< the busiest rank's bytes sent in one forward
   std::size_t backward_bytes = 0;  ///< ... in one backward
   std::int64_t max_work = 0;       ///< visible pairs of the busiest rank (Plan::work)
