@@ -3,6 +3,7 @@
 // estimate is the model's arithmetic, checked by hand on shapes small enough to count; ranks
 // sharing cores, links crossing nodes and causal imbalance move the estimate the way they
 // should; the advisor ranks what runs and gives plan's reason for what does not.
+#include <algorithm>
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -110,7 +111,7 @@ TEST_CASE("Ulysses all-to-all: bytes to the node's ranks and to other nodes' mov
   CHECK(one_node.forward_bytes == static_cast<std::size_t>(sent * 4 / 3));
 }
 
-TEST_CASE("ranks sharing cores get their share of the rate; causal contiguous rings are slow") {
+TEST_CASE("ranks sharing cores share them step by step; causal contiguous rings are slow") {
   const AttentionProblem pr = problem(2, 2, 32, true);
   const Estimate own = estimate(RingPolicy<Zigzag>{}, pr, 512, -1, 4, slow_machine(4));
   const Estimate shared = estimate(RingPolicy<Zigzag>{}, pr, 512, -1, 4, slow_machine(4, 2));
@@ -119,6 +120,13 @@ TEST_CASE("ranks sharing cores get their share of the rate; causal contiguous ri
   const Estimate contiguous = estimate(RingPolicy<Contiguous>{}, pr, 512, -1, 4, slow_machine(4));
   CHECK(contiguous.imbalance() > 1.5);
   CHECK(ms(contiguous.forward, Phase::compute) > 1.5 * ms(own.forward, Phase::compute));
+  // Sharing 2 cores, a causal contiguous ring's idle ranks leave their cores to the busy ones:
+  // per step max(longest, summed / 2) over a diagonal block d and full blocks f of 128 rows:
+  // step 0 four d (2d), step 1 three f (1.5f), steps 2 and 3 two and one f (f each).
+  const Estimate contiguous_shared = estimate(RingPolicy<Contiguous>{}, pr, 512, -1, 4, slow_machine(4, 2));
+  const double d = 128.0 * 129 / 2, f = 128.0 * 128;
+  CHECK(ms(contiguous_shared.forward, Phase::compute) ==
+        doctest::Approx(ms(contiguous.forward, Phase::compute) * (2 * d + 3.5 * f) / (d + 3 * f)));
 }
 
 TEST_CASE("the advisor ranks what runs and says why the rest does not") {
@@ -128,8 +136,12 @@ TEST_CASE("the advisor ranks what runs and says why the rest does not") {
   REQUIRE(!cs.empty());
   REQUIRE(cs.front().runs);
   bool sorted = true, refused_ulysses = false, anything_ulysses = false;
-  for (std::size_t i = 1; i < cs.size(); ++i)
+  double fastest = cs.front().ms;
+  for (std::size_t i = 2; i < cs.size(); ++i)
     if (cs[i].runs && cs[i].ms < cs[i - 1].ms) sorted = false;
+  for (const Choice& c : cs)
+    if (c.runs) fastest = std::min(fastest, c.ms);
+  CHECK(cs.front().ms <= fastest * 1.03);  // the first: the simplest within 3% of the fastest
   for (const Choice& c : cs) {
     if (c.name == "ulysses") refused_ulysses = !c.runs && c.reason.find("divisible") != std::string::npos;
     if (c.name == "anything ulysses") anything_ulysses = c.runs;
@@ -142,4 +154,29 @@ TEST_CASE("the advisor ranks what runs and says why the rest does not") {
   CHECK(cs.front().mesh.placement == MeshPlacement::ulysses_adjacent);
   CHECK(cs.front().mesh.ulysses == 8);
   CHECK_THROWS_AS(machines::by_name("no-such-machine"), ConfigError);
+}
+
+TEST_CASE("ranks sharing a core share it evenly while they compute") {
+  Machine m = slow_machine(2, 1);
+  const detail::RankSeat seat{m, 2};
+  std::vector<double> works{1.0, 3.0};
+  seat.share_cores(works);
+  // Both at half a core until the first is done at 2; the second's last 2 at a whole core.
+  CHECK(works[0] == doctest::Approx(2.0));
+  CHECK(works[1] == doctest::Approx(4.0));
+  std::vector<double> idle{0.0, 3.0};
+  seat.share_cores(idle);
+  CHECK(idle[0] == 0.0);
+  CHECK(idle[1] == doctest::Approx(3.0));  // an idle rank leaves its core
+}
+
+TEST_CASE("the advisor's first choice is the simplest within its margin") {
+  const AttentionProblem pr = problem(8, 8, 64, true);
+  const Machine h100 = machines::h100_sxm_nvlink_ib();
+  const std::vector<Choice> exact = advise(pr, 1 << 15, -1, 8, h100, false, 0.0);
+  const std::vector<Choice> lenient = advise(pr, 1 << 15, -1, 8, h100, false, 10.0);
+  REQUIRE(exact.front().runs);
+  for (const Choice& c : exact)
+    if (c.runs) CHECK(exact.front().ms <= c.ms);
+  CHECK(lenient.front().mesh.ring == 1);  // every choice is within 1000%: Ulysses has no ring step
 }

@@ -50,6 +50,7 @@ auto with_policy(const Options& o, int world, F run) {
       return with_layout<UnifiedPolicy>(o, [&](auto p) {
         p.ulysses_degree = o.ulysses_degree;
         p.ring_degree = o.ring_degree;
+        p.placement = o.placement;
         if (!p.ulysses_degree && !p.ring_degree)  // default: the squarest mesh, Ulysses side smaller
           for (int d = 1; d * d <= world; ++d)
             if (world % d == 0) p.ulysses_degree = d;

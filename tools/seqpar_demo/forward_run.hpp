@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention.hpp"
+#include "auto_policy.hpp"
 #include "common.hpp"
 #include "report.hpp"
 
@@ -74,6 +75,9 @@ template <class T, class Comm>
 int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
   const int me = comm.rank();
   const bool print = me == 0;
+  const double est_ms =
+      o.estimate && o.estimate_ms < 0 ? estimate_run<T>(o, g.shape, comm.size(), measured_machine<T>(comm, o, g.shape))
+                                      : o.estimate_ms;
   const std::unique_ptr<DemoAttention<T>> attn_ptr = make_attention<T>(comm, o);
   DemoAttention<T>& attn = *attn_ptr;
   const MeshConfig& mesh = attn.mesh();
@@ -148,7 +152,7 @@ int run_rank(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_
   const RunFigures figures(ex::gather_rows(comm, {plan.local_q(), plan.local_kv(), plan.work(me), static_cast<std::int64_t>(bytes),
                                                   static_cast<std::int64_t>(formula), std::bit_cast<std::int64_t>(ms)}));
   if (!print) return 0;
-  return report_run(o, s, mesh, figures, err, grad_err, check_s, sweep_at, profiles) && traced ? 0 : 1;
+  return report_run(o, s, mesh, figures, err, grad_err, check_s, sweep_at, profiles, est_ms) && traced ? 0 : 1;
 }
 
 }  // namespace seqpar_demo

@@ -25,6 +25,8 @@ constexpr const char* usage_text =
     "                   [--kv-valid N1,N2,...] [--dtype f32|f64|bf16] [--comm mpi|threads] [--ranks N] [--iters I]\n"
     "                   [--check] [--threads N] [--seed N] [--backward] [--profile] [--trace FILE] [--verbose]\n"
     "                   [--head-dim-v D] [--softcap C] [--sinks] [--scale X]\n"
+    "       seqpar_demo --policy auto [shape and run options]: calibrates, then runs the advisor's first choice;\n"
+    "                   --estimate on any run prints the cost model's time on calibrated figures beside the measured one\n"
     "       seqpar_demo --advise [--ranks N] [--machine h100-sxm-ib|l20-pcie|ci-xeon-2core] [--ranks-per-node N]\n"
     "                   [--backward] [shape options]: every policy and mesh ranked by the cost model\n"
     "       seqpar_demo --model NAME|list [--local N] [--seq S] [--decode ...] [--policy ... and run options]\n"
@@ -144,6 +146,10 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 }  // namespace
 
 void check_combinations(Options& o) {
+  if (o.policy_auto)
+    for (const char* n : {"--layout", "--anything", "--ulysses-degree", "--ring-degree", "--decode", "--serve", "--model",
+                          "--sweep", "--advise"})
+      if (o.has(n)) throw UsageError(std::string(n) + ": not used with --policy auto (the advisor chooses the policy)");
   auto refuse_with = [&](std::initializer_list<const char*> names, const char* mode, const char* why) {
     for (const char* n : names)
       if (o.has(n)) throw UsageError(std::string(n) + ": not used with " + mode + " (" + why + ")");
@@ -241,6 +247,7 @@ Options parse(int argc, char** argv) {
     if (a == "--decode") { o.decode = true; continue; }
     if (a == "--serve") { o.serve = true; continue; }
     if (a == "--advise") { o.advise = true; continue; }
+    if (a == "--estimate") { o.estimate = true; continue; }
     if (a == "--sinks") { o.sinks = true; continue; }
     if (a.substr(0, 2) != "--") throw UsageError("'" + std::string(a) + "': expected an option such as --seq (see --help)");
     if (i + 1 >= argc) throw UsageError(std::string(a) + ": unknown option or missing value (see --help)");
@@ -251,7 +258,8 @@ Options parse(int argc, char** argv) {
       if (s == "ulysses") o.policy = PolicyKind::ulysses;
       else if (s == "ring") o.policy = PolicyKind::ring;
       else if (s == "unified") o.policy = PolicyKind::unified;
-      else throw UsageError("--policy: expected ulysses, ring or unified, got '" + std::string(s) + "'");
+      else if (s == "auto") o.policy_auto = o.estimate = true;
+      else throw UsageError("--policy: expected ulysses, ring, unified or auto, got '" + std::string(s) + "'");
     } else if (a == "--layout") {
       o.layout_given = true;
       if (s == "contiguous") o.layout = LayoutKind::contiguous;

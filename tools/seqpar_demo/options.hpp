@@ -58,6 +58,10 @@ struct Options {
   bool backward = false;
   bool profile = false;
   std::string trace;                    // --trace FILE: the timed calls' phases per rank, Chrome trace JSON
+  bool policy_auto = false;             // --policy auto: the advisor's first choice on calibrated figures
+  bool estimate = false;                // --estimate: calibrate, and print the cost model's time beside the measured one
+  double estimate_ms = -1;              // the estimate of this run when already made (--policy auto)
+  MeshPlacement placement = MeshPlacement::ulysses_adjacent;  // Unified: which groups are consecutive ranks
   bool advise = false;                  // --advise: print the advisor's ranked choices, run nothing
   std::string machine = "ci-xeon-2core";  // --machine: the advisor's machine preset
   int ranks_per_node = 0;               // --ranks-per-node: overrides the preset's (0: keep it)

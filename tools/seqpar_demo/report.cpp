@@ -97,7 +97,7 @@ const char* balance_hint(const Options& o, const ex::GlobalShape& s, const MeshC
 
 bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& mesh, const RunFigures& f,
                 const ex::ErrorStats& err, const ex::ErrorStats& grad_err, double check_s, int sweep_at,
-                const std::vector<PhaseProfile>& profiles) {
+                const std::vector<PhaseProfile>& profiles, double est_ms) {
   const int world = static_cast<int>(f.rows.size());
   const bool sweeping = sweep_at >= 0;
   // FLOPs: 2 x (D + D_v) per visible score pair in forward (QK^T and PV), 2.5 times that in backward.
@@ -152,6 +152,10 @@ bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& me
     std::printf("balance      max/mean visible score pairs per rank = %.2f%s\n", f.imbalance(),
                 balance_hint(o, s, mesh, f.imbalance()));
     std::printf("traffic      bytes sent %s the plan's analytic count\n", f.bytes_match ? "equal" : "DIFFER FROM");
+    if (est_ms >= 0)
+      std::printf("estimate     %.3f ms per iteration by the cost model on this machine's calibrated figures "
+                  "(measured %.3f: model %+.0f%%)\n",
+                  est_ms, f.max_ms, 100.0 * (est_ms - f.max_ms) / f.max_ms);
     if (o.profile) ex::print_profile(profiles);
     if (o.check) {
       char how[96];
@@ -164,12 +168,13 @@ bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& me
   char tail[512];
   std::snprintf(tail, sizeof tail,
                 "%s%s cpu_isa=%s layout=%s causal=%d mesh=%dx%d dtype=%s backward=%d gflops=%.2f imbalance=%.2f mask=%s "
-                "features=%s%s",
+                "features=%s%s%s",
                 o.backward ? " grad_max_rel_err=" : "", o.backward ? error_text(o.check, grad_err.rel()).c_str() : "",
                 cpu_isa_name(default_cpu_isa()),
                 o.policy == PolicyKind::ulysses ? "none" : layout_names[static_cast<int>(o.layout)], s.causal ? 1 : 0,
                 mesh.ulysses, mesh.ring, dtype_name(o.dtype), o.backward ? 1 : 0, f.gflops(flops_per_pair),
-                f.imbalance(), mask.c_str(), features_name(s).c_str(), model_keys(o).c_str());
+                f.imbalance(), mask.c_str(), features_name(s).c_str(), model_keys(o).c_str(),
+                est_ms >= 0 ? (" est_ms=" + std::to_string(est_ms)).c_str() : "");
   g_results.push_back(result_head(o, world, s.seq_q, err, f.max_bytes, f.max_ms) + tail);
   std::fflush(stdout);
   return !o.check || (fwd_ok && grad_ok);

@@ -80,7 +80,7 @@ struct RunFigures {
 /// RESULT line into g_results. Returns whether the check passed (true without --check).
 bool report_run(const Options& o, const ex::GlobalShape& s, const MeshConfig& mesh, const RunFigures& f,
                 const ex::ErrorStats& err, const ex::ErrorStats& grad_err, double check_s, int sweep_at,
-                const std::vector<PhaseProfile>& profiles);
+                const std::vector<PhaseProfile>& profiles, double est_ms = -1);
 
 /// The runs' RESULT lines, last (rank 0 has them; the other ranks none).
 void print_results();

@@ -7,6 +7,7 @@
 
 #include <type_traits>
 
+#include "auto_policy.hpp"
 #include "common.hpp"
 #include "decode_run.hpp"
 #include "forward_run.hpp"
@@ -22,6 +23,7 @@ namespace seqpar_demo {
 /// Runs the options' policy (or decode, or serve) with element type T on one rank.
 template <class T, class Comm>
 int run_typed(Comm& comm, const Options& o, const ex::GlobalInputs& g, int sweep_at) {
+  if (o.policy_auto) return run_rank<T>(comm, choose_policy<T>(comm, o, g.shape), g, sweep_at);
   if constexpr (std::is_same_v<T, bf16>) {  // parse_options refuses --decode and --serve in bf16
     return run_rank<T>(comm, o, g, sweep_at);
   } else {

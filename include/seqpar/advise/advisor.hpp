@@ -68,8 +68,12 @@ void for_each_base_policy(int world, F&& f) {
 /// as each mesh allows) on `world` ranks of machine `m`: the ones that run sorted by estimated
 /// time (forward, plus backward when `training`), then the refused ones with plan's reason. A
 /// base policy the lengths or heads do not divide for is offered as AnythingPolicy of it.
+/// The first choice is the simplest of those within `margin` of the fastest estimate: the
+/// fewest ring steps, then the plainest layout (contiguous, zigzag, stripe). Every ring step
+/// and every cut in a block costs fixed time the model only partly sees (on small blocks and
+/// shared cores most), so near-ties go to the plan with fewer of them.
 inline std::vector<Choice> advise(const AttentionProblem& problem, std::int64_t seq_q, std::int64_t seq_kv, int world,
-                                  const Machine& m, bool training) {
+                                  const Machine& m, bool training, double margin = 0.03) {
   std::vector<Choice> out;
   auto consider = [&](const auto& policy) {
     Choice c;
@@ -93,6 +97,17 @@ inline std::vector<Choice> advise(const AttentionProblem& problem, std::int64_t 
     if (a.runs != b.runs) return a.runs;
     return a.runs && a.ms < b.ms;
   });
+  if (!out.empty() && out.front().runs) {
+    const double limit = out.front().ms * (1 + margin);
+    auto simpler = [](const Choice& a, const Choice& b) {
+      if (a.mesh.ring != b.mesh.ring) return a.mesh.ring < b.mesh.ring;
+      return static_cast<int>(a.mesh.layout) < static_cast<int>(b.mesh.layout);
+    };
+    auto pick = out.begin();
+    for (auto it = out.begin(); it != out.end() && it->runs && it->ms <= limit; ++it)
+      if (simpler(*it, *pick)) pick = it;
+    std::rotate(out.begin(), pick, pick + 1);
+  }
   return out;
 }
 

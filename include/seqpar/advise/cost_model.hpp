@@ -18,8 +18,11 @@
 ///    so a step lasts max(compute + merge, hop) on its slowest rank (ranks move in lockstep:
 ///    each waits for its neighbour's block). In backward the K/V block and the dK/dV
 ///    accumulators both travel during the step.
-/// Ranks of a node that share fewer cores than ranks (a CPU host: `cores_per_node`) each get
-/// that share of the kernel rate and of the copy bandwidth.
+/// Ranks of a node that share fewer cores than ranks (a CPU host: `cores_per_node`) get that
+/// share of the copy bandwidth (a link's figure is already per rank with every rank moving
+/// bytes at once, as calibrate measures it); their
+/// kernels share the node's cores step by step, evenly among the ranks still computing (a rank
+/// with nothing to compute in a ring step leaves its core to the others).
 
 #include <algorithm>
 #include <array>
@@ -45,7 +48,7 @@ namespace seqpar {
 /// One kind of link between two ranks: sustained bandwidth each way and the time a message
 /// takes before its first byte arrives.
 struct Link {
-  double gbytes_per_s = 1;  ///< 1e9 bytes per second, each way, per rank
+  double gbytes_per_s = 1;  ///< 1e9 bytes per second, each way, per rank while every rank sends at once
   double latency_us = 0;    ///< per message
 };
 
@@ -60,6 +63,11 @@ struct Machine {
   double forward_gflops = 1;    ///< one rank's attention forward, 1e9 FLOP/s at 2 (D + D_v) FLOPs per visible pair
   double backward_gflops = 1;   ///< one rank's backward, at 5 (D + D_v) FLOPs per visible pair
   double copy_gbytes_per_s = 10;  ///< one rank's local copies (bytes read + written once)
+  /// Fixed cost (us) of one forward ring step beyond its compute, merge and hop: the ranks'
+  /// handshake and a kernel call. calibrate measures it (it shows on small blocks and shared
+  /// cores); presets leave it 0, inside the link's latency.
+  double ring_step_us = 0;
+  double backward_ring_step_us = 0;  ///< the same for a backward ring step
   std::string source;           ///< where the numbers come from
 };
 
@@ -114,6 +122,30 @@ struct RankSeat {
     const int rpn = std::max(1, m.ranks_per_node);
     const int on_node = std::min(rpn, world - node(w) * rpn);
     return std::min(1.0, static_cast<double>(m.cores_per_node) / on_node);
+  }
+  /// Kernel times (ms, one per world rank, each at a whole core's rate) as they stretch when
+  /// a node's ranks share its cores: the scheduler shares the cores evenly among the ranks
+  /// still computing (each at min(1, cores / busy ranks) of a core), so a rank with nothing
+  /// to compute in a step leaves its core to the others and the longest finishes last.
+  void share_cores(std::span<double> ms) const {
+    if (m.cores_per_node <= 0) return;
+    const int rpn = std::max(1, m.ranks_per_node);
+    std::vector<int> order;
+    for (int first = 0; first < world; first += rpn) {
+      order.clear();
+      for (int w = first; w < std::min(world, first + rpn); ++w)
+        if (ms[static_cast<std::size_t>(w)] > 0) order.push_back(w);
+      std::sort(order.begin(), order.end(),
+                [&](int a, int b) { return ms[static_cast<std::size_t>(a)] < ms[static_cast<std::size_t>(b)]; });
+      double clock = 0, done = 0;  // wall time, and the work each rank still busy has done
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        double& t = ms[static_cast<std::size_t>(order[i])];
+        const double rate = std::min(1.0, static_cast<double>(m.cores_per_node) / static_cast<double>(order.size() - i));
+        clock += (t - done) / rate;
+        done = t;
+        t = clock;
+      }
+    }
   }
   const Link& link(int a, int b) const { return node(a) == node(b) ? m.intra : m.inter; }
   double copy_ms(int w, double bytes) const { return transfer_ms(bytes, m.copy_gbytes_per_s * share(w)); }
@@ -243,18 +275,22 @@ Estimate estimate(const Policy& policy, const AttentionProblem& problem, std::sp
       slowest(t, Phase::unpack, [&](int w) { return seat.copy_ms(w, in_out(w)[1] * whole); });
     }
     // The ring (one step without one): compute, merge and the hop in flight, in lockstep.
+    std::vector<double> kernel(static_cast<std::size_t>(W));
     for (int s = 0; s < R; ++s) {
+      for (int w = 0; w < W; ++w)
+        kernel[static_cast<std::size_t>(w)] = static_cast<double>(detail::step_pairs(p, w, s)) * (bwd ? bwd_flops : fwd_flops) /
+                                              ((bwd ? m.backward_gflops : m.forward_gflops) * 1e6);
+      seat.share_cores(kernel);
       double compute = 0, busy = 0, step = 0;
       for (int w = 0; w < W; ++w) {
-        const double pairs = static_cast<double>(detail::step_pairs(p, w, s));
-        const double c = pairs * (bwd ? bwd_flops : fwd_flops) / ((bwd ? m.backward_gflops : m.forward_gflops) * seat.share(w) * 1e6);
+        const double c = kernel[static_cast<std::size_t>(w)];
         // A step's partial output merges into the running one (forward; backward sums dQ).
-        const double mg = s > 0 && pairs > 0 ? seat.copy_ms(w, rows(w) * (bwd ? D : Dv + 1) * acc * 3) : 0.0;
+        const double mg = s > 0 && c > 0 ? seat.copy_ms(w, rows(w) * (bwd ? D : Dv + 1) * acc * 3) : 0.0;
         double hop = 0;
         if (R > 1) {
-          const Link& l = seat.link(w, mesh.world_rank((mesh.ring_rank(w) + 1) % R, mesh.ulysses_rank(w)));
+          const int next = mesh.world_rank((mesh.ring_rank(w) + 1) % R, mesh.ulysses_rank(w));
           const double bytes = (s < R - 1 ? kv_block_bytes(w, s, elem) : 0.0) + (bwd ? kv_block_bytes(w, s, acc) : 0.0);
-          if (bytes > 0) hop = l.latency_us / 1e3 + detail::transfer_ms(bytes, l.gbytes_per_s);
+          if (bytes > 0) hop = seat.link(w, next).latency_us / 1e3 + detail::transfer_ms(bytes, seat.link(w, next).gbytes_per_s);
         }
         compute = std::max(compute, c);
         busy = std::max(busy, c + mg);
@@ -262,7 +298,7 @@ Estimate estimate(const Policy& policy, const AttentionProblem& problem, std::sp
       }
       at(t, Phase::compute) += compute;
       at(t, Phase::merge) += busy - compute;
-      at(t, Phase::wait) += step - busy;
+      at(t, Phase::wait) += step - busy + (R > 1 ? (bwd ? m.backward_ring_step_us : m.ring_step_us) / 1e3 : 0.0);
     }
     // Copies around the ring: the first block into the ring buffer, the result out of the
     // accumulation type (backward: dK/dV too).
