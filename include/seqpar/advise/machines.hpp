@@ -2,7 +2,7 @@
 /// \file
 /// Machine presets for the cost model, from published figures (each says which), for
 /// projections on paper. A preset is a starting point: `Machine` is plain numbers, and a
-/// measured machine (seqpar_demo --calibrate) beats any preset.
+/// measured machine (seqpar::calibrate; seqpar_demo --policy auto or --estimate) beats any preset.
 
 #include <string>
 #include <string_view>
