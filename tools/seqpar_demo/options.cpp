@@ -146,14 +146,14 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 }  // namespace
 
 void check_combinations(Options& o) {
-  if (o.policy_auto)
-    for (const char* n : {"--layout", "--anything", "--ulysses-degree", "--ring-degree", "--decode", "--serve", "--model",
-                          "--sweep", "--advise"})
-      if (o.has(n)) throw UsageError(std::string(n) + ": not used with --policy auto (the advisor chooses the policy)");
   auto refuse_with = [&](std::initializer_list<const char*> names, const char* mode, const char* why) {
     for (const char* n : names)
       if (o.has(n)) throw UsageError(std::string(n) + ": not used with " + mode + " (" + why + ")");
   };
+  if (o.policy_auto)
+    refuse_with({"--layout", "--anything", "--ulysses-degree", "--ring-degree", "--decode", "--serve", "--model", "--sweep",
+                 "--advise"},
+                "--policy auto", "the advisor chooses the policy");
   if ((o.decode || o.serve) && o.dtype == DType::bf16)
     throw UsageError("--dtype bf16: forward and --backward runs only (--decode and --serve run f32 or f64)");
   if (!o.serve)

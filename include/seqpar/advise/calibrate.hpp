@@ -8,7 +8,6 @@
 /// Collective; a few hundred ms at the default sizes.
 
 #include <algorithm>
-#include <array>
 #include <bit>
 #include <chrono>
 #include <cstddef>
@@ -129,8 +128,8 @@ double world_median(Comm& world, double mine) {
 
 /// Measures `base`'s rates on this machine (see the file comment) for element type T and
 /// kernel `kernel`, and returns `base` with forward_gflops, backward_gflops,
-/// copy_gbytes_per_s, the ring steps' fixed costs and the intra-node link replaced (the inter-node link too when the
-/// world is one node). `problem`'s mask and features are timed as given: the rate is per
+/// copy_gbytes_per_s, the ring steps' fixed costs and the intra-node link replaced (the
+/// inter-node link too when the world is one node). `problem`'s mask and features are timed as given: the rate is per
 /// visible pair, masked blocks' overhead included. Throws (on every rank) when any rank's
 /// measurement failed.
 template <class T, class Kernel, class Comm>
@@ -143,7 +142,6 @@ Machine calibrate(Comm& world, Kernel kernel, AttentionProblem problem, Machine 
   const int me = world.rank(), W = world.size();
   std::string failure;
   auto sync = [&] { world.barrier(); };
-  auto idle = [] {};
 
   // Every rank times a one-rank engine at once, as the ranks of a run compute at once.
   using Engine = SequenceParallelAttention<RingPolicy<Contiguous>, Comm, Kernel>;

@@ -20,9 +20,9 @@
 ///    accumulators both travel during the step.
 /// Ranks of a node that share fewer cores than ranks (a CPU host: `cores_per_node`) get that
 /// share of the copy bandwidth (a link's figure is already per rank with every rank moving
-/// bytes at once, as calibrate measures it); their
-/// kernels share the node's cores step by step, evenly among the ranks still computing (a rank
-/// with nothing to compute in a ring step leaves its core to the others).
+/// bytes at once, as calibrate measures it); their kernels share the node's cores step by
+/// step, evenly among the ranks still computing (a rank with nothing to compute in a ring step
+/// leaves its core to the others).
 
 #include <algorithm>
 #include <array>
