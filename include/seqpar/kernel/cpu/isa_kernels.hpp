@@ -36,6 +36,15 @@
 
 /// _Pragma with its argument stringified.
 #define SEQPAR_PRAGMA(x) _Pragma(#x)
+#if defined(__CUDACC__)
+/// Nothing under nvcc: its front end warns of `#pragma GCC unroll` in host code (a .cu file
+/// that includes the CPU kernel), and the loops are correct without it.
+#define SEQPAR_UNROLL(n)
+#else
+/// Unrolls the loop that follows `n` times (`#pragma GCC unroll`, which Clang reads too): for
+/// small fixed-count loops over vectors that GCC at -O2 leaves rolled.
+#define SEQPAR_UNROLL(n) SEQPAR_PRAGMA(GCC unroll n)
+#endif
 #if defined(__clang__)
 /// Starts a region whose functions are compiled for the target `features` (a string literal).
 #define SEQPAR_TARGET_PUSH(features) \

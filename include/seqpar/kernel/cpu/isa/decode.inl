@@ -24,12 +24,12 @@ template <class A>
 #if SEQPAR_ISA_BYTES == 64
     // (maskz with every lane: GCC 12's plain shuffle_f32x4 warns of its own undefined source.)
     V c[8], e[4];
-#pragma GCC unroll 8
+    SEQPAR_UNROLL(8)
     for (int i = 0; i < 8; ++i) {
       const V a = v[slot(i)], b = v[slot(i + 8)];
       c[i] = _mm512_maskz_shuffle_f32x4(0xFFFF, a, b, 0x44) + _mm512_maskz_shuffle_f32x4(0xFFFF, a, b, 0xEE);
     }
-#pragma GCC unroll 4
+    SEQPAR_UNROLL(4)
     for (int i = 0; i < 4; ++i) e[i] = _mm512_maskz_shuffle_f32x4(0xFFFF, c[i], c[i + 4], 0x88) + _mm512_maskz_shuffle_f32x4(0xFFFF, c[i], c[i + 4], 0xDD);
     const V g0 = _mm512_shuffle_ps(e[0], e[2], 0x44) + _mm512_shuffle_ps(e[0], e[2], 0xEE);
     const V g1 = _mm512_shuffle_ps(e[1], e[3], 0x44) + _mm512_shuffle_ps(e[1], e[3], 0xEE);
@@ -82,21 +82,21 @@ template <class A>
   const std::int64_t dw = dim / W * W;
   for (std::int64_t r0 = 0; r0 < rows; r0 += RB) {
     const A* qr[RB];
-#pragma GCC unroll 16
+    SEQPAR_UNROLL(16)
     for (int rr = 0; rr < RB; ++rr) qr[rr] = q + std::min<std::int64_t>(r0 + rr, rows - 1) * dim;
     for (std::int64_t j0 = 0; j0 < keys; j0 += KB) {
       const A* kr[KB];
-#pragma GCC unroll 16
+      SEQPAR_UNROLL(16)
       for (int kk = 0; kk < KB; ++kk) kr[kk] = k + std::min<std::int64_t>(j0 + kk, keys - 1) * ldk;
       V acc[W] = {};  // lane-sum i = row i / KB, key i % KB
       for (std::int64_t d = 0; d < dw; d += W) {
         V kv[KB];
-#pragma GCC unroll 16
+        SEQPAR_UNROLL(16)
         for (int kk = 0; kk < KB; ++kk) kv[kk] = simd_load(kr[kk] + d);
-#pragma GCC unroll 16
+        SEQPAR_UNROLL(16)
         for (int rr = 0; rr < RB; ++rr) {
           const V qv = simd_load(qr[rr] + d);
-#pragma GCC unroll 16
+          SEQPAR_UNROLL(16)
           for (int kk = 0; kk < KB; ++kk) acc[rr * KB + kk] = simd_fma(kv[kk], qv, acc[rr * KB + kk]);
         }
       }
