@@ -1024,3 +1024,43 @@ TEST_CASE_TEMPLATE("flash kernel decode path with soft-cap and value dim: MLA's 
   check(step(3, 90, 6, 2, 24, 40), 1.5, 1, true);
   check(step(1, 2100, 8, 2, 64, 32), 10, 2, true);
 }
+
+#if defined(SEQPAR_HAS_ISA_AVX512)
+TEST_CASE("flash kernel micro-kernel: the AVX-512 tile's assembly k loop gives the C++ loop's floats bit for bit") {
+  // flash_tile with a_k known at compile time runs its full float tile in assembly where the
+  // level has it; the same tile without (AK 0) is the C++ loop. Same products in the same
+  // order, so every float must match: k steps 0-9 (whole turns of four and the single steps
+  // after them) and longer, A as rows (the score product's K) or as packed columns (V), stored
+  // or accumulated into C times alpha.
+  if (!cpu_isa_supported(CpuIsa::avx512)) {
+    MESSAGE("no AVX-512 on this CPU: the assembly tile is not run");
+    return;
+  }
+  namespace isa = detail::isa_avx512;
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  const auto fill = [&](std::vector<float>& x) {
+    for (float& e : x) e = u(rng);
+  };
+  constexpr std::ptrdiff_t ldb = 40, ldc = 36, row_stride = 71;
+  for (std::int64_t kdim : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 63, 64, 130}) {
+    CAPTURE(kdim);
+    std::vector<float> a(8 * row_stride + 8 * kdim + 8), b(kdim * ldb + 32), alpha(32), c0(8 * ldc);
+    fill(a);
+    fill(b);
+    fill(alpha);
+    fill(c0);
+    const auto same = [&](const std::vector<float>& x, const std::vector<float>& y) {
+      return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+    };
+    std::vector<float> want = c0, got = c0;
+    isa::flash_tile<8, true, 2, 0>(a.data(), row_stride, 1, b.data(), ldb, kdim, want.data(), ldc, alpha.data());
+    isa::flash_tile<8, true, 2, 1>(a.data(), row_stride, 1, b.data(), ldb, kdim, got.data(), ldc, alpha.data());
+    CHECK_MESSAGE(same(want, got), "A as rows, accumulated");
+    want = c0, got = c0;
+    isa::flash_tile<8, false, 2, 0>(a.data(), 1, 8, b.data(), ldb, kdim, want.data(), ldc, alpha.data());
+    isa::flash_tile<8, false, 2, 8>(a.data(), 1, 8, b.data(), ldb, kdim, got.data(), ldc, alpha.data());
+    CHECK_MESSAGE(same(want, got), "A as packed columns, stored");
+  }
+}
+#endif

@@ -174,8 +174,8 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       if (nv > 0) {
         // S = Q K^T, dP = dO V^T: keys in lanes, one key panel at a time.
         for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
-          flash_tiles<false>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
-          flash_tiles<false>(nq, s.dos, ldv, 1, MR * ldv, s.vt + c0, lk, dim_v, s.ds + c0, lk,
+          flash_tiles<false, 2, 1>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
+          flash_tiles<false, 2, 1>(nq, s.dos, ldv, 1, MR * ldv, s.vt + c0, lk, dim_v, s.ds + c0, lk,
                              static_cast<const A*>(nullptr));
         }
         // P = exp(S scale - LSE) on the keys the row sees, dS = P (dP - delta) scale (with a
@@ -189,10 +189,10 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
         // keys): head dims in lanes (dV's D_v of them, dK's and dQ's D).
         for (std::int64_t c0 = 0; c0 < std::max(dp, dpv); c0 += PW) {
           if (c0 < dpv)
-            flash_tiles<true>(nv, s.pm + kmin, 1, lk, MR, s.dos + c0, ldv, nq, s.dvs + kmin * ldv + c0, ldv, s.ones);
+            flash_tiles<true, 2, S::ld_keys()>(nv, s.pm + kmin, 1, lk, MR, s.dos + c0, ldv, nq, s.dvs + kmin * ldv + c0, ldv, s.ones);
           if (c0 >= dp) continue;
-          flash_tiles<true>(nv, s.ds + kmin, 1, lk, MR, s.qs + c0, ld, nq, s.dks + kmin * ld + c0, ld, s.ones);
-          flash_tiles<false>(nq, s.ds + kmin, lk, 1, MR * lk, s.ks + kmin * ld + c0, ld, nv, s.dqs + c0, ld,
+          flash_tiles<true, 2, S::ld_keys()>(nv, s.ds + kmin, 1, lk, MR, s.qs + c0, ld, nq, s.dks + kmin * ld + c0, ld, s.ones);
+          flash_tiles<false, 2, 1>(nq, s.ds + kmin, lk, 1, MR * lk, s.ks + kmin * ld + c0, ld, nv, s.dqs + c0, ld,
                              static_cast<const A*>(nullptr));
         }
         // The dQ terms of non-finite K rows, for the rows that see them.

@@ -299,7 +299,7 @@ void decode_block(const FlashDecode<T, O, A>& job, std::int64_t b, const DecodeH
       const std::int64_t np = std::min<std::int64_t>(PW, R - c0);
       const A* const kr = kb.row(ja - j0);
       // S^T = K Q^T with K read in place, MR keys at a time.
-      flash_tiles<false, NR>(nkp, kr, ldk, 1, MR * ldk, s.qt + hd.base * dim + panel * qt_panel, PW, dim, s.st, PW,
+      flash_tiles<false, NR, 1>(nkp, kr, ldk, 1, MR * ldk, s.qt + hd.base * dim + panel * qt_panel, PW, dim, s.st, PW,
                              static_cast<const A*>(nullptr));
       if (cap > 0) softcap_scores(s.st, nkp * PW, cap);
       if (f0 > 0 || f1 < nkp)

@@ -143,7 +143,7 @@ struct ConvertedProducts {
 
   /// S^T = K Q^T of query panel `panel` over the `nkp` keys from key `off` of the block.
   void scores(std::int64_t panel, std::int64_t off, std::int64_t nkp, A* st) const {
-    flash_tiles<false>(nkp, s.kbuf + off * ldk, ldk, 1, MR * ldk, s.qt + panel * (dim * PW), PW, dim, st, PW,
+    flash_tiles<false, 2, 1>(nkp, s.kbuf + off * ldk, ldk, 1, MR * ldk, s.qt + panel * (dim * PW), PW, dim, st, PW,
                        static_cast<const A*>(nullptr));
   }
 
@@ -158,9 +158,9 @@ struct ConvertedProducts {
     const A* const vp = s.vbuf + off * MR;
     A* const ot = s.ot + panel * (dim_v * PW);
     if (v_finite) {
-      flash_tiles<true>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, alpha);
+      flash_tiles<true, 2, MR>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, alpha);
     } else {
-      flash_tiles<true>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, alpha);
+      flash_tiles<true, 2, MR>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, alpha);
       flash_tiles_masked(dim_v, vp, MR, v_tile, st, PW, f0, ot, PW, lane_lo, lane_hi);
       flash_tiles_masked(dim_v, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, lane_lo + f1,
                          lane_hi + f1);
