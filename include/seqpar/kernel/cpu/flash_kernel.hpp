@@ -9,9 +9,10 @@
 /// as S^T = K Q^T [block_k][block_q] and the output accumulates as O^T [head_dim][block_q].
 /// Queries then sit in SIMD lanes, so
 ///  - both products are the same register-tiled micro-kernel C[MR x 2 vectors] += A B, with
-///    A read by broadcast straight from the caller's K or V rows (no per-key-block packing or
-///    transposing; only Q is packed, once per query block) and B a contiguous panel of Q^T or
-///    P^T that stays in L1;
+///    A read by broadcast from the key block's K rows or V tiles (copied once per key block
+///    and query block, K into rows whose stride avoids L1 set conflicts, V into MR-dim tiles)
+///    and B a contiguous panel of Q^T or P^T that stays in L1; on AVX-512 the float tile's k
+///    loop is inline assembly (isa/simd.inl, tile_8x2_asm);
 ///  - the softmax statistics (running max m, sum l, rescale alpha) of a column of queries are
 ///    lane-wise vector operations over the rows of S^T, and exp is the vectorised fast_exp.
 /// O^T is transposed back, divided by l, once per query block. Per thread the working set is
