@@ -374,6 +374,16 @@ struct FlashTile {
   "vmovups 64(%[pc]), %%zmm18\n\t vfmadd231ps %%zmm17, %%zmm18, %%zmm" #r1 "\n\t"              \
   SEQPAR_TILE_STORE(r0, r1)
 
+/// The operands both of tile_8x2_asm's statements take (the accumulate one adds alpha's
+/// address), and what they clobber: the accumulators, B's two vectors and the broadcast.
+#define SEQPAR_TILE_OUTPUTS \
+  [pa] "+r"(a), [pb] "+r"(b), [n4] "+r"(n4), [n1] "+r"(n1), [pc] "+r"(c), [pa4] "=&r"(a4)
+#define SEQPAR_TILE_INPUTS \
+  [s1] "r"(s1), [s3] "r"(s3), [lb] "r"(lb), [lb3] "r"(lb3), [lc] "r"(lc), [ak] "n"(AK * bytes)
+#define SEQPAR_TILE_CLOBBERS                                                                         \
+  "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+      "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18"
+
 /// flash_tile's full float tile (8 rows, 2 vectors) with a_k = AK, in assembly: the k loop
 /// four steps a turn, A's steps folded into constant offsets and B's into index registers,
 /// so that a turn of 64 FMAs carries five scalar uops. Inside the forward and the backward,
@@ -397,21 +407,21 @@ template <bool Accumulate, std::ptrdiff_t AK>
         "vmovups (%[al]), %%zmm16\n\t vmovups 64(%[al]), %%zmm17\n\t"
         SEQPAR_TILE_ADD(0, 8) SEQPAR_TILE_ADD(1, 9) SEQPAR_TILE_ADD(2, 10) SEQPAR_TILE_ADD(3, 11)
         SEQPAR_TILE_ADD(4, 12) SEQPAR_TILE_ADD(5, 13) SEQPAR_TILE_ADD(6, 14) SEQPAR_TILE_ADD(7, 15)
-        : [pa] "+r"(a), [pb] "+r"(b), [n4] "+r"(n4), [n1] "+r"(n1), [pc] "+r"(c), [pa4] "=&r"(a4)
-        : [s1] "r"(s1), [s3] "r"(s3), [lb] "r"(lb), [lb3] "r"(lb3), [lc] "r"(lc), [al] "r"(alpha),
-          [ak] "n"(AK * bytes)
-        : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18");
+        : SEQPAR_TILE_OUTPUTS
+        : SEQPAR_TILE_INPUTS, [al] "r"(alpha)
+        : SEQPAR_TILE_CLOBBERS);
   } else {
     asm volatile(SEQPAR_TILE_LOOP
         SEQPAR_TILE_STORE(0, 8) SEQPAR_TILE_STORE(1, 9) SEQPAR_TILE_STORE(2, 10) SEQPAR_TILE_STORE(3, 11)
         SEQPAR_TILE_STORE(4, 12) SEQPAR_TILE_STORE(5, 13) SEQPAR_TILE_STORE(6, 14) SEQPAR_TILE_STORE(7, 15)
-        : [pa] "+r"(a), [pb] "+r"(b), [n4] "+r"(n4), [n1] "+r"(n1), [pc] "+r"(c), [pa4] "=&r"(a4)
-        : [s1] "r"(s1), [s3] "r"(s3), [lb] "r"(lb), [lb3] "r"(lb3), [lc] "r"(lc), [ak] "n"(AK * bytes)
-        : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18");
+        : SEQPAR_TILE_OUTPUTS
+        : SEQPAR_TILE_INPUTS
+        : SEQPAR_TILE_CLOBBERS);
   }
 }
+#undef SEQPAR_TILE_CLOBBERS
+#undef SEQPAR_TILE_INPUTS
+#undef SEQPAR_TILE_OUTPUTS
 #undef SEQPAR_TILE_ADD
 #undef SEQPAR_TILE_STORE
 #undef SEQPAR_TILE_LOOP
@@ -435,15 +445,17 @@ inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, con
   using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width;
   static_assert(NR == 1 || NR == 2, "flash_tile is written for one or two vectors of lanes");
-  // Fold expressions over the row index keep every accumulator a named register value (a
-  // loop over an array of them may go through the stack). With NR = 1 the second set is dead
-  // code.
 #if SEQPAR_ISA_TILE_ASM
   if constexpr (std::is_same_v<A, float> && M == 8 && NR == 2 && AK != 0) {
     tile_8x2_asm<Accumulate, AK>(a, a_row, b, ldb, kdim, c, ldc, alpha);
     return;
   }
 #endif
+  // A known k stride is the one every tile reads, full or tail, assembly or not.
+  if constexpr (AK != 0) a_k = AK;
+  // Fold expressions over the row index keep every accumulator a named register value (a
+  // loop over an array of them may go through the stack). With NR = 1 the second set is dead
+  // code.
   [&]<int... R>(std::integer_sequence<int, R...>) {
     V acc0[M] = {((void)R, V{})...}, acc1[M] = {((void)R, V{})...};
     for (std::int64_t k = 0; k < kdim; ++k) {
