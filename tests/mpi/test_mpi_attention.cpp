@@ -140,9 +140,13 @@ TEST_CASE("MPI: sinks, soft-cap and D_v != D together under every policy, the tr
   CHECK(ring.bytes_rank0 == static_cast<std::uint64_t>(4 * 24 * P * (24 + 40) * (P - 1)));
 }
 
-TEST_CASE("MPI: AnythingPolicy at seq 4099 and 3969, heads that do not divide, exact traffic") {
+TEST_CASE("MPI: AnythingPolicy at seq 4099 or 3969, heads that do not divide, exact traffic") {
   MpiCommunicator world(MPI_COMM_WORLD);
-  for (std::int64_t seq : {4099, 3969}) {
+  // One length per world size (the double reference is most of this case's time): ctest's 4
+  // ranks get 4099 (remainders 3 of 4 ranks and of zigzag's 8 chunks), its 3 ranks 3969
+  // (remainder 3 of zigzag's 6 chunks); the 2 x 2 mesh case below takes 3969 on 4 ranks.
+  {
+    const std::int64_t seq = world.size() % 2 == 1 ? 3969 : 4099;
     CAPTURE(seq);
     const ex::GlobalShape s = shape_of(seq, 5, 5, 8, true);
     const Outcome u = run<float>(world, AnythingPolicy<UlyssesPolicy>{}, s);
@@ -155,11 +159,12 @@ TEST_CASE("MPI: AnythingPolicy at seq 4099 and 3969, heads that do not divide, e
   }
 }
 
-TEST_CASE("MPI: AnythingPolicy over a 2 x 2 mesh at seq 4099 and 3969, heads that do not divide, exact traffic" *
+TEST_CASE("MPI: AnythingPolicy over a 2 x 2 mesh at seq 3969, heads that do not divide, exact traffic" *
           doctest::test_suite(mpi_test::four_ranks)) {
   MpiCommunicator world(MPI_COMM_WORLD);
   REQUIRE(world.size() == 4);
-  for (std::int64_t seq : {4099, 3969}) {
+  {
+    const std::int64_t seq = 3969;
     CAPTURE(seq);
     const ex::GlobalShape g = shape_of(seq, 6, 3, 8, true);
     const Outcome m = run<float>(world, AnythingPolicy<UnifiedPolicy<Zigzag>>{{.ulysses_degree = 2, .ring_degree = 2}}, g);
