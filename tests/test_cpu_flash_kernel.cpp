@@ -1029,9 +1029,10 @@ TEST_CASE_TEMPLATE("flash kernel decode path with soft-cap and value dim: MLA's 
 TEST_CASE("flash kernel micro-kernel: the AVX-512 tile's assembly k loop gives the C++ loop's floats bit for bit") {
   // flash_tile with a_k known at compile time runs its full float tile in assembly where the
   // level has it; the same tile without (AK 0) is the C++ loop. Same products in the same
-  // order, so every float must match: k steps 0-9 (whole turns of four and the single steps
-  // after them) and longer, A as rows (the score product's K) or as packed columns (V), stored
-  // or accumulated into C times alpha.
+  // order, so every float must match: tiles of 2 and 3 vectors, k steps 0-9 (whole turns of
+  // four and the single steps after them) and longer, A as rows (the score product's K) or as
+  // packed columns (V), stored or accumulated into C times alpha; C's lanes past the tile keep
+  // their values.
   if (!cpu_isa_supported(CpuIsa::avx512)) {
     MESSAGE("no AVX-512 on this CPU: the assembly tile is not run");
     return;
@@ -1042,25 +1043,34 @@ TEST_CASE("flash kernel micro-kernel: the AVX-512 tile's assembly k loop gives t
   const auto fill = [&](std::vector<float>& x) {
     for (float& e : x) e = u(rng);
   };
-  constexpr std::ptrdiff_t ldb = 40, ldc = 36, row_stride = 71;
-  for (std::int64_t kdim : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 63, 64, 130}) {
-    CAPTURE(kdim);
-    std::vector<float> a(8 * row_stride + 8 * kdim + 8), b(kdim * ldb + 32), alpha(32), c0(8 * ldc);
-    fill(a);
-    fill(b);
-    fill(alpha);
-    fill(c0);
-    const auto same = [&](const std::vector<float>& x, const std::vector<float>& y) {
-      return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
-    };
-    std::vector<float> want = c0, got = c0;
-    isa::flash_tile<8, true, 2, 0>(a.data(), row_stride, 1, b.data(), ldb, kdim, want.data(), ldc, alpha.data());
-    isa::flash_tile<8, true, 2, 1>(a.data(), row_stride, 1, b.data(), ldb, kdim, got.data(), ldc, alpha.data());
-    CHECK_MESSAGE(same(want, got), "A as rows, accumulated");
-    want = c0, got = c0;
-    isa::flash_tile<8, false, 2, 0>(a.data(), 1, 8, b.data(), ldb, kdim, want.data(), ldc, alpha.data());
-    isa::flash_tile<8, false, 2, 8>(a.data(), 1, 8, b.data(), ldb, kdim, got.data(), ldc, alpha.data());
-    CHECK_MESSAGE(same(want, got), "A as packed columns, stored");
-  }
+  constexpr std::ptrdiff_t ldb = 52, ldc = 56, row_stride = 71;
+  const auto same = [&](const std::vector<float>& x, const std::vector<float>& y) {
+    return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  const auto check = [&]<int NR>(std::integral_constant<int, NR>) {
+    CAPTURE(NR);
+    for (std::int64_t kdim : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 63, 64, 130}) {
+      CAPTURE(kdim);
+      std::vector<float> a(8 * row_stride + 8 * kdim + 8), b(kdim * ldb + 48), alpha(48), c0(8 * ldc);
+      fill(a);
+      fill(b);
+      fill(alpha);
+      fill(c0);
+      std::vector<float> want = c0, got = c0;
+      isa::flash_tile<8, true, NR, 0>(a.data(), row_stride, 1, b.data(), ldb, kdim, want.data(), ldc, alpha.data());
+      isa::flash_tile<8, true, NR, 1>(a.data(), row_stride, 1, b.data(), ldb, kdim, got.data(), ldc, alpha.data());
+      CHECK_MESSAGE(same(want, got), "A as rows, accumulated");
+      want = c0, got = c0;
+      isa::flash_tile<8, false, NR, 0>(a.data(), 1, 8, b.data(), ldb, kdim, want.data(), ldc, alpha.data());
+      isa::flash_tile<8, false, NR, 8>(a.data(), 1, 8, b.data(), ldb, kdim, got.data(), ldc, alpha.data());
+      CHECK_MESSAGE(same(want, got), "A as packed columns, stored");
+      bool untouched = true;
+      for (int r = 0; r < 8; ++r)
+        for (std::ptrdiff_t l = NR * 16; l < ldc; ++l) untouched = untouched && got[r * ldc + l] == c0[r * ldc + l];
+      CHECK_MESSAGE(untouched, "lanes past the tile written");
+    }
+  };
+  check(std::integral_constant<int, 2>{});
+  check(std::integral_constant<int, 3>{});
 }
 #endif

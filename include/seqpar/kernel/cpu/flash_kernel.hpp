@@ -8,11 +8,12 @@
 /// packed once as Q^T [head_dim][block_q] (pre-scaled), the scores of a key block are formed
 /// as S^T = K Q^T [block_k][block_q] and the output accumulates as O^T [head_dim][block_q].
 /// Queries then sit in SIMD lanes, so
-///  - both products are the same register-tiled micro-kernel C[MR x 2 vectors] += A B, with
+///  - both products are the same register-tiled micro-kernel C[MR x NR vectors] += A B, with
 ///    A read by broadcast from the key block's K rows or V tiles (copied once per key block
 ///    and query block, K into rows whose stride avoids L1 set conflicts, V into MR-dim tiles)
 ///    and B a contiguous panel of Q^T or P^T that stays in L1; on AVX-512 the float tile's k
-///    loop is inline assembly (isa/simd.inl, tile_8x2_asm);
+///    loop is inline assembly (isa/simd.inl, tile_8xn_asm) over query panels of 3 vectors
+///    (48 queries: each broadcast feeds three FMAs), elsewhere panels are 2 vectors;
 ///  - the softmax statistics (running max m, sum l, rescale alpha) of a column of queries are
 ///    lane-wise vector operations over the rows of S^T, and exp is the vectorised fast_exp.
 /// O^T is transposed back, divided by l, once per query block. Per thread the working set is
@@ -77,14 +78,15 @@ class CpuFlashKernel {
   static constexpr bool supports_softcap = true;    ///< logit soft-capping, forward and backward
   static constexpr bool supports_value_dim = true;  ///< V and O with their own head dim (D_v != D)
   using memory_space = HostSpace;                   ///< host tensors
-  static constexpr std::int64_t block_q = detail::fwd_block_q;  ///< most query rows per block (whole query panels)
+  static constexpr std::int64_t block_q = detail::fwd_block_q;  ///< most query rows per block
   static constexpr std::int64_t block_k = detail::fwd_block_k;  ///< key rows per block
 
   /// Query rows per block for `key_len` keys. Each query block streams all of K and V once and
   /// packs each key block of them: from 1K keys they no longer fit in L2 and come from L3 or
   /// memory, so 256- and (from 2K keys) 512-row blocks cut that traffic and packing 4-8x (a
   /// mask's range boundaries are trimmed per query panel, so large blocks waste no work there); below,
-  /// 64-row blocks make more tasks for the threads.
+  /// 64-row blocks make more tasks for the threads. The forward cuts the queries into as many
+  /// blocks as these sizes make, of equal size rounded up to whole query panels.
   static constexpr std::int64_t query_block_rows(std::int64_t key_len) {
     return key_len >= 2048 ? 512 : key_len >= 1024 ? 256 : 64;
   }
@@ -275,15 +277,22 @@ class CpuFlashKernel {
     template <class Kernels, class T, class O, class A>
     static void run(CpuFlashKernel& self, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                     TensorView<O> out, TensorView<A> lse, const KernelParams& p) {
-      const std::int64_t bq = query_block_rows(k.seq()), nqb = (q.seq() + bq - 1) / bq;
-      const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
-      // Later query blocks see more keys under a causal mask: hand them out first, so that the
-      // cheap ones fill the gaps at the end.
       // bf16 forms its products on AMX tiles, or by AVX512-BF16's vdpbf16ps, where the level
       // says so (isa/forward_bf16.inl); the tiles take head dims that are whole tiles only.
       [[maybe_unused]] const bool amx = std::is_same_v<T, bf16> && Kernels::amx && self.isa_ == CpuIsa::amx_bf16 &&
                                         detail::amx_fits(q.dim(), v.dim());
       [[maybe_unused]] const bool dot = std::is_same_v<T, bf16> && Kernels::bf16_dot && self.isa_ == CpuIsa::avx512_bf16;
+      // As many query blocks as query_block_rows asks for, of equal size in whole panels of
+      // the path that runs (48 lanes for float on AVX-512): 2048 queries are 4 blocks of 528
+      // rows, not 5 of 480 (each block packs all of K and V once).
+      const std::int64_t panel = amx || dot ? Kernels::bf16_panel : Kernels::template forward_panel<A>;
+      const std::int64_t most = query_block_rows(k.seq()), blocks = std::max<std::int64_t>(1, (q.seq() + most - 1) / most);
+      const std::int64_t per_block = (q.seq() + blocks - 1) / blocks;
+      const std::int64_t bq = std::max<std::int64_t>(1, (per_block + panel - 1) / panel) * panel;
+      const std::int64_t nqb = (q.seq() + bq - 1) / bq;
+      const std::int64_t per_batch = q.heads() * nqb, tasks = q.batch() * per_batch;
+      // Later query blocks see more keys under a causal mask: hand them out first, so that the
+      // cheap ones fill the gaps at the end.
       self.run_tasks(tasks, [&](std::int64_t t, int worker) {
         const std::int64_t b = t / per_batch, h = (t % per_batch) / nqb, qb = nqb - 1 - t % nqb;
         const auto scratch = self.thread_scratch<A>(worker, q.dim(), v.dim());

@@ -18,9 +18,18 @@ namespace seqpar::detail {
 template <class A>
 inline constexpr std::int64_t max_panel = 128 / sizeof(A);
 
+/// Elements of A in the widest query panel of the forward (three 64-byte vectors: the float
+/// forward's panel on AVX-512, isa/simd.inl's forward_vectors).
+template <class A>
+inline constexpr std::int64_t max_forward_panel = 192 / sizeof(A);
+
 /// Query rows and key rows of a forward block (query blocks may be fewer rows, see
 /// CpuFlashKernel::query_block_rows).
 inline constexpr std::int64_t fwd_block_q = 512, fwd_block_k = 128;
+
+/// Most query rows the forward's scratch holds: a sequence is cut into equal query blocks of
+/// whole panels (CpuFlashKernel's forward), so one may be fwd_block_q rounded up to a panel.
+inline constexpr std::int64_t fwd_block_rows = fwd_block_q + max_forward_panel<float>;
 
 /// Query rows and key rows of a backward tile. Each task streams every query row of its heads
 /// once per key block, so wide key blocks pay: 256 against 64 keys takes 7-18% less time at
@@ -122,22 +131,22 @@ struct ForwardScratch {
     ForwardScratch tmp;
     ForwardScratch& r = s ? *s : tmp;
     ScratchCarver c(base);
-    c.take(r.qt, dim * fwd_block_q);
-    c.take(r.ot, dim_v * fwd_block_q);
-    c.take(r.st, fwd_block_k * max_panel<A>);  // one query panel's S^T at a time
-    c.take(r.m, fwd_block_q);
-    c.take(r.l, fwd_block_q);
-    c.take(r.alpha, max_panel<A>);
+    c.take(r.qt, dim * fwd_block_rows);
+    c.take(r.ot, dim_v * fwd_block_rows);
+    c.take(r.st, fwd_block_k * max_forward_panel<A>);  // one query panel's S^T at a time
+    c.take(r.m, fwd_block_rows);
+    c.take(r.l, fwd_block_rows);
+    c.take(r.alpha, max_forward_panel<A>);
     // The key block's K rows in A; or (AMX) rows of bf16 pairs, read in blocks of 32 rows from
     // any key of the block, so up to 32 rows past it.
     c.take(r.kbuf, std::max<std::int64_t>(fwd_block_k * ld_keys(dim),
                                           (fwd_block_k + 32) * ld_pairs(dim) * 4 / std::int64_t(sizeof(A))));
     c.take(r.vbuf, fwd_block_k * (dim_v + 8));  // V packed in tiles of up to 8 head dims
-    c.take(r.first, fwd_block_q);
-    c.take(r.last, fwd_block_q);
+    c.take(r.first, fwd_block_rows);
+    c.take(r.last, fwd_block_rows);
     c.take(r.lane_lo, fwd_block_k);
     c.take(r.lane_hi, fwd_block_k);
-    c.take(r.panel, fwd_block_q);  // at most one panel per query row
+    c.take(r.panel, fwd_block_rows);  // at most one panel per query row
     c.take(r.ones, max_panel<A>);
     c.take(r.vpairs, (fwd_block_k / 2) * (dim_v + 8));  // key pairs x V dims padded to whole tiles
     c.take(r.ppairs, (fwd_block_k / 2 + 16) * max_panel<float>);  // key pairs (to whole tiles) x a panel's lanes

@@ -85,11 +85,12 @@ template <int PW, class A>
 
 /// The forward's two products in A, for every element type on every level: Q^T packed
 /// pre-scaled, each key block's K rows and V tiles converted to A as they are packed, and
-/// both products by flash_tiles. (The AVX512-BF16 path, forward_bf16.inl, keeps bf16 and
-/// falls back on this one for blocks whose V holds a NaN or Inf.)
-template <class T, class A>
+/// both products by flash_tiles, on query panels of NR vectors (forward_vectors). (The
+/// AVX512-BF16 path, forward_bf16.inl, keeps bf16 and falls back on this one, with FlashTile's
+/// panel, for blocks whose V holds a NaN or Inf.)
+template <class T, class A, int NR = forward_vectors<A>>
 struct ConvertedProducts {
-  static constexpr int PW = FlashTile<A>::panel, MR = FlashTile<A>::mr;
+  static constexpr int PW = NR * FlashTile<A>::width, MR = FlashTile<A>::mr;
   TensorView<const T> k, v;           ///< the call's K and V
   std::int64_t b, kh;                 ///< batch element, K/V head
   std::int64_t dim, dim_v;            ///< head dims of Q/K and V/O
@@ -143,7 +144,7 @@ struct ConvertedProducts {
 
   /// S^T = K Q^T of query panel `panel` over the `nkp` keys from key `off` of the block.
   void scores(std::int64_t panel, std::int64_t off, std::int64_t nkp, A* st) const {
-    flash_tiles<false, 2, 1>(nkp, s.kbuf + off * ldk, ldk, 1, MR * ldk, s.qt + panel * (dim * PW), PW, dim, st, PW,
+    flash_tiles<false, NR, 1>(nkp, s.kbuf + off * ldk, ldk, 1, MR * ldk, s.qt + panel * (dim * PW), PW, dim, st, PW,
                        static_cast<const A*>(nullptr));
   }
 
@@ -158,11 +159,11 @@ struct ConvertedProducts {
     const A* const vp = s.vbuf + off * MR;
     A* const ot = s.ot + panel * (dim_v * PW);
     if (v_finite) {
-      flash_tiles<true, 2, MR>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, alpha);
+      flash_tiles<true, NR, MR>(dim_v, vp, 1, MR, v_tile, st, PW, nkp, ot, PW, alpha);
     } else {
-      flash_tiles<true, 2, MR>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, alpha);
-      flash_tiles_masked(dim_v, vp, MR, v_tile, st, PW, f0, ot, PW, lane_lo, lane_hi);
-      flash_tiles_masked(dim_v, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, lane_lo + f1,
+      flash_tiles<true, NR, MR>(dim_v, vp + f0 * MR, 1, MR, v_tile, st + f0 * PW, PW, f1 - f0, ot, PW, alpha);
+      flash_tiles_masked<NR>(dim_v, vp, MR, v_tile, st, PW, f0, ot, PW, lane_lo, lane_hi);
+      flash_tiles_masked<NR>(dim_v, vp + f1 * MR, MR, v_tile, st + f1 * PW, PW, nkp - f1, ot, PW, lane_lo + f1,
                          lane_hi + f1);
     }
   }
@@ -185,8 +186,8 @@ template <class T, class O, class A, class Products>
 void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                          TensorView<A> lse, const KernelParams& p, std::int64_t b, std::int64_t h,
                          std::int64_t i0, std::int64_t bq, const ForwardScratch<A>& s, Products& products) {
-  constexpr int PW = FlashTile<A>::panel;
-  static_assert(fwd_block_q % PW == 0 && 64 % PW == 0, "query blocks must be whole query panels");
+  constexpr int PW = Products::PW;
+  static_assert(PW <= max_forward_panel<A>, "the scratch holds one panel's S^T of at most max_forward_panel lanes");
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();
   const std::int64_t dim = q.dim(), dim_v = v.dim(), nq = std::min(bq, q.seq() - i0), kh = p.kv_head(h), sk = k.seq();
   const std::int64_t ncols = (nq + PW - 1) / PW * PW, panels = ncols / PW;  // queries padded to whole panels

@@ -82,7 +82,8 @@ template <bool Accumulate>
 struct Bf16DotProducts {
   static constexpr int PW = FlashTile<float>::panel, MR = FlashTile<float>::mr;
   static_assert(PW == 2 * Simd<float>::width && MR == 8, "written for 512-bit vectors and 32 registers");
-  ConvertedProducts<bf16, float> conv;  ///< the call's views and scratch; the path of non-finite V
+  /// The call's views and scratch, and the path of non-finite V (on this path's panels).
+  ConvertedProducts<bf16, float, FlashTile<float>::nr> conv;
   std::int64_t dp = (conv.dim + 1) / 2;  ///< head-dim pairs of Q and K (an odd dim's last pair ends in 0)
   /// Stride of the K pair rows (ForwardScratch::ld_pairs).
   std::ptrdiff_t ldp = ForwardScratch<float>::ld_pairs(conv.dim);

@@ -68,6 +68,13 @@ struct IsaKernels {
     std::copy(tail, tail + (n - whole), x + whole);
   }
 
+  /// Query lanes of forward's panels (ConvertedProducts): its query blocks are whole panels.
+  template <class A>
+  static constexpr std::int64_t forward_panel = forward_vectors<A> * FlashTile<A>::width;
+
+  /// Query lanes of the bf16 products' panels (forward_bf16_dot, forward_amx).
+  static constexpr std::int64_t bf16_panel = FlashTile<float>::panel;
+
   /// See forward_query_block (with ConvertedProducts).
   template <class T, class O, class A>
   static void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,

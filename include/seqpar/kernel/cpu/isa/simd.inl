@@ -312,177 +312,222 @@ struct FlashTile {
 #if SEQPAR_ISA_BYTES == 64 && defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 /// 1 where flash_tile has the assembly k loop (AVX-512 on x86-64, GCC or Clang, not nvcc).
 #define SEQPAR_ISA_TILE_ASM 1
-/// One k step of the 8 x 2-vector float tile in assembly text: the step's two B vectors (at
-/// `baddr`) into zmm16 and zmm17, and the eight A broadcasts (through zmm18), each feeding
-/// two FMAs: row r accumulates in zmm r (first vector) and zmm r+8. Rows 0-3 are read from
-/// %[pa] and rows 4-7 from %[pa4], at 0, 1, 2 and 3 row strides (%[s1] bytes, %[s3] = 3
-/// %[s1]), plus the step's offset u %[ak] bytes, a constant the assembler folds.
-#define SEQPAR_TILE_ROW(u, addr, r0, r1)                \
-  "vbroadcastss " #u "*%c[ak]" addr ", %%zmm18\n\t"     \
-  "vfmadd231ps %%zmm16, %%zmm18, %%zmm" #r0 "\n\t"      \
-  "vfmadd231ps %%zmm17, %%zmm18, %%zmm" #r1 "\n\t"
-#define SEQPAR_TILE_STEP(u, baddr)                      \
-  "vmovups " baddr ", %%zmm16\n\t"                      \
-  "vmovups 64" baddr ", %%zmm17\n\t"                    \
-  SEQPAR_TILE_ROW(u, "(%[pa])", 0, 8)                   \
-  SEQPAR_TILE_ROW(u, "(%[pa],%[s1])", 1, 9)             \
-  SEQPAR_TILE_ROW(u, "(%[pa],%[s1],2)", 2, 10)          \
-  SEQPAR_TILE_ROW(u, "(%[pa],%[s3])", 3, 11)            \
-  SEQPAR_TILE_ROW(u, "(%[pa4])", 4, 12)                 \
-  SEQPAR_TILE_ROW(u, "(%[pa4],%[s1])", 5, 13)           \
-  SEQPAR_TILE_ROW(u, "(%[pa4],%[s1],2)", 6, 14)         \
-  SEQPAR_TILE_ROW(u, "(%[pa4],%[s3])", 7, 15)
+// The 8-row float tile of NR = 2 or 3 vectors in assembly text. Row r accumulates in zmm r
+// (first vector), zmm r+8 and zmm r+16 (third, NR 3 only); a k step's B vectors go to
+// zmm24-26 and each A broadcast to zmm27. Rows 0-3 are read from %[pa] and rows 4-7 from
+// %[pa4], at 0, 1, 2 and 3 row strides (%[s1] bytes, %[s3] = 3 %[s1]), plus the step's offset
+// u %[ak] bytes, a constant the assembler folds. The _2 and _3 macros differ only in the
+// third vector.
+#define SEQPAR_TILE_FMA(bv, r) "vfmadd231ps %%zmm" #bv ", %%zmm27, %%zmm" #r "\n\t"
+#define SEQPAR_TILE_ROW_2(u, addr, r0, r1, r2) \
+  "vbroadcastss " #u "*%c[ak]" addr ", %%zmm27\n\t" SEQPAR_TILE_FMA(24, r0) SEQPAR_TILE_FMA(25, r1)
+#define SEQPAR_TILE_ROW_3(u, addr, r0, r1, r2) SEQPAR_TILE_ROW_2(u, addr, r0, r1, r2) SEQPAR_TILE_FMA(26, r2)
+#define SEQPAR_TILE_LOADB_2(baddr) "vmovups " baddr ", %%zmm24\n\t vmovups 64" baddr ", %%zmm25\n\t"
+#define SEQPAR_TILE_LOADB_3(baddr) SEQPAR_TILE_LOADB_2(baddr) "vmovups 128" baddr ", %%zmm26\n\t"
+#define SEQPAR_TILE_STEP(N, u, baddr)                            \
+  SEQPAR_TILE_LOADB_##N(baddr)                                   \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa])", 0, 8, 16)                    \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa],%[s1])", 1, 9, 17)              \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa],%[s1],2)", 2, 10, 18)           \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa],%[s3])", 3, 11, 19)             \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa4])", 4, 12, 20)                  \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa4],%[s1])", 5, 13, 21)            \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa4],%[s1],2)", 6, 14, 22)          \
+  SEQPAR_TILE_ROW_##N(u, "(%[pa4],%[s3])", 7, 15, 23)
+#define SEQPAR_TILE_ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define SEQPAR_TILE_ZERO_2                                                                    \
+  SEQPAR_TILE_ZERO(0) SEQPAR_TILE_ZERO(1) SEQPAR_TILE_ZERO(2) SEQPAR_TILE_ZERO(3) SEQPAR_TILE_ZERO(4)    \
+  SEQPAR_TILE_ZERO(5) SEQPAR_TILE_ZERO(6) SEQPAR_TILE_ZERO(7) SEQPAR_TILE_ZERO(8) SEQPAR_TILE_ZERO(9)    \
+  SEQPAR_TILE_ZERO(10) SEQPAR_TILE_ZERO(11) SEQPAR_TILE_ZERO(12) SEQPAR_TILE_ZERO(13) SEQPAR_TILE_ZERO(14) \
+  SEQPAR_TILE_ZERO(15)
+#define SEQPAR_TILE_ZERO_3                                                                     \
+  SEQPAR_TILE_ZERO_2 SEQPAR_TILE_ZERO(16) SEQPAR_TILE_ZERO(17) SEQPAR_TILE_ZERO(18) SEQPAR_TILE_ZERO(19) \
+  SEQPAR_TILE_ZERO(20) SEQPAR_TILE_ZERO(21) SEQPAR_TILE_ZERO(22) SEQPAR_TILE_ZERO(23)
 /// The tile's k loop: accumulators zeroed, %[n4] turns of four steps (B's steps at index
 /// registers %[lb] and %[lb3] = 3 %[lb]), then %[n1] single steps.
-#define SEQPAR_TILE_LOOP                                                                     \
-  "lea (%[pa],%[s1],4), %[pa4]\n\t"                                                          \
-  "vpxord %%zmm0, %%zmm0, %%zmm0\n\t vpxord %%zmm1, %%zmm1, %%zmm1\n\t"                      \
-  "vpxord %%zmm2, %%zmm2, %%zmm2\n\t vpxord %%zmm3, %%zmm3, %%zmm3\n\t"                      \
-  "vpxord %%zmm4, %%zmm4, %%zmm4\n\t vpxord %%zmm5, %%zmm5, %%zmm5\n\t"                      \
-  "vpxord %%zmm6, %%zmm6, %%zmm6\n\t vpxord %%zmm7, %%zmm7, %%zmm7\n\t"                      \
-  "vpxord %%zmm8, %%zmm8, %%zmm8\n\t vpxord %%zmm9, %%zmm9, %%zmm9\n\t"                      \
-  "vpxord %%zmm10, %%zmm10, %%zmm10\n\t vpxord %%zmm11, %%zmm11, %%zmm11\n\t"                \
-  "vpxord %%zmm12, %%zmm12, %%zmm12\n\t vpxord %%zmm13, %%zmm13, %%zmm13\n\t"                \
-  "vpxord %%zmm14, %%zmm14, %%zmm14\n\t vpxord %%zmm15, %%zmm15, %%zmm15\n\t"                \
-  "test %[n4], %[n4]\n\t"                                                                    \
-  "jz 2f\n"                                                                                  \
-  "1:\n\t"                                                                                   \
-  SEQPAR_TILE_STEP(0, "(%[pb])") SEQPAR_TILE_STEP(1, "(%[pb],%[lb])")                        \
-  SEQPAR_TILE_STEP(2, "(%[pb],%[lb],2)") SEQPAR_TILE_STEP(3, "(%[pb],%[lb3])")               \
-  "add $4*%c[ak], %[pa]\n\t"                                                                 \
-  "add $4*%c[ak], %[pa4]\n\t"                                                                \
-  "lea (%[pb],%[lb],4), %[pb]\n\t"                                                           \
-  "dec %[n4]\n\t"                                                                            \
-  "jnz 1b\n"                                                                                 \
-  "2:\n\t"                                                                                   \
-  "test %[n1], %[n1]\n\t"                                                                    \
-  "jz 4f\n"                                                                                  \
-  "3:\n\t"                                                                                   \
-  SEQPAR_TILE_STEP(0, "(%[pb])")                                                             \
-  "add $%c[ak], %[pa]\n\t"                                                                   \
-  "add $%c[ak], %[pa4]\n\t"                                                                  \
-  "add %[lb], %[pb]\n\t"                                                                     \
-  "dec %[n1]\n\t"                                                                            \
-  "jnz 3b\n"                                                                                 \
+#define SEQPAR_TILE_LOOP(N)                                                                        \
+  "lea (%[pa],%[s1],4), %[pa4]\n\t"                                                                \
+  SEQPAR_TILE_ZERO_##N                                                                             \
+  "test %[n4], %[n4]\n\t"                                                                          \
+  "jz 2f\n"                                                                                        \
+  "1:\n\t"                                                                                         \
+  SEQPAR_TILE_STEP(N, 0, "(%[pb])") SEQPAR_TILE_STEP(N, 1, "(%[pb],%[lb])")                        \
+  SEQPAR_TILE_STEP(N, 2, "(%[pb],%[lb],2)") SEQPAR_TILE_STEP(N, 3, "(%[pb],%[lb3])")               \
+  "add $4*%c[ak], %[pa]\n\t"                                                                       \
+  "add $4*%c[ak], %[pa4]\n\t"                                                                      \
+  "lea (%[pb],%[lb],4), %[pb]\n\t"                                                                 \
+  "dec %[n4]\n\t"                                                                                  \
+  "jnz 1b\n"                                                                                       \
+  "2:\n\t"                                                                                         \
+  "test %[n1], %[n1]\n\t"                                                                          \
+  "jz 4f\n"                                                                                        \
+  "3:\n\t"                                                                                         \
+  SEQPAR_TILE_STEP(N, 0, "(%[pb])")                                                                \
+  "add $%c[ak], %[pa]\n\t"                                                                         \
+  "add $%c[ak], %[pa4]\n\t"                                                                        \
+  "add %[lb], %[pb]\n\t"                                                                           \
+  "dec %[n1]\n\t"                                                                                  \
+  "jnz 3b\n"                                                                                       \
   "4:\n\t"
 /// Row r's result to C row r (%[pc], then %[lc] bytes on), either stored or (Accumulate) added
-/// to C times alpha (alpha's two vectors in zmm16 and zmm17).
-#define SEQPAR_TILE_STORE(r0, r1)                                       \
-  "vmovups %%zmm" #r0 ", (%[pc])\n\t vmovups %%zmm" #r1 ", 64(%[pc])\n\t add %[lc], %[pc]\n\t"
-#define SEQPAR_TILE_ADD(r0, r1)                                                                \
-  "vmovups (%[pc]), %%zmm18\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm" #r0 "\n\t"                \
-  "vmovups 64(%[pc]), %%zmm18\n\t vfmadd231ps %%zmm17, %%zmm18, %%zmm" #r1 "\n\t"              \
-  SEQPAR_TILE_STORE(r0, r1)
+/// to C times alpha (alpha's vectors in zmm24-26, C's through zmm27).
+#define SEQPAR_TILE_STORE_2(r0, r1, r2) "vmovups %%zmm" #r0 ", (%[pc])\n\t vmovups %%zmm" #r1 ", 64(%[pc])\n\t"
+#define SEQPAR_TILE_STORE_3(r0, r1, r2) SEQPAR_TILE_STORE_2(r0, r1, r2) "vmovups %%zmm" #r2 ", 128(%[pc])\n\t"
+#define SEQPAR_TILE_ADD1(off, av, r) "vmovups " #off "(%[pc]), %%zmm27\n\t" SEQPAR_TILE_FMA(av, r)
+#define SEQPAR_TILE_ADD_2(r0, r1, r2) \
+  SEQPAR_TILE_ADD1(0, 24, r0) SEQPAR_TILE_ADD1(64, 25, r1) SEQPAR_TILE_STORE_2(r0, r1, r2)
+#define SEQPAR_TILE_ADD_3(r0, r1, r2)                                                      \
+  SEQPAR_TILE_ADD1(0, 24, r0) SEQPAR_TILE_ADD1(64, 25, r1) SEQPAR_TILE_ADD1(128, 26, r2) \
+  SEQPAR_TILE_STORE_3(r0, r1, r2)
+#define SEQPAR_TILE_ROWS_OUT(N, OP)                                                                          \
+  OP##_##N(0, 8, 16) "add %[lc], %[pc]\n\t" OP##_##N(1, 9, 17) "add %[lc], %[pc]\n\t" OP##_##N(2, 10, 18)   \
+  "add %[lc], %[pc]\n\t" OP##_##N(3, 11, 19) "add %[lc], %[pc]\n\t" OP##_##N(4, 12, 20) "add %[lc], %[pc]\n\t" \
+  OP##_##N(5, 13, 21) "add %[lc], %[pc]\n\t" OP##_##N(6, 14, 22) "add %[lc], %[pc]\n\t" OP##_##N(7, 15, 23)
+#define SEQPAR_TILE_ADD_OUT(N) SEQPAR_TILE_ROWS_OUT(N, SEQPAR_TILE_ADD)
+#define SEQPAR_TILE_STORE_OUT(N) SEQPAR_TILE_ROWS_OUT(N, SEQPAR_TILE_STORE)
+#define SEQPAR_TILE_ALPHA_2 "vmovups (%[al]), %%zmm24\n\t vmovups 64(%[al]), %%zmm25\n\t"
+#define SEQPAR_TILE_ALPHA_3 SEQPAR_TILE_ALPHA_2 "vmovups 128(%[al]), %%zmm26\n\t"
 
-/// The operands both of tile_8x2_asm's statements take (the accumulate one adds alpha's
-/// address), and what they clobber: the accumulators, B's two vectors and the broadcast.
+/// The operands every tile statement takes (the accumulate ones add alpha's address), and
+/// what they clobber: the accumulators, B's vectors and the broadcast (zmm16-23 and zmm26
+/// only with three vectors, so that the two-vector tile leaves them to the caller).
 #define SEQPAR_TILE_OUTPUTS \
   [pa] "+r"(a), [pb] "+r"(b), [n4] "+r"(n4), [n1] "+r"(n1), [pc] "+r"(c), [pa4] "=&r"(a4)
 #define SEQPAR_TILE_INPUTS \
   [s1] "r"(s1), [s3] "r"(s3), [lb] "r"(lb), [lb3] "r"(lb3), [lc] "r"(lc), [ak] "n"(AK * bytes)
-#define SEQPAR_TILE_CLOBBERS                                                                         \
+#define SEQPAR_TILE_CLOBBERS_2                                                                              \
   "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
-      "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18"
+      "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm24", "xmm25", "xmm27"
+#define SEQPAR_TILE_CLOBBERS_3                                                                         \
+  SEQPAR_TILE_CLOBBERS_2, "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm26"
+/// One tile statement: the loop, then the rows stored (or added, after alpha's vectors).
+#define SEQPAR_TILE_ASM_STORE(N) \
+  asm volatile(SEQPAR_TILE_LOOP(N) SEQPAR_TILE_STORE_OUT(N) : SEQPAR_TILE_OUTPUTS : SEQPAR_TILE_INPUTS : SEQPAR_TILE_CLOBBERS_##N)
+#define SEQPAR_TILE_ASM_ADD(N)                                                                  \
+  asm volatile(SEQPAR_TILE_LOOP(N) SEQPAR_TILE_ALPHA_##N SEQPAR_TILE_ADD_OUT(N)                 \
+               : SEQPAR_TILE_OUTPUTS : SEQPAR_TILE_INPUTS, [al] "r"(alpha) : SEQPAR_TILE_CLOBBERS_##N)
 
-/// flash_tile's full float tile (8 rows, 2 vectors) with a_k = AK, in assembly: the k loop
-/// four steps a turn, A's steps folded into constant offsets and B's into index registers,
-/// so that a turn of 64 FMAs carries five scalar uops. Inside the forward and the backward,
-/// GCC 12 compiles the C++ loop with up to seven row-index registers and a pointer bump per
-/// operand each step, and where the caller holds many values it reloads strides from the
-/// stack; this loop made both 2-3% faster (alternated A/B, D 64 and 128, S 2048-8192). Alone,
-/// on L1 operands, the two loops run alike (75-85% of the FMA peak). The accumulators live in
-/// zmm0-15 for the whole tile, so they are not operands (an asm takes at most 30, an in-out
-/// one counting twice). `volatile`, because its effect is the stores to C: its register
-/// outputs are dropped, and GCC deletes an asm whose outputs nobody reads.
-template <bool Accumulate, std::ptrdiff_t AK>
-[[gnu::always_inline]] inline void tile_8x2_asm(const float* a, std::ptrdiff_t a_row, const float* b,
+/// flash_tile's full float tile (8 rows, NR = 2 or 3 vectors) with a_k = AK, in assembly: the
+/// k loop four steps a turn, A's steps folded into constant offsets and B's into index
+/// registers, so that a turn of 64 (96) FMAs carries five scalar uops. Inside the forward and
+/// the backward, GCC 12 compiles the C++ loop with up to seven row-index registers and a
+/// pointer bump per operand each step, and where the caller holds many values it reloads
+/// strides from the stack; this loop made both 2-3% faster (alternated A/B, D 64 and 128, S
+/// 2048-8192). Alone, on L1 operands, the two loops run alike (75-85% of the FMA peak). The
+/// accumulators live in zmm0-23 for the whole tile, so they are not operands (an asm takes at
+/// most 30, an in-out one counting twice). `volatile`, because its effect is the stores to C:
+/// its register outputs are dropped, and GCC deletes an asm whose outputs nobody reads.
+template <bool Accumulate, int NR, std::ptrdiff_t AK>
+[[gnu::always_inline]] inline void tile_8xn_asm(const float* a, std::ptrdiff_t a_row, const float* b,
                                                 std::ptrdiff_t ldb, std::int64_t kdim, float* c,
                                                 std::ptrdiff_t ldc, const float* alpha) {
+  static_assert(NR == 2 || NR == 3, "the assembly tile is written for two or three vectors");
   constexpr std::ptrdiff_t bytes = sizeof(float);
   const std::ptrdiff_t s1 = a_row * bytes, s3 = 3 * s1, lb = ldb * bytes, lb3 = 3 * lb, lc = ldc * bytes;
   std::int64_t n4 = kdim / 4, n1 = kdim % 4;
   const float* a4;
-  if constexpr (Accumulate) {
-    asm volatile(SEQPAR_TILE_LOOP
-        "vmovups (%[al]), %%zmm16\n\t vmovups 64(%[al]), %%zmm17\n\t"
-        SEQPAR_TILE_ADD(0, 8) SEQPAR_TILE_ADD(1, 9) SEQPAR_TILE_ADD(2, 10) SEQPAR_TILE_ADD(3, 11)
-        SEQPAR_TILE_ADD(4, 12) SEQPAR_TILE_ADD(5, 13) SEQPAR_TILE_ADD(6, 14) SEQPAR_TILE_ADD(7, 15)
-        : SEQPAR_TILE_OUTPUTS
-        : SEQPAR_TILE_INPUTS, [al] "r"(alpha)
-        : SEQPAR_TILE_CLOBBERS);
+  if constexpr (Accumulate && NR == 2) {
+    SEQPAR_TILE_ASM_ADD(2);
+  } else if constexpr (Accumulate) {
+    SEQPAR_TILE_ASM_ADD(3);
+  } else if constexpr (NR == 2) {
+    SEQPAR_TILE_ASM_STORE(2);
   } else {
-    asm volatile(SEQPAR_TILE_LOOP
-        SEQPAR_TILE_STORE(0, 8) SEQPAR_TILE_STORE(1, 9) SEQPAR_TILE_STORE(2, 10) SEQPAR_TILE_STORE(3, 11)
-        SEQPAR_TILE_STORE(4, 12) SEQPAR_TILE_STORE(5, 13) SEQPAR_TILE_STORE(6, 14) SEQPAR_TILE_STORE(7, 15)
-        : SEQPAR_TILE_OUTPUTS
-        : SEQPAR_TILE_INPUTS
-        : SEQPAR_TILE_CLOBBERS);
+    SEQPAR_TILE_ASM_STORE(3);
   }
 }
-#undef SEQPAR_TILE_CLOBBERS
+#undef SEQPAR_TILE_ASM_ADD
+#undef SEQPAR_TILE_ASM_STORE
+#undef SEQPAR_TILE_CLOBBERS_3
+#undef SEQPAR_TILE_CLOBBERS_2
 #undef SEQPAR_TILE_INPUTS
 #undef SEQPAR_TILE_OUTPUTS
-#undef SEQPAR_TILE_ADD
-#undef SEQPAR_TILE_STORE
+#undef SEQPAR_TILE_ALPHA_3
+#undef SEQPAR_TILE_ALPHA_2
+#undef SEQPAR_TILE_STORE_OUT
+#undef SEQPAR_TILE_ADD_OUT
+#undef SEQPAR_TILE_ROWS_OUT
+#undef SEQPAR_TILE_ADD_3
+#undef SEQPAR_TILE_ADD_2
+#undef SEQPAR_TILE_ADD1
+#undef SEQPAR_TILE_STORE_3
+#undef SEQPAR_TILE_STORE_2
 #undef SEQPAR_TILE_LOOP
+#undef SEQPAR_TILE_ZERO_3
+#undef SEQPAR_TILE_ZERO_2
+#undef SEQPAR_TILE_ZERO
 #undef SEQPAR_TILE_STEP
-#undef SEQPAR_TILE_ROW
+#undef SEQPAR_TILE_LOADB_3
+#undef SEQPAR_TILE_LOADB_2
+#undef SEQPAR_TILE_ROW_3
+#undef SEQPAR_TILE_ROW_2
+#undef SEQPAR_TILE_FMA
 #else
 /// 0: flash_tile's k loop is C++ only at this level.
 #define SEQPAR_ISA_TILE_ASM 0
 #endif
 
+/// Vectors of lanes in a query panel of the forward (ConvertedProducts): three for float where
+/// the assembly tile runs (8 rows x 3 vectors: 24 accumulators, B's three vectors and the
+/// broadcast in 28 of the 32 registers), else FlashTile's two. A wider panel loads each
+/// broadcast K or V element once for 48 queries instead of 32 (11 loads per 24 FMAs instead
+/// of 10 per 16): the float forward took 3.7% less time on a Xeon whose 8 x 2 forward ran at
+/// 64-69% of its FMA peak, the same time on one where it ran at 80-83% (hand-runs.md).
+template <class A>
+inline constexpr int forward_vectors = SEQPAR_ISA_TILE_ASM && std::is_same_v<A, float> ? 3 : FlashTile<A>::nr;
+
 /// C[M x NR vectors] = A B (Accumulate false), or C = C * alpha + A B (Accumulate true, alpha
 /// one value per lane). A is read by broadcast at a[r * a_row + k * a_k] (so it can be K
 /// rows, or V read column-wise, in the caller's strides); B row k is the contiguous panel at
 /// b + k * ldb. The M x NR accumulators stay in registers for the whole k loop. NR is 2 (a
-/// whole FlashTile panel) or 1 (half of one: the decode path's narrow query panels). AK, when
-/// not 0, is a_k known at compile time (the caller passes the same value): the full float tile
-/// then runs its k loop in assembly where the level has it (SEQPAR_ISA_TILE_ASM).
+/// whole FlashTile panel), 3 (the float forward's panel on AVX-512, forward_vectors) or 1
+/// (half of a FlashTile panel: the decode path's narrow query panels). AK, when not 0, is a_k
+/// known at compile time (the caller passes the same value): the full float tile then runs
+/// its k loop in assembly where the level has it (SEQPAR_ISA_TILE_ASM).
 template <int M, bool Accumulate, int NR = FlashTile<float>::nr, std::ptrdiff_t AK = 0, class A>
 inline void flash_tile(const A* a, std::ptrdiff_t a_row, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb,
                        std::int64_t kdim, A* c, std::ptrdiff_t ldc, const A* alpha) {
   using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width;
-  static_assert(NR == 1 || NR == 2, "flash_tile is written for one or two vectors of lanes");
+  static_assert(NR >= 1 && NR <= 3, "flash_tile is written for one to three vectors of lanes");
 #if SEQPAR_ISA_TILE_ASM
-  if constexpr (std::is_same_v<A, float> && M == 8 && NR == 2 && AK != 0) {
-    tile_8x2_asm<Accumulate, AK>(a, a_row, b, ldb, kdim, c, ldc, alpha);
+  if constexpr (std::is_same_v<A, float> && M == 8 && NR >= 2 && AK != 0) {
+    tile_8xn_asm<Accumulate, NR, AK>(a, a_row, b, ldb, kdim, c, ldc, alpha);
     return;
   }
 #endif
   // A known k stride is the one every tile reads, full or tail, assembly or not.
   if constexpr (AK != 0) a_k = AK;
   // Fold expressions over the row index keep every accumulator a named register value (a
-  // loop over an array of them may go through the stack). With NR = 1 the second set is dead
-  // code.
+  // loop over an array of them may go through the stack). The sets past NR are dead code.
   [&]<int... R>(std::integer_sequence<int, R...>) {
-    V acc0[M] = {((void)R, V{})...}, acc1[M] = {((void)R, V{})...};
+    V acc0[M] = {((void)R, V{})...}, acc1[M] = {((void)R, V{})...}, acc2[M] = {((void)R, V{})...};
     for (std::int64_t k = 0; k < kdim; ++k) {
       const A* ak = a + k * a_k;
-      const V b0 = simd_load(b + k * ldb);
-      if constexpr (NR == 2) {
-        const V b1 = simd_load(b + k * ldb + W);
-        ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R]),
-          acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])),
-         ...);
-      } else {
-        ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R])), ...);
+      const A* bk = b + k * ldb;
+      const V b0 = simd_load(bk);
+      ((acc0[R] = simd_fma(simd_splat(ak[R * a_row]), b0, acc0[R])), ...);
+      if constexpr (NR >= 2) {
+        const V b1 = simd_load(bk + W);
+        ((acc1[R] = simd_fma(simd_splat(ak[R * a_row]), b1, acc1[R])), ...);
+      }
+      if constexpr (NR == 3) {
+        const V b2 = simd_load(bk + 2 * W);
+        ((acc2[R] = simd_fma(simd_splat(ak[R * a_row]), b2, acc2[R])), ...);
       }
     }
-    if constexpr (Accumulate && NR == 2) {
-      const V al0 = simd_load(alpha), al1 = simd_load(alpha + W);
-      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R])),
-        simd_store(c + R * ldc + W, simd_fma(simd_load(c + R * ldc + W), al1, acc1[R]))),
-       ...);
-    } else if constexpr (Accumulate) {
-      const V al0 = simd_load(alpha);
-      ((simd_store(c + R * ldc, simd_fma(simd_load(c + R * ldc), al0, acc0[R]))), ...);
-    } else if constexpr (NR == 2) {
-      ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
-    } else {
-      ((simd_store(c + R * ldc, acc0[R])), ...);
-    }
+    // Vector n of every row: stored, or added to C times alpha's vector n.
+    auto out = [&](int n, const V* acc) {
+      if constexpr (Accumulate) {
+        const V al = simd_load(alpha + n * W);
+        ((simd_store(c + R * ldc + n * W, simd_fma(simd_load(c + R * ldc + n * W), al, acc[R]))), ...);
+      } else {
+        ((simd_store(c + R * ldc + n * W, acc[R])), ...);
+      }
+    };
+    out(0, acc0);
+    if constexpr (NR >= 2) out(1, acc1);
+    if constexpr (NR == 3) out(2, acc2);
   }(std::make_integer_sequence<int, M>{});
 }
 
@@ -511,31 +556,32 @@ template <bool Accumulate, int NR = FlashTile<float>::nr, std::ptrdiff_t AK = 0,
 /// C[M x NR vectors] += A B over k in [0, kdim), adding at k only the lanes in [lo[k], hi[k])
 /// (the others are left as they are, even where A is NaN: 0 x NaN would be NaN). A is packed
 /// as flash_tile's with a_row = 1 (a[r + k * a_k]); B and C as flash_tile's.
-template <int M, class A>
+template <int M, int NR, class A>
 inline void flash_tile_masked(const A* a, std::ptrdiff_t a_k, const A* b, std::ptrdiff_t ldb, std::int64_t kdim,
                               A* c, std::ptrdiff_t ldc, const std::int64_t* lo, const std::int64_t* hi) {
   using V = simd_t<A>;
   constexpr int W = FlashTile<A>::width;
   V lane0{};
   for (int w = 0; w < W; ++w) lane0[w] = static_cast<A>(w);
-  const V lane1 = lane0 + simd_splat(static_cast<A>(W));
+  // Vector n of C one at a time: its accumulators stay in registers over the whole k loop.
   [&]<int... R>(std::integer_sequence<int, R...>) {
-    V acc0[M] = {simd_load(c + R * ldc)...}, acc1[M] = {simd_load(c + R * ldc + W)...};
-    for (std::int64_t k = 0; k < kdim; ++k) {
-      const A* ak = a + k * a_k;
-      const V f = simd_splat(static_cast<A>(lo[k])), e = simd_splat(static_cast<A>(hi[k]));
-      const auto m0 = (lane0 >= f) & (lane0 < e), m1 = (lane1 >= f) & (lane1 < e);
-      const V b0 = simd_load(b + k * ldb), b1 = simd_load(b + k * ldb + W);
-      ((acc0[R] = m0 ? simd_fma(simd_splat(ak[R]), b0, acc0[R]) : acc0[R],
-        acc1[R] = m1 ? simd_fma(simd_splat(ak[R]), b1, acc1[R]) : acc1[R]),
-       ...);
+    for (int n = 0; n < NR; ++n) {
+      const V lane = lane0 + simd_splat(static_cast<A>(n * W));
+      V acc[M] = {simd_load(c + R * ldc + n * W)...};
+      for (std::int64_t k = 0; k < kdim; ++k) {
+        const A* ak = a + k * a_k;
+        const V f = simd_splat(static_cast<A>(lo[k])), e = simd_splat(static_cast<A>(hi[k]));
+        const auto m = (lane >= f) & (lane < e);
+        const V bn = simd_load(b + k * ldb + n * W);
+        ((acc[R] = m ? simd_fma(simd_splat(ak[R]), bn, acc[R]) : acc[R]), ...);
+      }
+      ((simd_store(c + R * ldc + n * W, acc[R])), ...);
     }
-    ((simd_store(c + R * ldc, acc0[R]), simd_store(c + R * ldc + W, acc1[R])), ...);
   }(std::make_integer_sequence<int, M>{});
 }
 
 /// flash_tile_masked over `rows` rows of A packed in tiles of MR (tile t at a + t * a_tile).
-template <class A>
+template <int NR, class A>
 inline void flash_tiles_masked(std::int64_t rows, const A* a, std::ptrdiff_t a_k, std::ptrdiff_t a_tile, const A* b,
                                std::ptrdiff_t ldb, std::int64_t kdim, A* c, std::ptrdiff_t ldc, const std::int64_t* lo,
                                const std::int64_t* hi) {
@@ -543,10 +589,10 @@ inline void flash_tiles_masked(std::int64_t rows, const A* a, std::ptrdiff_t a_k
   if (kdim == 0) return;
   std::int64_t r0 = 0;
   for (; r0 + MR <= rows; r0 += MR, a += a_tile)
-    flash_tile_masked<MR>(a, a_k, b, ldb, kdim, c + r0 * ldc, ldc, lo, hi);
+    flash_tile_masked<MR, NR>(a, a_k, b, ldb, kdim, c + r0 * ldc, ldc, lo, hi);
   const int tail = static_cast<int>(rows - r0);
   c += r0 * ldc;
   [&]<int... T>(std::integer_sequence<int, T...>) {
-    ((tail == T + 1 ? flash_tile_masked<T + 1>(a, a_k, b, ldb, kdim, c, ldc, lo, hi) : void()), ...);
+    ((tail == T + 1 ? flash_tile_masked<T + 1, NR>(a, a_k, b, ldb, kdim, c, ldc, lo, hi) : void()), ...);
   }(std::make_integer_sequence<int, MR - 1>{});
 }
