@@ -350,13 +350,18 @@ def main(out_dir, results_md):
     peer_column = {c: markdown_column(peers_md, c) if peers_md.exists() else []
                    for c in ("seqpar/torch", "peer/seqpar")}
     kernel_peer = peer_column["seqpar/torch"]
+    # Which CPU and paths the peer figures came from: the peer script runs apart from this one,
+    # possibly on another machine, and whether torch's bf16 runs on AMX decides its speed.
+    peer_lines = peers_md.read_text().splitlines() if peers_md.exists() else []
+    peer_machine = "; ".join(re.sub(r" \(\d+ logical CPUs[^)]*\)", "", l[2:]) for l in peer_lines
+                             if l.startswith(("- CPU:", "- seqpar's SIMD path")))
     for dtype, mean_target, row_target in (("float32", 1.25, 1.05), ("bfloat16", 2.0, 2.0)):
         rows = [(row, v) for row, v in kernel_peer if v is not None and f"dtype {dtype}" in row]
         if not rows:
             continue
         mean = sum(v for _, v in rows) / len(rows)
         worst_row, worst_v = min(rows, key=lambda rv: rv[1])
-        why = (" (torch's bf16 SDPA runs on this CPU's AMX tiles, as seqpar's does)" if dtype == "bfloat16" else "")
+        why = f" ({peer_machine})" if peer_machine else ""
         target_rows.append((
             f"Raised: CpuFlashKernel {dtype} vs torch's CPU SDPA: mean >= {mean_target}x and every row >= "
             f"{row_target}x ([peers.md](peers.md))",
