@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <type_traits>
 #include <utility>
 
 #include "bench_common.hpp"
@@ -141,23 +142,38 @@ void BM_cpu_flash_scaling(benchmark::State& state) {
   state.counters["causal"] = c.causal;
 }
 
-/// Args: head_dim, seq, causal. Backward against forward on one thread: each iteration times
-/// one forward and one backward call back to back (same inputs, the forward's LSE), so that a
-/// change of load hits both; ratio is the fastest backward over the fastest forward.
+/// Args: head_dim, seq, causal, bf16. Backward against forward on one thread: each iteration
+/// times one forward and one backward call back to back (same inputs, the forward's LSE), so
+/// that a change of load hits both; ratio is the fastest backward over the fastest forward.
+/// bf16: Q, K, V, O and dO in bf16 (the float draws rounded), LSE and gradients in float.
 void BM_cpu_flash_backward(benchmark::State& state) {
   KernelCase c(state.range(1), state.range(0), state.range(2) != 0);
+  const bool narrow = state.range(3) != 0;
   CpuFlashKernel kernel;
   kernel.prepare(c.dim);
   std::vector<float> dq(c.q.size()), dk(c.k.size()), dv(c.v.size());
-  using CV = TensorView<const float>;
-  auto backward = [&] {
-    auto view = [&](const std::vector<float>& x) { return CV::bshd(x.data(), batch, c.seq, heads, c.dim); };
-    auto grad = [&](std::vector<float>& x) { return TensorView<float>::bshd(x.data(), batch, c.seq, heads, c.dim); };
-    kernel.backward(view(c.v), view(c.q), view(c.k), view(c.v), view(c.out),
-                    TensorView<const float>::bshd(c.lse.data(), batch, c.seq, heads, 1), grad(dq), grad(dk), grad(dv),
-                    c.params);
+  std::vector<bf16> qb, kb, vb, ob;
+  for (auto [from, to] : {std::pair{&c.q, &qb}, std::pair{&c.k, &kb}, std::pair{&c.v, &vb}, std::pair{&c.out, &ob}})
+    if (narrow)
+      for (float x : *from) to->push_back(bf16(x));
+  auto shape = [&](const auto* x) { return TensorView<std::remove_reference_t<decltype(*x)>>::bshd(x, batch, c.seq, heads, c.dim); };
+  auto grad = [&](std::vector<float>& x) { return TensorView<float>::bshd(x.data(), batch, c.seq, heads, c.dim); };
+  const auto lse = TensorView<const float>::bshd(c.lse.data(), batch, c.seq, heads, 1);
+  auto forward = [&] {
+    if (!narrow) return c.run(kernel);
+    kernel.forward(shape(qb.data()), shape(kb.data()), shape(vb.data()),
+                   TensorView<bf16>::bshd(ob.data(), batch, c.seq, heads, c.dim),
+                   TensorView<float>::bshd(c.lse.data(), batch, c.seq, heads, 1), c.params);
   };
-  c.run(kernel);
+  auto backward = [&] {  // dO: V's values, as any random rows would do
+    if (narrow)
+      kernel.backward(shape(vb.data()), shape(qb.data()), shape(kb.data()), shape(vb.data()), shape(ob.data()), lse,
+                      grad(dq), grad(dk), grad(dv), c.params);
+    else
+      kernel.backward(shape(c.v.data()), shape(c.q.data()), shape(c.k.data()), shape(c.v.data()),
+                      shape(c.out.data()), lse, grad(dq), grad(dk), grad(dv), c.params);
+  };
+  forward();
   backward();
   std::vector<double> tf, tb;
   auto timed = [](auto&& f) {
@@ -166,7 +182,7 @@ void BM_cpu_flash_backward(benchmark::State& state) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   for (auto _ : state) {
-    tf.push_back(timed([&] { c.run(kernel); }));
+    tf.push_back(timed(forward));
     tb.push_back(timed(backward));
   }
   const double bf = *std::min_element(tf.begin(), tf.end()), bb = *std::min_element(tb.begin(), tb.end());
@@ -399,10 +415,17 @@ void kernel_args(benchmark::internal::Benchmark* b, std::int64_t max_seq) {
 BENCHMARK(BM_cpu_flash)->Apply([](auto* b) { kernel_args(b, 16384); })->MinTime(0.4)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_reference)->Apply([](auto* b) { kernel_args(b, 2048); })->MinTime(0.1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_backward)
-    ->ArgNames({"D", "seq", "causal"})
-    ->ArgsProduct({{64, 128}, {2048}, {0, 1}})
+    ->ArgNames({"D", "seq", "causal", "bf16"})
+    ->ArgsProduct({{64, 128}, {2048}, {0, 1}, {0, 1}})
     ->UseRealTime()
     ->MinTime(1.0)
+    ->Unit(benchmark::kMillisecond);
+// S 8192: a call of each takes 0.1-2.5 s, so a fixed two (the faster is reported).
+BENCHMARK(BM_cpu_flash_backward)
+    ->ArgNames({"D", "seq", "causal", "bf16"})
+    ->ArgsProduct({{64, 128}, {8192}, {0, 1}, {0, 1}})
+    ->UseRealTime()
+    ->Iterations(2)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_cpu_flash_bf16)
     ->ArgNames({"D", "seq", "causal"})

@@ -195,16 +195,26 @@ def main(out_dir, results_md):
             "the core (hand-runs.md)",
             fb["GFLOPs"] >= 0.8 * peak, f"{80 - 100 * fb['GFLOPs'] / peak:.0f} points of peak"))
     bwd = [(args_of(n), b) for n, b in kern.items() if base_of(n) == "BM_cpu_flash_backward"]
-    if bwd:
-        wr = max(b["ratio"] for _, b in bwd)
-        measured = f"worst {wr:.2f}x (all: " + ", ".join(
-            f"D={a['D']} {'causal' if a['causal'] else 'full'} {b['ratio']:.2f}x" for a, b in bwd) + ")"
+
+    def backward_ratios(rows, with_seq):
+        worst = max(b["ratio"] for _, b in rows)
+        return worst, f"worst {worst:.2f}x (all: " + ", ".join(
+            f"{'bf16' if a.get('bf16') else 'float'} D={a['D']}{' S ' + str(a['seq']) if with_seq else ''} "
+            f"{'causal' if a['causal'] else 'full'} {b['ratio']:.2f}x" for a, b in rows) + ")"
+
+    first = [(a, b) for a, b in bwd if a.get("seq") == 2048 and not a.get("bf16")]
+    if first:
+        wr, measured = backward_ratios(first, False)
         target_rows.append(("CpuFlashKernel backward <= 2.5x forward (seq 2048, 1 thread)", measured, wr <= 2.5,
                             f"{wr - 2.5:.2f}x"))
+    if bwd:
+        wr, measured = backward_ratios(bwd, True)
         target_rows.append((
-            "Raised: backward <= 2.3x forward (seq 2048, 1 thread, float)",
+            "Raised: backward <= 2.3x forward (float and bf16, seq 2048 and 8192, causal and not, 1 thread; "
+            "each dtype against its own forward)",
             measured + "; FlashAttention-2's backward does 2.5x the forward's flops, so 2.3x needs it more "
-            "efficient per flop than the forward", wr <= 2.3, f"{wr - 2.3:.2f}x"))
+            "efficient per flop than the forward; the bf16 backward converts to float (no vdpbf16ps products) "
+            "while the bf16 forward may not", wr <= 2.3, f"{wr - 2.3:.2f}x"))
     if scaling:
         sp = min(b["speedup"] for _, b in scaling)
         target_rows.append((
@@ -419,10 +429,11 @@ def main(out_dir, results_md):
     if bwd:
         w("### Backward against forward (CpuFlashKernel, 1 thread, calls alternated)")
         w("")
-        w("| D | causal | seq | forward ms | backward ms | backward / forward |")
-        w("|---|---|---|---|---|---|")
+        w("| dtype | D | causal | seq | forward ms | backward ms | backward / forward |")
+        w("|---|---|---|---|---|---|---|")
         for a, b in bwd:
-            w(f"| {a['D']} | {'yes' if a['causal'] else 'no'} | {a['seq']} | {b['forward_ms']:.1f} | "
+            w(f"| {'bf16' if a.get('bf16') else 'float'} | {a['D']} | {'yes' if a['causal'] else 'no'} | {a['seq']} | "
+              f"{b['forward_ms']:.1f} | "
               f"{b['backward_ms']:.1f} | {b['ratio']:.2f}x |")
         w("")
     if scaling:

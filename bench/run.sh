@@ -83,7 +83,7 @@ feature_filter='BM_cpu_flash_softcap|BM_cpu_flash_value_dim|BM_sinks_vs_plain'
 paged_filter='BM_paged_decode'
 bf16_filter='BM_peak_bf16|BM_cpu_flash_bf16|BM_decode_kernel<.*>/T:(1|16)/threads:1/'
 if [[ "$quick" == 1 ]]; then
-  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_cpu_flash_backward/D:64/seq:2048/causal:1|BM_reference/D:64/seq:512/'
+  kernel_filter='BM_cpu_flash/D:64/seq:512/|BM_cpu_flash_backward/D:64/seq:2048/causal:1/bf16:0|BM_reference/D:64/seq:512/'
   scaling_filter='BM_cpu_flash_scaling/D:128/seq:4096/causal:0'
   policy_filter='BM_policy<UlyssesPolicy>/P:2/causal:1'
   pair_filter='BM_anything_vs_plain<UlyssesPolicy>/P:2'
