@@ -160,6 +160,12 @@ DIST_ROWS = [
     ("Ulysses", "ulysses", 2, 8192, 8, False, 2, 1, ["--policy", "ulysses"]),
     ("Ring", "ring", 2, 8192, 8, False, 1, 2, ["--policy", "ring"]),
     ("Ulysses Anything", "anything", 4, 4099, 30, False, 4, 1, ["--policy", "ulysses", "--anything"]),
+    # Four processes on Ulysses and Ring alone. (On a 2-core machine two of the four run at a
+    # time, for the peers as for seqpar: the rows compare how each waits, not only its work.)
+    ("Ulysses", "ulysses", 4, 4096, 8, False, 4, 1, ["--policy", "ulysses"]),
+    ("Ring", "ring", 4, 4096, 8, False, 1, 4, ["--policy", "ring"]),
+    ("Ulysses", "ulysses", 4, 8192, 8, False, 4, 1, ["--policy", "ulysses"]),
+    ("Ring", "ring", 4, 8192, 8, False, 1, 4, ["--policy", "ring"]),
 ]
 PEERS = ("yunchang", "diffusers")
 
