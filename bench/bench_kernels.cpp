@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
-#include <type_traits>
 #include <utility>
 
 #include "bench_common.hpp"
@@ -22,6 +21,14 @@ using namespace seqpar;
 using namespace seqpar::bench;
 
 constexpr std::int64_t batch = 1, heads = 2;
+
+/// `x` rounded to bf16 (the bf16 benchmarks' inputs: the float draws, rounded once).
+std::vector<bf16> rounded_to_bf16(const std::vector<float>& x) {
+  std::vector<bf16> out;
+  out.reserve(x.size());
+  for (float v : x) out.push_back(bf16(v));
+  return out;
+}
 
 /// Inputs of one self-attention forward with contiguous positions: `h` heads (K/V heads alike),
 /// head dim `d` of Q and K, `dv` of V and O (0: d).
@@ -152,27 +159,22 @@ void BM_cpu_flash_backward(benchmark::State& state) {
   CpuFlashKernel kernel;
   kernel.prepare(c.dim);
   std::vector<float> dq(c.q.size()), dk(c.k.size()), dv(c.v.size());
-  std::vector<bf16> qb, kb, vb, ob;
-  for (auto [from, to] : {std::pair{&c.q, &qb}, std::pair{&c.k, &kb}, std::pair{&c.v, &vb}, std::pair{&c.out, &ob}})
-    if (narrow)
-      for (float x : *from) to->push_back(bf16(x));
-  auto shape = [&](const auto* x) { return TensorView<std::remove_reference_t<decltype(*x)>>::bshd(x, batch, c.seq, heads, c.dim); };
-  auto grad = [&](std::vector<float>& x) { return TensorView<float>::bshd(x.data(), batch, c.seq, heads, c.dim); };
-  const auto lse = TensorView<const float>::bshd(c.lse.data(), batch, c.seq, heads, 1);
-  auto forward = [&] {
-    if (!narrow) return c.run(kernel);
-    kernel.forward(shape(qb.data()), shape(kb.data()), shape(vb.data()),
-                   TensorView<bf16>::bshd(ob.data(), batch, c.seq, heads, c.dim),
-                   TensorView<float>::bshd(c.lse.data(), batch, c.seq, heads, 1), c.params);
+  auto narrowed = [&](const std::vector<float>& x) { return narrow ? rounded_to_bf16(x) : std::vector<bf16>{}; };
+  const std::vector<bf16> qb = narrowed(c.q), kb = narrowed(c.k), vb = narrowed(c.v);
+  std::vector<bf16> ob = narrowed(c.out);  // the bf16 forward's output
+  auto view = [&]<class E>(E* x) { return TensorView<E>::bshd(x, batch, c.seq, heads, c.dim); };
+  const auto lse = TensorView<float>::bshd(c.lse.data(), batch, c.seq, heads, 1);
+  // One call of each on Q, K, V and O of either element type (dO: V's values, as any random
+  // rows would do).
+  auto forward_on = [&](const auto& q, const auto& k, const auto& v, auto& o) {
+    kernel.forward(view(q.data()), view(k.data()), view(v.data()), view(o.data()), lse, c.params);
   };
-  auto backward = [&] {  // dO: V's values, as any random rows would do
-    if (narrow)
-      kernel.backward(shape(vb.data()), shape(qb.data()), shape(kb.data()), shape(vb.data()), shape(ob.data()), lse,
-                      grad(dq), grad(dk), grad(dv), c.params);
-    else
-      kernel.backward(shape(c.v.data()), shape(c.q.data()), shape(c.k.data()), shape(c.v.data()),
-                      shape(c.out.data()), lse, grad(dq), grad(dk), grad(dv), c.params);
+  auto backward_on = [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+    kernel.backward(view(v.data()), view(q.data()), view(k.data()), view(v.data()), view(o.data()),
+                    TensorView<const float>(lse), view(dq.data()), view(dk.data()), view(dv.data()), c.params);
   };
+  auto forward = [&] { narrow ? forward_on(qb, kb, vb, ob) : forward_on(c.q, c.k, c.v, c.out); };
+  auto backward = [&] { narrow ? backward_on(qb, kb, vb, ob) : backward_on(c.q, c.k, c.v, c.out); };
   forward();
   backward();
   std::vector<double> tf, tb;
@@ -209,9 +211,8 @@ double median_of(std::vector<double> x) {
 /// is faster) and of the calls' GFLOP/s.
 void BM_cpu_flash_bf16(benchmark::State& state) {
   KernelCase c(state.range(1), state.range(0), state.range(2) != 0, 4);
-  std::vector<bf16> qb(c.q.size()), kb(c.k.size()), vb(c.v.size()), ob(c.out.size());
-  for (auto [from, to] : {std::pair{&c.q, &qb}, std::pair{&c.k, &kb}, std::pair{&c.v, &vb}})
-    for (std::size_t i = 0; i < from->size(); ++i) (*to)[i] = bf16((*from)[i]);
+  const std::vector<bf16> qb = rounded_to_bf16(c.q), kb = rounded_to_bf16(c.k), vb = rounded_to_bf16(c.v);
+  std::vector<bf16> ob(c.out.size());
   CpuFlashKernel f32, automatic;
   const bool has_dot = cpu_isa_supported(CpuIsa::avx512_bf16);
   CpuFlashKernel dot(CpuFlashOptions{.isa = has_dot ? CpuIsa::avx512_bf16 : CpuIsa::automatic});
