@@ -57,6 +57,43 @@ TEST_CASE("bf16: every policy runs bf16 end to end over thread ranks, bf16 on th
 }
 
 
+namespace {
+
+/// The levels with bf16 products of their own this CPU runs (avx512_bf16, amx_bf16); a message
+/// where there are none.
+std::vector<CpuIsa> bf16_product_levels() {
+  std::vector<CpuIsa> levels;
+  for (CpuIsa isa : {CpuIsa::avx512_bf16, CpuIsa::amx_bf16})
+    if (cpu_isa_supported(isa)) levels.push_back(isa);
+  if (levels.empty()) MESSAGE("this CPU has no AVX512-BF16: the bf16 product paths are not tested here");
+  return levels;
+}
+
+/// Self-attention over n tokens with scale `scale` and a window [left, right] (-1: none).
+KernelParams self_params(std::int64_t n, double scale, std::int64_t left, std::int64_t right) {
+  KernelParams p;
+  p.scale = scale;
+  p.mask.window_left = left;
+  p.mask.window_right = right;
+  p.q_positions = PositionMap::run(n, 0);
+  p.k_positions = PositionMap::run(n, 0);
+  return p;
+}
+
+/// Causal self-attention (scale 1/8) over the documents starting at `starts` (the last entry:
+/// the tokens), the keys from valid[0] on padding. Both arrays must outlive the parameters.
+template <std::size_t N>
+KernelParams causal_documents(const std::int64_t (&starts)[N], const std::int64_t (&valid)[1]) {
+  KernelParams p = self_params(starts[N - 1], 0.125, -1, -1);
+  p.causal = true;
+  p.mask.doc_starts = starts;
+  p.mask.doc_count = N - 1;
+  p.mask.kv_valid = valid;
+  return p;
+}
+
+}  // namespace
+
 // The AVX512-BF16 and AMX paths form both products from pairs of bf16 (head dims for S = K
 // Q^T, keys for O = P V, with P rounded to bf16): odd head dims end in a zero pair, a value dim
 // that is not whole register tiles has a tail tile (AMX takes whole tiles only: other dims run
@@ -65,21 +102,7 @@ TEST_CASE("bf16: every policy runs bf16 end to end over thread ranks, bf16 on th
 // O (float here) carries P's rounding: about bf16's half ulp over the square root of the keys
 // averaged (measured 1.1-1.5e-3 on random inputs): 4e-3; the LSE stays float: 1e-6.
 TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, on every shape they pack") {
-  std::vector<CpuIsa> levels;
-  for (CpuIsa isa : {CpuIsa::avx512_bf16, CpuIsa::amx_bf16})
-    if (cpu_isa_supported(isa)) levels.push_back(isa);
-  if (levels.empty()) MESSAGE("this CPU has no AVX512-BF16: the bf16 product paths are not tested here");
-  // Self-attention over n tokens with scale `scale` and a window [left, right] (-1: none).
-  auto self_params = [](std::int64_t n, double scale, std::int64_t left, std::int64_t right) {
-    KernelParams p;
-    p.scale = scale;
-    p.mask.window_left = left;
-    p.mask.window_right = right;
-    p.q_positions = PositionMap::run(n, 0);
-    p.k_positions = PositionMap::run(n, 0);
-    return p;
-  };
-  for (CpuIsa isa : levels) {
+  for (CpuIsa isa : bf16_product_levels()) {
     CAPTURE(cpu_isa_name(isa));
     CpuFlashKernel kernel(CpuFlashOptions{.isa = isa});
     SUBCASE("odd head dim, a value dim of 5 tiles and a tail, GQA, an odd window, soft-cap, a NaN in V") {
@@ -95,11 +118,7 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
       // Rows 32-63 all lie in the document from key 21: their panel's keys start at an odd key.
       const std::int64_t starts[] = {0, 21, 150, 261};
       const std::int64_t valid[] = {250};
-      KernelParams p = self_params(261, 0.125, -1, -1);
-      p.causal = true;
-      p.mask.doc_starts = starts;
-      p.mask.doc_count = 3;
-      p.mask.kv_valid = valid;
+      const KernelParams p = causal_documents(starts, valid);
       const auto [o, l] = test::narrow_case<bf16>(kernel, 261, 261, 2, 2, 64, 64, p, {250, 255, 260}, 22);
       CHECK(o < 4e-3);
       CHECK(l < 1e-6);
@@ -119,6 +138,48 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
       const auto [o, l] = test::narrow_case<bf16>(kernel, 257, 257, 2, 2, 64, 48, self_params(257, 0.125, 20, 0), {100}, 24);
       CHECK(o < 4e-3);
       CHECK(l < 1e-6);
+    }
+  }
+}
+
+// The AVX512-BF16 backward forms its five products from pairs of bf16 (head dims for S and
+// dP, queries for dV and dK, keys for dQ), with P and dS rounded to bf16 as FlashAttention-2
+// rounds them on GPUs: odd head dims end in a zero pair, an odd tile's last query pair in a
+// zero row, dQ's key pairs start at an even key, keys holding NaN in K and V that no row sees
+// stay out of every gradient (K's on the list of non-finite rows that dQ adds apart), and so
+// do rows holding NaN that see no key. Each gradient's error is then about bf16's half ulp
+// (2^-9 = 2.0e-3) times the cancellation in dS's sums (measured 1.3-3.3e-3 normwise, against
+// 1e-7 for the converting path of the AMX level): 8e-3. Two threads give the same bits as one.
+TEST_CASE("bf16: the AVX512-BF16 backward against the double reference, on every shape it packs") {
+  for (CpuIsa isa : bf16_product_levels()) {
+    CAPTURE(cpu_isa_name(isa));
+    const double tolerance = isa == CpuIsa::avx512_bf16 ? 8e-3 : 1e-5;
+    SUBCASE("odd head dim, value dim 43, GQA, an odd window, soft-cap, an odd last tile") {
+      KernelParams p = self_params(301, 0.12, 37, 5);
+      p.softcap = 20;
+      p.group_size = 2;
+      const double e = test::narrow_backward_case<bf16>(isa, 301, 301, 4, 2, 67, 43, p, {}, {}, 31);
+      CHECK(e < tolerance);
+    }
+    SUBCASE("causal, packed documents, padded keys holding NaN, two key blocks") {
+      const std::int64_t starts[] = {0, 21, 150, 261, 400};
+      const std::int64_t valid[] = {380};
+      const KernelParams p = causal_documents(starts, valid);
+      const double e = test::narrow_backward_case<bf16>(isa, 400, 400, 2, 2, 64, 64, p, {380, 385, 399}, {}, 32);
+      CHECK(e < tolerance);
+    }
+    SUBCASE("bottom-right causal, 700 queries over 600 keys: rows holding NaN that see no key") {
+      KernelParams p = self_params(700, 0.09, -1, -1);
+      p.causal = true;
+      p.group_size = 3;
+      p.q_positions = PositionMap::run(700, -100);
+      p.k_positions = PositionMap::run(600, 0);
+      const double e = test::narrow_backward_case<bf16>(isa, 700, 600, 3, 1, 128, 128, p, {}, {0, 51, 99}, 33);
+      CHECK(e < tolerance);
+    }
+    SUBCASE("D 64, value dim 48, a window, odd sizes") {
+      const double e = test::narrow_backward_case<bf16>(isa, 257, 257, 2, 2, 64, 48, self_params(257, 0.125, 20, 0), {}, {}, 34);
+      CHECK(e < tolerance);
     }
   }
 }

@@ -174,6 +174,7 @@ struct BackwardScratch {
   A* lrow;   ///< [BQ] LSE of the tile's rows
   A* delta;  ///< [BQ] rowsum(dO * O)
   A* ones;   ///< one panel of 1 (the alpha of an accumulating micro-kernel call)
+  std::uint16_t* dsr;    ///< [BQ] key rows of bf16: dS rounded (the AVX512-BF16 path's A of dQ)
   std::int64_t* row_lo;  ///< [BQ] keys of the block the row sees: [row_lo, row_hi] (block indices)
   std::int64_t* row_hi;  ///< [BQ]
   std::int64_t* bad;     ///< [BK] keys of the block whose K row holds a NaN or Inf
@@ -208,6 +209,7 @@ struct BackwardScratch {
     c.take(r.lrow, BQ);
     c.take(r.delta, BQ);
     c.take(r.ones, max_panel<A>);
+    c.take(r.dsr, BQ * lk);
     c.take(r.row_lo, BQ);
     c.take(r.row_hi, BQ);
     c.take(r.bad, BK);

@@ -4,8 +4,10 @@
 
 #include "seqpar/kernel/cpu/isa/simd.inl"
 #include "seqpar/kernel/cpu/isa/forward.inl"
+#include "seqpar/kernel/cpu/isa/decode.inl"
+#include "seqpar/kernel/cpu/isa/backward.inl"
 #if SEQPAR_ISA_BYTES == 64 && SEQPAR_CPU_ISA_BF16_DOT
-/// 1 in the copy that holds the AVX512-BF16 forward (the AVX-512 one, where compiled).
+/// 1 in the copy that holds the AVX512-BF16 forward and backward (the AVX-512 one, where compiled).
 #define SEQPAR_ISA_HAS_BF16_DOT 1
 #if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_AMX
 SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512 ",avx512bf16,amx-tile,amx-bf16")
@@ -13,6 +15,7 @@ SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512 ",avx512bf16,amx-tile,amx-bf16")
 SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512 ",avx512bf16")
 #endif
 #include "seqpar/kernel/cpu/isa/forward_bf16.inl"
+#include "seqpar/kernel/cpu/isa/backward_bf16.inl"
 #if SEQPAR_CPU_ISA_DISPATCH
 SEQPAR_TARGET_POP()
 #endif
@@ -20,8 +23,6 @@ SEQPAR_TARGET_POP()
 /// 0: this copy has no AVX512-BF16 forward.
 #define SEQPAR_ISA_HAS_BF16_DOT 0
 #endif
-#include "seqpar/kernel/cpu/isa/decode.inl"
-#include "seqpar/kernel/cpu/isa/backward.inl"
 
 /// `Chains` independent chains of `rounds` vector FMAs (IsaKernels::fma_burst). A fold
 /// expression over the chain index keeps each chain a named register value.
@@ -119,11 +120,18 @@ struct IsaKernels {
     decode_task<T, O, A>(job, task, s);
   }
 
-  /// See backward_task.
+  /// See backward_task (with ConvertedBackward).
   template <class T, class A>
   static void backward(const FlashBackward<T, A>& job, std::int64_t t, const BackwardScratch<A>& s,
                        std::int32_t* turns) {
-    backward_task(job, t, s, turns);
+    backward_task<ConvertedBackward<T, A>>(job, t, s, turns);
   }
+#if SEQPAR_ISA_HAS_BF16_DOT
+  /// See backward_task (with Bf16DotBackward): bf16 inputs, products by vdpbf16ps.
+  static void backward_bf16_dot(const FlashBackward<bf16, float>& job, std::int64_t t, const BackwardScratch<float>& s,
+                                std::int32_t* turns) {
+    backward_task<Bf16DotBackward>(job, t, s, turns);
+  }
+#endif
 };
 #undef SEQPAR_ISA_HAS_BF16_DOT
