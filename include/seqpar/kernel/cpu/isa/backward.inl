@@ -156,12 +156,14 @@ struct ConvertedBackward {
 
   /// Query row `i` of the tile from `q` and `dout` (null: zeros), zero-padded to whole panels.
   void pack_row(std::int64_t i, const T* q, const T* dout) const {
-    A* qd = s.qs + i * ld;
-    A* dod = s.dos + i * ldv;
-    for (std::int64_t d = 0; d < dim; ++d) qd[d] = q ? static_cast<A>(q[d]) : A(0);
-    for (std::int64_t d = 0; d < dim_v; ++d) dod[d] = dout ? static_cast<A>(dout[d]) : A(0);
-    std::fill(qd + dim, qd + dp, A(0));
-    std::fill(dod + dim_v, dod + dpv, A(0));
+    auto copy = [](const T* src, std::int64_t n, std::int64_t padded, A* dst) {
+      std::int64_t d = 0;
+      if (src)
+        for (; d < n; ++d) dst[d] = static_cast<A>(src[d]);
+      std::fill(dst + d, dst + padded, A(0));
+    };
+    copy(q, dim, dp, s.qs + i * ld);
+    copy(dout, dim_v, dpv, s.dos + i * ldv);
   }
 
   /// After the tile's rows (nothing to add here).
