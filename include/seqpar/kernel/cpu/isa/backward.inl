@@ -55,8 +55,8 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
     // delta = dO . O, in lanes where it can: a scalar sum is one long chain of dependent adds.
     V acc{};
     std::int64_t d = 0;
-    if constexpr (std::is_same_v<T, A>)
-      for (; d + W <= dim_v; d += W) acc = simd_fma(simd_load(dor + d), simd_load(orow + d), acc);
+    if constexpr (simd_loads_as<A, T>)
+      for (; d + W <= dim_v; d += W) acc = simd_fma(simd_load_as<A>(dor + d), simd_load_as<A>(orow + d), acc);
     A dl = 0;
     for (; d < dim_v; ++d) dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
     for (std::int64_t w = 0; w < W; ++w) dl += acc[w];

@@ -137,6 +137,28 @@ inline To bits_as(From from) {
   return to;
 }
 
+/// Whether simd_load_as<A> reads T: A itself, or bf16 as float.
+template <class A, class T>
+inline constexpr bool simd_loads_as = std::is_same_v<T, A> || (std::is_same_v<T, bf16> && std::is_same_v<A, float>);
+
+/// A vector of the values of T at `p` as A (simd_loads_as<A, T>): a plain load when T is A;
+/// bf16 as float, each value zero-extended and shifted into a float's upper half (a bf16 is
+/// one; written out: GCC 12 at -O2 leaves a scalar conversion loop unvectorised).
+template <class A, class T>
+inline simd_t<A> simd_load_as(const T* p) {
+  static_assert(simd_loads_as<A, T>);
+  if constexpr (std::is_same_v<T, A>) {
+    return simd_load(p);
+  } else {
+    constexpr int W = Simd<float>::width;
+    typedef std::uint16_t Half __attribute__((vector_size(W * 2)));
+    typedef std::uint32_t Word __attribute__((vector_size(W * 4)));
+    Half h;
+    std::memcpy(&h, p, sizeof h);
+    return bits_as<simd_t<float>>(__builtin_convertvector(h, Word) << 16);
+  }
+}
+
 /// a * b + c for float (plain) or float vectors (fused).
 template <class F>
 inline F lanes_madd(F a, F b, F c) {
