@@ -85,6 +85,26 @@ struct ProbabilityLanes {
     }
   }
 
+  /// P and dS at keys c .. c + W of a row that sees keys [lo, hi], from its scores at `x` and
+  /// `dp` (nl, dl as for operator()): exactly 0 at the keys it does not see (selected, not
+  /// multiplied: S or dP is NaN at a key whose K or V is). `key0` holds lane indices
+  /// (key_lanes); a vector wholly outside [lo, hi] takes no exp, one wholly inside no select.
+  template <class A>
+  [[gnu::always_inline]] void at(const A* x, const A* dp, V nl, V dl, std::int64_t lo, std::int64_t hi, std::int64_t c,
+                                 V key0, V& p, V& ds) const {
+    constexpr std::int64_t W = Simd<A>::width;
+    if (c > hi || c + W <= lo) {
+      p = ds = V{};
+      return;
+    }
+    (*this)(simd_load(x), simd_load(dp), nl, dl, p, ds);
+    if (c >= lo && c + W - 1 <= hi) return;
+    const V key = key0 + static_cast<A>(c);
+    const auto seen = (key >= static_cast<A>(lo)) & (key <= static_cast<A>(hi));
+    p = seen ? p : V{};
+    ds = seen ? ds : V{};
+  }
+
   /// For `scale` and `cap` (0: none).
   template <class A>
   static ProbabilityLanes make(A scale, A cap) {
@@ -170,7 +190,7 @@ struct ConvertedBackward {
   void rows_packed(std::int64_t) const {}
 
   /// P and dS of the tile's `nq` rows over key columns [c_lo, c_hi), in place of S (s.pm) and
-  /// dP (s.ds): ProbabilityLanes where the row sees the key, exactly 0 elsewhere.
+  /// dP (s.ds): ProbabilityLanes::at.
   template <bool Capped>
   [[gnu::always_inline]] void probabilities(std::int64_t nq, std::int64_t c_lo, std::int64_t c_hi) const {
     using V = simd_t<A>;
@@ -179,16 +199,13 @@ struct ConvertedBackward {
     const V key0 = key_lanes<A>(0);
     for (std::int64_t i = 0; i < nq; ++i) {
       const V nl = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
-      const A lo = static_cast<A>(s.row_lo[i]), hi = static_cast<A>(s.row_hi[i]);
       for (std::int64_t c = c_lo; c < c_hi; c += W) {
         A* pr = s.pm + i * lk + c;
         A* dr = s.ds + i * lk + c;
-        const V key = key0 + static_cast<A>(c);
-        const auto seen = (key >= lo) & (key <= hi);
         V p, ds;
-        lanes(simd_load(pr), simd_load(dr), nl, dl, p, ds);
-        simd_store(pr, seen ? p : V{});
-        simd_store(dr, seen ? ds : V{});
+        lanes.at(pr, dr, nl, dl, s.row_lo[i], s.row_hi[i], c, key0, p, ds);
+        simd_store(pr, p);
+        simd_store(dr, ds);
       }
     }
   }
@@ -224,6 +241,16 @@ struct ConvertedBackward {
   }
 
 };
+
+/// dst[d] += src[d] for d < n, a vector at a time (GCC 12 at -O2 leaves the plain loop scalar:
+/// it would need a run-time check that the rows do not overlap).
+template <class A>
+inline void add_row(const A* src, std::int64_t n, A* dst) {
+  constexpr std::int64_t W = Simd<A>::width;
+  std::int64_t d = 0;
+  for (; d + W <= n; d += W) simd_store(dst + d, simd_load(dst + d) + simd_load(src + d));
+  for (; d < n; ++d) dst[d] += src[d];
+}
 
 /// Runs task t of `job` (key block t / (batch x K/V heads) of pair t % (batch x K/V heads))
 /// with the operands and products of `Products` (ConvertedBackward, or a dot product path).
@@ -270,19 +297,13 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       std::int32_t* turn = turns ? turns + (b * q.heads() + h) * nqb + ib : nullptr;
       if (turn) wait_turn(*turn, static_cast<std::int32_t>(prev + 1));
       if (kmax >= kmin)
-        for (std::int64_t i = 0; i < nq; ++i) {
-          A* dst = job.dq.row(b, i0 + i, h);
-          const A* src = s.dqs + i * ld;
-          for (std::int64_t d = 0; d < dim; ++d) dst[d] += src[d];
-        }
+        for (std::int64_t i = 0; i < nq; ++i) add_row(s.dqs + i * ld, dim, job.dq.row(b, i0 + i, h));
       if (turn) pass_turn(*turn, static_cast<std::int32_t>(jb + 1));
     }
   }
   if (!touched) return;
   for (std::int64_t j = 0; j < nk; ++j) {
-    A* dkr = job.dk.row(b, j0 + j, kh);
-    A* dvr = job.dv.row(b, j0 + j, kh);
-    for (std::int64_t d = 0; d < dim; ++d) dkr[d] += s.dks[j * ld + d];
-    for (std::int64_t d = 0; d < dim_v; ++d) dvr[d] += s.dvs[j * ldv + d];
+    add_row(s.dks + j * ld, dim, job.dk.row(b, j0 + j, kh));
+    add_row(s.dvs + j * ldv, dim_v, job.dv.row(b, j0 + j, kh));
   }
 }

@@ -104,14 +104,14 @@ struct Bf16DotBackward {
   /// Query row `i` of the tile from `q` and `dout` (null: zeros) as bf16 rows, zero to whole
   /// pairs.
   void pack_row(std::int64_t i, const bf16* q, const bf16* dout) const {
+    // 32 values at a time, the last vector's lanes past n loaded as zeros (the rows have room
+    // for whole vectors: a panel of floats is 64 bf16). A memcpy call per row cost more than
+    // the copy.
     auto copy = [](const bf16* src, std::int64_t n, std::uint32_t* dst) {
-      const std::int64_t pairs = (n + 1) / 2;
-      if (!src) {
-        std::fill(dst, dst + pairs, 0u);
-        return;
+      for (std::int64_t d = 0; d < n; d += 32) {
+        const __mmask32 lanes = n - d >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - d)) - 1;
+        _mm512_storeu_si512(dst + d / 2, src ? _mm512_maskz_loadu_epi16(lanes, src + d) : _mm512_setzero_si512());
       }
-      std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(bf16));
-      if (n % 2) reinterpret_cast<std::uint16_t*>(dst)[n] = 0;
     };
     copy(q, dim, bf16_row(s.qs, ld, i));
     copy(dout, dim_v, bf16_row(s.dos, ldv, i));
@@ -130,7 +130,7 @@ struct Bf16DotBackward {
   }
 
   /// P and dS of the tile's `nq` rows over key columns [c_lo, c_hi) from S (s.pm) and dP
-  /// (s.ds), float (ProbabilityLanes; exactly 0 where the row does not see the key), rounded to
+  /// (s.ds), float (ProbabilityLanes::at: exactly 0 where the row does not see the key), rounded to
   /// bf16 into the query pairs of P and dS (in place: pair row qp overwrites float row qp,
   /// whose values went into pair row qp / 2 before, and whose lanes at these keys are loaded
   /// first when qp is 0) and dS's bf16 rows.
@@ -151,11 +151,8 @@ struct Bf16DotBackward {
         p = ds = V{};
         return;
       }
-      const V key = key0 + static_cast<float>(c);
-      const auto seen = (key >= static_cast<float>(s.row_lo[i])) & (key <= static_cast<float>(s.row_hi[i]));
-      lanes(simd_load(s.pm + i * lk + c), simd_load(s.ds + i * lk + c), simd_splat(-s.lrow[i]), simd_splat(s.delta[i]), p, ds);
-      p = seen ? p : V{};
-      ds = seen ? ds : V{};
+      lanes.at(s.pm + i * lk + c, s.ds + i * lk + c, simd_splat(-s.lrow[i]), simd_splat(s.delta[i]), s.row_lo[i],
+               s.row_hi[i], c, key0, p, ds);
     };
     for (std::int64_t qp = 0; qp < (nq + 1) / 2; ++qp) {
       const std::int64_t i0 = 2 * qp, i1 = i0 + 1;
