@@ -6,6 +6,8 @@
 # ...) spreads the drift of a shared machine over both sides; the median, not the fastest round,
 # keeps one lucky or unlucky round from deciding the ratio.
 # Usage: bench/ab_alternate.sh OLD_BINARY NEW_BINARY FILTER [ROUNDS=3]
+# AB_COUNTER=NAME compares that counter of each benchmark instead of its real time (e.g.
+# backward_ms of BM_cpu_flash_backward, whose real time is a forward and a backward).
 # Example (before and after a change to the engine, both builds Release, CUDA off):
 #   bench/ab_alternate.sh /work/build-ab-old/bench/seqpar_bench /work/build-ab-new/bench/seqpar_bench \
 #     'BM_policy<' 3
@@ -22,7 +24,7 @@ for round in $(seq "$rounds"); do
       --benchmark_out_format=json > /dev/null 2>&1 || { echo "$bin failed (round $round)" >&2; exit 1; }
   done
 done
-python3 - "$dir" "$(dirname "$0")" << 'PY'
+python3 - "$dir" "$(dirname "$0")" "${AB_COUNTER:-}" << 'PY'
 import re, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
@@ -37,8 +39,9 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
         name = re.sub(r"/min_time:[0-9.]+", "", full)
         if name not in order:
             order.append(name)
-        times.setdefault((name, side), []).append(b["real_time"])
-        units[name] = b["time_unit"]
+        counter = sys.argv[3]
+        times.setdefault((name, side), []).append(b[counter] if counter else b["real_time"])
+        units[name] = counter if counter else b["time_unit"]
 print("| benchmark | old (median) | new (median) | new / old | spread old, new |")
 print("|---|---|---|---|---|")
 ratios = []
