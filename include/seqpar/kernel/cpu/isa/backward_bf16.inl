@@ -14,9 +14,10 @@
 //    lanes.
 // P and dS are rounded to bf16 on their way into the last three products, as FlashAttention-2
 // rounds them to the input type on GPUs; S, dP, the probabilities and every gradient stay
-// float. Against the converting path (exact products of the bf16 inputs), each gradient's
-// relative error grows by about bf16's half ulp (2^-9) divided by the square root of the terms
-// summed.
+// float. Against the converting path (exact products of the bf16 inputs), each gradient gains
+// an error of about bf16's half ulp (2^-9) of its terms' size, which is more of its own size
+// where the terms cancel (dS sums to about zero over a row): 1.3-3.3e-3 normwise on random
+// inputs, where the converting path has about 1e-7.
 
 /// The backward's operands and products for bf16 inputs by vdpbf16ps (see the file comment).
 /// The pair layouts take the float path's scratch bytes (whose float operands this path does
