@@ -146,8 +146,9 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
 // dP, queries for dV and dK, keys for dQ), with P and dS rounded to bf16 as FlashAttention-2
 // rounds them on GPUs: odd head dims end in a zero pair, an odd tile's last query pair in a
 // zero row, dQ's key pairs start at an even key, keys holding NaN in K and V that no row sees
-// stay out of every gradient (K's on the list of non-finite rows that dQ adds apart), and so
-// do rows holding NaN that see no key. Each gradient's error is then about bf16's half ulp
+// stay out of every gradient (K's on the list of non-finite rows that dQ adds apart), one that
+// rows see makes exactly the reference's gradients NaN (through their pairs too), and rows
+// holding NaN that see no key add nothing. Each gradient's error is then about bf16's half ulp
 // (2^-9 = 2.0e-3) times the cancellation in dS's sums (measured 1.3-3.3e-3 normwise, against
 // 1e-7 for the converting path of the AMX level): 8e-3. Two threads give the same bits as one.
 TEST_CASE("bf16: the AVX512-BF16 backward against the double reference, on every shape it packs") {
@@ -175,6 +176,12 @@ TEST_CASE("bf16: the AVX512-BF16 backward against the double reference, on every
       p.q_positions = PositionMap::run(700, -100);
       p.k_positions = PositionMap::run(600, 0);
       const double e = test::narrow_backward_case<bf16>(isa, 700, 600, 3, 1, 128, 128, p, {}, {0, 51, 99}, 33);
+      CHECK(e < tolerance);
+    }
+    SUBCASE("a K and V row holding NaN that some rows see: NaN exactly where the reference has it") {
+      KernelParams p = self_params(301, 0.125, 20, 0);
+      p.group_size = 2;
+      const double e = test::narrow_backward_case<bf16>(isa, 301, 301, 2, 1, 64, 64, p, {150}, {}, 35);
       CHECK(e < tolerance);
     }
     SUBCASE("D 64, value dim 48, a window, odd sizes") {

@@ -220,11 +220,11 @@ std::pair<double, double> narrow_case(CpuFlashKernel& kernel, std::int64_t sq, s
 
 /// A backward of E (bf16, f16) with `p` on `kernel` (shapes as narrow_case), from the reference's
 /// O rounded to E and its LSE in float, against the double reference's backward from the same
-/// O and LSE: the largest normwise error of dQ, dK and dV (nan_aware_error). The keys
-/// `nan_keys` hold NaN in K and V and the rows `nan_rows` NaN in Q and dO: the caller's mask
-/// must hide those keys and rows from everything (a key no row sees, a row that sees no key),
-/// so that every gradient stays finite; and the run on `threads` threads must give the same
-/// bits as on one.
+/// O and LSE: the largest normwise error of dQ, dK and dV (nan_aware_error: a gradient the
+/// reference makes NaN must be NaN). The keys `nan_keys` hold NaN in K and V and the rows
+/// `nan_rows` NaN in Q and dO (the mask should hide those rows from every key: a row that sees
+/// a key and holds NaN makes everything it touches NaN); the run on two threads must give the
+/// same bits as on one.
 template <class E>
 double narrow_backward_case(CpuIsa isa, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t kh, std::int64_t d,
                             std::int64_t dv, const KernelParams& p, const std::vector<std::int64_t>& nan_keys,
