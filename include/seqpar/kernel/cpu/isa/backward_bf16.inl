@@ -105,9 +105,9 @@ struct Bf16DotBackward {
   /// Query row `i` of the tile from `q` and `dout` (null: zeros) as bf16 rows, zero to whole
   /// pairs.
   void pack_row(std::int64_t i, const bf16* q, const bf16* dout) const {
-    // 32 values at a time, the last vector's lanes past n loaded as zeros (the rows have room
-    // for whole vectors: a panel of floats is 64 bf16). A memcpy call per row cost more than
-    // the copy.
+    // 32 values at a time, the last vector's lanes past n loaded as zeros, so that one store
+    // also writes the zero padding (the rows have room for whole vectors: a panel of floats is
+    // 64 bf16).
     auto copy = [](const bf16* src, std::int64_t n, std::uint32_t* dst) {
       for (std::int64_t d = 0; d < n; d += 32) {
         const __mmask32 lanes = n - d >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - d)) - 1;
