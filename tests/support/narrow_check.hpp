@@ -218,7 +218,8 @@ std::pair<double, double> narrow_case(CpuFlashKernel& kernel, std::int64_t sq, s
   return {nan_aware_error(out, want_o), lse_err};
 }
 
-/// A backward of E (bf16, f16) with `p` on `kernel` (shapes as narrow_case), from the reference's
+/// A backward of E (bf16, f16) with `p` on a CpuFlashKernel of level `isa` (shapes as
+/// narrow_case), from the reference's
 /// O rounded to E and its LSE in float, against the double reference's backward from the same
 /// O and LSE: the largest normwise error of dQ, dK and dV (nan_aware_error: a gradient the
 /// reference makes NaN must be NaN). The keys `nan_keys` hold NaN in K and V and the rows

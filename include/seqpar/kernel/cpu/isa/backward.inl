@@ -72,6 +72,7 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
 template <bool Capped, class V>
 struct ProbabilityLanes {
   V sc, to_x, cv, one;  ///< scale, scale / cap, cap, 1 in every lane
+  V lane;               ///< lane w holds w (key indices from a vector's first key)
 
   /// P and dS (see the struct).
   [[gnu::always_inline]] void operator()(V x, V dp, V nl, V dl, V& p, V& ds) const {
@@ -87,11 +88,11 @@ struct ProbabilityLanes {
 
   /// P and dS at keys c .. c + W of a row that sees keys [lo, hi], from its scores at `x` and
   /// `dp` (nl, dl as for operator()): exactly 0 at the keys it does not see (selected, not
-  /// multiplied: S or dP is NaN at a key whose K or V is). `key0` holds lane indices
-  /// (key_lanes); a vector wholly outside [lo, hi] takes no exp, one wholly inside no select.
+  /// multiplied: S or dP is NaN at a key whose K or V is). A vector wholly outside [lo, hi]
+  /// takes no exp, one wholly inside no select.
   template <class A>
   [[gnu::always_inline]] void at(const A* x, const A* dp, V nl, V dl, std::int64_t lo, std::int64_t hi, std::int64_t c,
-                                 V key0, V& p, V& ds) const {
+                                 V& p, V& ds) const {
     constexpr std::int64_t W = Simd<A>::width;
     if (c > hi || c + W <= lo) {
       p = ds = V{};
@@ -99,7 +100,7 @@ struct ProbabilityLanes {
     }
     (*this)(simd_load(x), simd_load(dp), nl, dl, p, ds);
     if (c >= lo && c + W - 1 <= hi) return;
-    const V key = key0 + static_cast<A>(c);
+    const V key = lane + static_cast<A>(c);
     const auto seen = (key >= static_cast<A>(lo)) & (key <= static_cast<A>(hi));
     p = seen ? p : V{};
     ds = seen ? ds : V{};
@@ -108,17 +109,11 @@ struct ProbabilityLanes {
   /// For `scale` and `cap` (0: none).
   template <class A>
   static ProbabilityLanes make(A scale, A cap) {
-    return {simd_splat(scale), simd_splat(Capped ? scale / cap : A(0)), simd_splat(cap), simd_splat(A(1))};
+    V lane{};
+    for (std::int64_t w = 0; w < Simd<A>::width; ++w) lane[w] = static_cast<A>(w);
+    return {simd_splat(scale), simd_splat(Capped ? scale / cap : A(0)), simd_splat(cap), simd_splat(A(1)), lane};
   }
 };
-
-/// Lanes holding w + c0 for lane w: key indices, compared against a row's [row_lo, row_hi].
-template <class A>
-inline simd_t<A> key_lanes(std::int64_t c0) {
-  simd_t<A> lane{};
-  for (std::int64_t w = 0; w < Simd<A>::width; ++w) lane[w] = static_cast<A>(w + c0);
-  return lane;
-}
 
 /// dQ += dS[i][j] K[j] for the tile's rows i (of `nq`) that see key j, whose K row holds a
 /// NaN or Inf and so was left out of the dQ product (dS[i][j] and K[j][d] read by the
@@ -196,14 +191,13 @@ struct ConvertedBackward {
     using V = simd_t<A>;
     constexpr std::int64_t W = FlashTile<A>::width;
     const auto lanes = ProbabilityLanes<Capped, V>::make(static_cast<A>(job.p.scale), static_cast<A>(job.p.softcap));
-    const V key0 = key_lanes<A>(0);
     for (std::int64_t i = 0; i < nq; ++i) {
       const V nl = simd_splat(-s.lrow[i]), dl = simd_splat(s.delta[i]);
       for (std::int64_t c = c_lo; c < c_hi; c += W) {
         A* pr = s.pm + i * lk + c;
         A* dr = s.ds + i * lk + c;
         V p, ds;
-        lanes.at(pr, dr, nl, dl, s.row_lo[i], s.row_hi[i], c, key0, p, ds);
+        lanes.at(pr, dr, nl, dl, s.row_lo[i], s.row_hi[i], c, p, ds);
         simd_store(pr, p);
         simd_store(dr, ds);
       }
@@ -239,7 +233,6 @@ struct ConvertedBackward {
                            [&](std::int64_t d) { return s.kt[d * lk + j]; });
     }
   }
-
 };
 
 /// dst[d] += src[d] for d < n, a vector at a time (GCC 12 at -O2 leaves the plain loop scalar:

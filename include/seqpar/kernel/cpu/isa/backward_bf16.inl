@@ -139,12 +139,6 @@ struct Bf16DotBackward {
   [[gnu::always_inline]] void probabilities(std::int64_t nq, std::int64_t c_lo, std::int64_t c_hi) const {
     using V = simd_t<float>;
     const auto lanes = ProbabilityLanes<Capped, V>::make(static_cast<float>(job.p.scale), static_cast<float>(job.p.softcap));
-    const V key0 = key_lanes<float>(0);
-    // Lane 2w of a pair vector takes the first row's lane w, lane 2w + 1 the second's
-    // (cvtne2ps puts its second operand in the low 16 bf16, its first in the high 16).
-    static constexpr std::uint16_t interleave_lanes[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_loadu_si512(interleave_lanes);
     std::uint32_t *pp = words(s.pm), *dsp = words(s.ds);
     // One row's P and dS at keys c..c + W (zero for a row past the tile).
     auto row = [&](std::int64_t i, std::int64_t c, V& p, V& ds) {
@@ -153,7 +147,7 @@ struct Bf16DotBackward {
         return;
       }
       lanes.at(s.pm + i * lk + c, s.ds + i * lk + c, simd_splat(-s.lrow[i]), simd_splat(s.delta[i]), s.row_lo[i],
-               s.row_hi[i], c, key0, p, ds);
+               s.row_hi[i], c, p, ds);
     };
     for (std::int64_t qp = 0; qp < (nq + 1) / 2; ++qp) {
       const std::int64_t i0 = 2 * qp, i1 = i0 + 1;
@@ -161,8 +155,8 @@ struct Bf16DotBackward {
         V p0, ds0, p1, ds1;
         row(i0, c, p0, ds0);
         row(i1, c, p1, ds1);
-        _mm512_storeu_si512(pp + qp * lk + c, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
-        _mm512_storeu_si512(dsp + qp * lk + c, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(ds1, ds0)));
+        _mm512_storeu_si512(pp + qp * lk + c, bf16_pairs(p0, p1));
+        _mm512_storeu_si512(dsp + qp * lk + c, bf16_pairs(ds0, ds1));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.dsr + i0 * lk + c), (__m256i)_mm512_cvtneps_pbh(ds0));
         if (i1 < nq) _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.dsr + i1 * lk + c), (__m256i)_mm512_cvtneps_pbh(ds1));
       }

@@ -22,6 +22,16 @@ inline std::uint32_t bf16_pair(std::uint16_t lo, std::uint16_t hi) {
   return static_cast<std::uint32_t>(lo) | static_cast<std::uint32_t>(hi) << 16;
 }
 
+/// The lanes of `first` and `second` rounded to bf16 and paired lane by lane: word w holds
+/// (first[w], second[w]), first in the low half.
+inline __m512i bf16_pairs(simd_t<float> first, simd_t<float> second) {
+  // cvtne2ps puts its second operand in the low 16 bf16 and its first in the high 16; the
+  // permutation takes lane w of each into lanes 2w and 2w + 1.
+  static constexpr std::uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(interleave), (__m512i)_mm512_cvtne2ps_pbh(second, first));
+}
+
 /// The pair at `p` in every lane.
 inline __m512bh pair_splat(const std::uint32_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(*p)); }
 
@@ -192,11 +202,6 @@ struct Bf16DotProducts {
   std::int64_t pack_p(std::int64_t off, std::int64_t nkp, const float* st, std::int64_t rows_to) const {
     using V = simd_t<float>;
     constexpr int W = Simd<float>::width;
-    // Lane 2i of the pair vector takes key r0's lane i, lane 2i + 1 key r1's (cvtne2ps puts r0
-    // in the low 16 bf16, r1 in the high 16).
-    static constexpr std::uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_loadu_si512(interleave);
     const std::int64_t lead = off & 1, pairs = (nkp + lead + 1) / 2;
     std::uint32_t* pp = conv.s.ppairs;
     for (std::int64_t jp = 0; jp < pairs; ++jp) {
@@ -204,8 +209,7 @@ struct Bf16DotProducts {
       for (int h = 0; h < PW; h += W) {
         const V lo = r0 >= 0 ? simd_load(st + r0 * PW + h) : V{};
         const V hi = r1 < nkp ? simd_load(st + r1 * PW + h) : V{};
-        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        _mm512_storeu_si512(pp + jp * PW + h, _mm512_permutexvar_epi16(idx, x));
+        _mm512_storeu_si512(pp + jp * PW + h, bf16_pairs(lo, hi));
       }
     }
     const std::int64_t padded = (pairs + rows_to - 1) / rows_to * rows_to;
