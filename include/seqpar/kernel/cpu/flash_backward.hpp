@@ -22,6 +22,11 @@
 /// because a task waits only on tasks of lower index and the pool hands tasks out in
 /// increasing order: the earliest running task never waits.
 ///
+/// delta = dO . O (the row term of dS = P (dP - delta)) is formed once per query row, by a pass
+/// over the rows before the tasks (as FlashAttention-2's preprocessing kernel does), not once
+/// per tile: every key block would read the row's O again for it. Its B x H x S values sit in
+/// the call's scratch beside the turn counters.
+///
 /// Per tile (BQ queries, BK keys) five products run through one register-tiled
 /// micro-kernel (kernel/cpu/isa/simd.inl; for bf16 on the avx512_bf16 level, the pair
 /// micro-kernel of kernel/cpu/isa/forward_bf16.inl, P and dS rounded to bf16, see
@@ -70,8 +75,9 @@ inline void pass_turn(std::int32_t& turn, std::int32_t next) {
 }
 
 /// One backward call: the views, and how its work divides. Each instruction set's
-/// backward_task(job, t, scratch, turns) (kernel/cpu/isa/backward.inl) runs task t for every t
-/// in [0, tasks()). `turns` (one int32 per (batch, head, query block), zeroed before the first
+/// backward_delta_task(job, t) (kernel/cpu/isa/backward.inl) first runs for every t in [0,
+/// delta_tasks()), then backward_task(job, t, scratch, turns) for every t in [0, tasks()).
+/// `turns` (one int32 per (batch, head, query block), zeroed before the first
 /// task) orders the dQ adds when tasks run concurrently; tasks run one by one in increasing
 /// order need none (null).
 template <class T, class A>
@@ -82,6 +88,20 @@ struct FlashBackward {
   TensorView<const A> lse;                 ///< forward's LSE
   TensorView<A> dq, dk, dv;                ///< gradients, added to (dv: D_v head dims)
   const KernelParams& p;                   ///< scale, soft-cap, mask, head map
+  A* deltas;                               ///< [batch][heads][query rows]: dO . O, by backward_delta_task
+
+  /// dO . O of query row i of head h of batch element b (set by the delta pass).
+  A& delta(std::int64_t b, std::int64_t i, std::int64_t h) const {
+    return deltas[(b * q.heads() + h) * q.seq() + i];
+  }
+  /// Bytes of `deltas` for B x H x S query rows (either accumulation type).
+  static std::size_t delta_bytes(std::int64_t batch, std::int64_t heads, std::int64_t rows) {
+    return static_cast<std::size_t>(batch * heads * rows) * sizeof(double);
+  }
+  /// Tasks of the delta pass: a run of delta_rows rows of one (batch, head) each.
+  std::int64_t delta_tasks() const { return q.batch() * q.heads() * ((q.seq() + delta_rows - 1) / delta_rows); }
+  /// Rows per delta task (a few microseconds of reading dO and O).
+  static constexpr std::int64_t delta_rows = 256;
 
   /// Query blocks per (batch, head).
   std::int64_t query_blocks() const { return (q.seq() + BQ - 1) / BQ; }

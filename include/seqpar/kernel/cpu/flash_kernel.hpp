@@ -214,21 +214,24 @@ class CpuFlashKernel {
   /// See LocalAttentionKernel's backward: adds this key block's dq, dk, dv, recomputing the
   /// probabilities from the LSE, on the forward's threads (kernel/cpu/flash_backward.hpp has
   /// the split). dq, dk, dv come out bit-identical whatever the thread count. Its scratch is
-  /// separate from forward's: one slice per thread plus, with more than one thread, one turn
-  /// counter per (batch, head, query block), sized by reserve() (the engine calls it at plan;
-  /// a direct call with a larger query shape grows it once).
+  /// separate from forward's: one slice per thread, each query row's delta = dO . O and, with
+  /// more than one thread, one turn counter per (batch, head, query block), sized by
+  /// reserve() (the engine calls it at plan; a direct call with a larger query shape grows it
+  /// once).
   template <class T>
   void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                 TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
                 TensorView<acc_t<T>> dk, TensorView<acc_t<T>> dv, const KernelParams& p) {
     using A = acc_t<T>;
-    const detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p};
+    detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p, nullptr};
+    const std::size_t delta_bytes = round_up(job.delta_bytes(q.batch(), q.heads(), q.seq()), 256);
     const std::size_t turn_bytes = pool_ ? round_up(static_cast<std::size_t>(job.turn_count()) * 4, 256) : 0;
-    reserve_backward(q.dim(), v.dim(), turn_bytes);
+    reserve_backward(q.dim(), v.dim(), delta_bytes + turn_bytes);
     std::byte* base = aligned(backward_scratch_.data());
-    std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base) : nullptr;
+    job.deltas = reinterpret_cast<A*>(base);
+    std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base + delta_bytes) : nullptr;
     if (turns) std::fill(turns, turns + job.turn_count(), 0);
-    detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base + turn_bytes, turns);
+    detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base + delta_bytes + turn_bytes, turns);
   }
   /// Sizes every scratch a call within `c` needs (the engines call it when they make a plan):
   /// forward's and backward's per-thread slices, backward's turn counters with more than one
@@ -237,8 +240,9 @@ class CpuFlashKernel {
     prepare(c.head_dim, c.value_dim);
     if (c.backward) {
       const std::int64_t query_blocks = (c.q_rows + detail::bwd_block_q - 1) / detail::bwd_block_q;
+      const std::size_t deltas = round_up(detail::FlashBackward<float, float>::delta_bytes(c.batch, c.heads, c.q_rows), 256);
       reserve_backward(c.head_dim, c.value_dim > 0 ? c.value_dim : c.head_dim,
-                       pool_ ? round_up(static_cast<std::size_t>(c.batch * c.heads * query_blocks) * 4, 256) : 0);
+                       deltas + (pool_ ? round_up(static_cast<std::size_t>(c.batch * c.heads * query_blocks) * 4, 256) : 0));
     }
     const std::size_t decode = std::max(detail::decode_part_bytes_bound<float>(options_.threads, c),
                                         detail::decode_part_bytes_bound<double>(options_.threads, c));
@@ -252,10 +256,10 @@ class CpuFlashKernel {
 
  private:
   /// Sizes the backward scratch for dims up to (`dim`, `dim_v`) and every thread, after
-  /// `turn_bytes` of turn counters (a no-op once large enough).
-  void reserve_backward(std::int64_t dim, std::int64_t dim_v, std::size_t turn_bytes) {
+  /// `call_bytes` of per-call values (deltas, turn counters; a no-op once large enough).
+  void reserve_backward(std::int64_t dim, std::int64_t dim_v, std::size_t call_bytes) {
     const std::size_t per_thread = detail::flash_thread_bytes<detail::BackwardScratch>(dim, dim_v);
-    const std::size_t need = turn_bytes + static_cast<std::size_t>(options_.threads) * per_thread + 64;
+    const std::size_t need = call_bytes + static_cast<std::size_t>(options_.threads) * per_thread + 64;
     if (backward_scratch_.size() < need) backward_scratch_.resize(need);
   }
 
@@ -336,6 +340,7 @@ class CpuFlashKernel {
       // bf16 forms its products by AVX512-BF16's vdpbf16ps where the forward does (not on the
       // AMX level: its CPUs issue vdpbf16ps at half the FMA's rate, and AMX's backward is not written).
       [[maybe_unused]] const bool dot = std::is_same_v<T, bf16> && Kernels::bf16_dot && self.isa_ == CpuIsa::avx512_bf16;
+      self.run_tasks(job.delta_tasks(), [&](std::int64_t t, int) { Kernels::backward_deltas(job, t); });
       self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
         detail::BackwardScratch<A> s;
         detail::BackwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * stride, dim, dim_v, &s);

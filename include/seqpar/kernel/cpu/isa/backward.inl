@@ -29,18 +29,36 @@ inline bool backward_tile_keys(const FlashBackward<T, A>& job, std::int64_t b, s
   return any;
 }
 
+/// Task t of the delta pass: delta = dO . O of FlashBackward::delta_rows query rows of one
+/// (batch, head), each summed in vector lanes where it can (a scalar sum is one long chain of
+/// dependent adds).
+template <class T, class A>
+inline void backward_delta_task(const FlashBackward<T, A>& job, std::int64_t t) {
+  using V = simd_t<A>;
+  constexpr std::int64_t W = FlashTile<A>::width, R = FlashBackward<T, A>::delta_rows;
+  const std::int64_t runs = (job.q.seq() + R - 1) / R, pair = t / runs, h = pair % job.q.heads(), b = pair / job.q.heads();
+  const std::int64_t dim_v = job.v.dim(), i0 = t % runs * R, i1 = std::min(job.q.seq(), i0 + R);
+  for (std::int64_t i = i0; i < i1; ++i) {
+    const T* dor = job.dout.row(b, i, h);
+    const T* orow = job.out.row(b, i, h);
+    V acc{};
+    std::int64_t d = 0;
+    if constexpr (simd_loads_as<A, T>)
+      for (; d + W <= dim_v; d += W) acc = simd_fma(simd_load_as<A>(dor + d), simd_load_as<A>(orow + d), acc);
+    A dl = 0;
+    for (; d < dim_v; ++d) dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
+    for (std::int64_t w = 0; w < W; ++w) dl += acc[w];
+    job.delta(b, i, h) = dl;
+  }
+}
+
 /// Packs a tile's rows through `products` (pack_row, then rows_packed) and sets their LSE and
-/// delta = dO . O; a row that saw no key at all (LSE -inf) sees none of the block either, and
-/// a row that sees none of the block is packed as zeros (null rows).
+/// delta (from the delta pass); a row that saw no key at all (LSE -inf) sees none of the block
+/// either, and a row that sees none of the block is packed as zeros (null rows).
 template <class T, class A, class Products>
 inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h, std::int64_t i0,
                                std::int64_t nq, const BackwardScratch<A>& s, const Products& products) {
-  using V = simd_t<A>;
-  constexpr std::int64_t W = FlashTile<A>::width;
-  const std::int64_t dim_v = job.v.dim();
   for (std::int64_t i = 0; i < nq; ++i) {
-    const T* dor = job.dout.row(b, i0 + i, h);
-    const T* orow = job.out.row(b, i0 + i, h);
     s.lrow[i] = job.lse(b, i0 + i, h);
     if (s.lrow[i] == -std::numeric_limits<A>::infinity()) s.row_hi[i] = s.row_lo[i] - 1;
     // A row that sees none of the block adds nothing: its P and dS are 0, but dK += dS^T Q
@@ -51,16 +69,8 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
       s.delta[i] = 0;
       continue;
     }
-    products.pack_row(i, job.q.row(b, i0 + i, h), dor);
-    // delta = dO . O, in lanes where it can: a scalar sum is one long chain of dependent adds.
-    V acc{};
-    std::int64_t d = 0;
-    if constexpr (simd_loads_as<A, T>)
-      for (; d + W <= dim_v; d += W) acc = simd_fma(simd_load_as<A>(dor + d), simd_load_as<A>(orow + d), acc);
-    A dl = 0;
-    for (; d < dim_v; ++d) dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
-    for (std::int64_t w = 0; w < W; ++w) dl += acc[w];
-    s.delta[i] = dl;
+    products.pack_row(i, job.q.row(b, i0 + i, h), job.dout.row(b, i0 + i, h));
+    s.delta[i] = job.delta(b, i0 + i, h);
   }
   products.rows_packed(nq);
 }

@@ -120,6 +120,11 @@ struct IsaKernels {
     decode_task<T, O, A>(job, task, s);
   }
 
+  /// See backward_delta_task.
+  template <class T, class A>
+  static void backward_deltas(const FlashBackward<T, A>& job, std::int64_t t) {
+    backward_delta_task(job, t);
+  }
   /// See backward_task (with ConvertedBackward).
   template <class T, class A>
   static void backward(const FlashBackward<T, A>& job, std::int64_t t, const BackwardScratch<A>& s,
