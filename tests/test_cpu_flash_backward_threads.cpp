@@ -60,7 +60,9 @@ struct Grads {
 
 /// Inputs rounded to T, the exact forward (out, LSE) on them, and the exact gradients added to
 /// random starting values; then CpuFlashKernel::backward in T on 1, 2, 3, 5 threads (one kernel
-/// object, re-threaded, so the scratch is regrown and reused).
+/// object, re-threaded, so the scratch is regrown and reused). One thread takes two key blocks
+/// per task; more threads take one where that leaves them fewer than 8 tasks each, so the
+/// bit-for-bit checks also hold the two task sizes to the same sums.
 template <class T>
 void check_threads(const Shape& s, std::uint64_t seed) {
   // Under a sanitizer the float runs alone (turn counters and scratch slices are the same code
@@ -220,6 +222,13 @@ TEST_CASE_TEMPLATE("threaded flash backward: windows, documents and padding (key
   d.mask.doc_count = 4;
   d.mask.kv_valid = valid.data();
   check_threads<T>(d, 42);
+  // Batch 2 with 8 K/V heads: enough tasks that 2 and 3 threads take two key blocks per task,
+  // as one thread does (5 threads take one): causal with a 300-key window, so some query
+  // blocks see only the first block of a task and some only the second.
+  Shape two = shape(777, 777, true, 8, 8, 4);
+  two.b = 2;
+  two.mask.window_left = 300;
+  check_threads<T>(two, 43);
 }
 
 TEST_CASE_TEMPLATE("threaded flash backward: soft-capped scores and a value head dim, alone and together", T, float,

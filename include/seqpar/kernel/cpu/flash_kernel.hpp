@@ -223,7 +223,8 @@ class CpuFlashKernel {
                 TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
                 TensorView<acc_t<T>> dk, TensorView<acc_t<T>> dv, const KernelParams& p) {
     using A = acc_t<T>;
-    detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p, nullptr};
+    detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p, nullptr,
+                                    detail::FlashBackward<T, A>::blocks_for(k.seq(), q.batch(), k.heads(), threads())};
     const std::size_t delta_bytes = round_up(job.delta_bytes(q.batch(), q.heads(), q.seq()), 256);
     const std::size_t turn_bytes = pool_ ? round_up(static_cast<std::size_t>(job.turn_count()) * 4, 256) : 0;
     reserve_backward(q.dim(), v.dim(), delta_bytes + turn_bytes);

@@ -37,6 +37,10 @@ inline constexpr std::int64_t fwd_block_rows = fwd_block_q + max_forward_panel<f
 /// rows; 256 keys are whole panels on every target.
 inline constexpr std::int64_t bwd_block_q = 72, bwd_block_k = 256;
 
+/// Most key blocks one backward task takes (FlashBackward::blocks_per_task): its tiles then
+/// span them all, so each query row is packed once per two blocks.
+inline constexpr std::int64_t bwd_task_blocks = 2;
+
 /// Whether head dims (dim, dim_v) suit the AMX forward's tiles: dim a multiple of 32 (a
 /// tile's 16 pairs along the summed head dims), dim_v of 16 (a tile's rows of O^T).
 constexpr bool amx_fits(std::int64_t dim, std::int64_t dim_v) { return dim % 32 == 0 && dim_v % 16 == 0; }
@@ -161,11 +165,11 @@ struct ForwardScratch {
 /// long (V, O, dO and dV have the value dim).
 template <class A>
 struct BackwardScratch {
-  A* ks;     ///< [BK] dim rows: keys (B of dQ = dS K)
+  A* ks;     ///< [task keys] dim rows: keys (B of dQ = dS K)
   A* kt;     ///< [dim] key rows: keys transposed (B of S)
   A* vt;     ///< [dim_v] key rows: values transposed (B of dP)
-  A* dks;    ///< [BK] dim rows: dK of the task's key block
-  A* dvs;    ///< [BK] value rows: dV of the task's key block
+  A* dks;    ///< [task keys] dim rows: dK of the task's keys
+  A* dvs;    ///< [task keys] value rows: dV of the task's keys
   A* qs;     ///< [BQ] dim rows: queries
   A* dos;    ///< [BQ] value rows: output gradients
   A* dqs;    ///< [BQ] dim rows: this tile's dQ share
@@ -177,7 +181,7 @@ struct BackwardScratch {
   std::uint16_t* dsr;    ///< [BQ] key rows of bf16: dS rounded (the AVX512-BF16 path's A of dQ)
   std::int64_t* row_lo;  ///< [BQ] keys of the block the row sees: [row_lo, row_hi] (block indices)
   std::int64_t* row_hi;  ///< [BQ]
-  std::int64_t* bad;     ///< [BK] keys of the block whose K row holds a NaN or Inf
+  std::int64_t* bad;     ///< [task keys] keys of the task whose K row holds a NaN or Inf
 
   /// Head dim rounded up to whole micro-kernel panels (the columns the products form).
   static constexpr std::int64_t padded(std::int64_t dim) {
@@ -185,13 +189,15 @@ struct BackwardScratch {
   }
   /// Stride of dim rows: one panel more than needed, so that rows are not a power of two apart.
   static constexpr std::int64_t ld_dim(std::int64_t dim) { return padded(dim) + max_panel<A>; }
+  /// Most keys of one task: bwd_task_blocks key blocks.
+  static constexpr std::int64_t task_keys = bwd_block_k * bwd_task_blocks;
   /// Stride of key rows (same reason).
-  static constexpr std::int64_t ld_keys() { return bwd_block_k + max_panel<A>; }
+  static constexpr std::int64_t ld_keys() { return task_keys + max_panel<A>; }
 
   /// Carves the scratch for head dim `dim` and value dim `dim_v` at `base`, or with a null
   /// base only measures it; returns the bytes used.
   static std::size_t carve(std::byte* base, std::int64_t dim, std::int64_t dim_v, BackwardScratch* s) {
-    constexpr std::int64_t BQ = bwd_block_q, BK = bwd_block_k;
+    constexpr std::int64_t BQ = bwd_block_q, BK = task_keys;
     const std::int64_t ld = ld_dim(dim), ldv = ld_dim(dim_v), lk = ld_keys();
     BackwardScratch tmp;
     BackwardScratch& r = s ? *s : tmp;

@@ -214,10 +214,9 @@ struct ConvertedBackward {
     }
   }
 
-  /// The tile's products over the keys [kmin, kmax] some row sees: S = Q K^T and dP = dO V^T
-  /// with keys in the lanes (whole key panels from kmin's), P and dS, then dV += P^T dO, dK
-  /// += dS^T Q (over the tile's queries) and the dQ share dS K (over its keys, into s.dqs)
-  /// with head dims in the lanes; then the dQ terms of non-finite K rows.
+  /// The tile's products over the keys [kmin, kmax] some row sees but dQ's: S = Q K^T and dP
+  /// = dO V^T with keys in the lanes (whole key panels from kmin's), P and dS, then dV += P^T
+  /// dO and dK += dS^T Q (over the tile's queries) with head dims in the lanes.
   void products(std::int64_t nq, std::int64_t kmin, std::int64_t kmax) const {
     const std::int64_t nv = kmax + 1 - kmin, c_lo = kmin / PW * PW, c_hi = (kmax + PW) / PW * PW;
     for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
@@ -232,13 +231,20 @@ struct ConvertedBackward {
     for (std::int64_t c0 = 0; c0 < std::max(dp, dpv); c0 += PW) {
       if (c0 < dpv)
         flash_tiles<true, 2, lk>(nv, s.pm + kmin, 1, lk, MR, s.dos + c0, ldv, nq, s.dvs + kmin * ldv + c0, ldv, s.ones);
-      if (c0 >= dp) continue;
-      flash_tiles<true, 2, lk>(nv, s.ds + kmin, 1, lk, MR, s.qs + c0, ld, nq, s.dks + kmin * ld + c0, ld, s.ones);
-      flash_tiles<false, 2, 1>(nq, s.ds + kmin, lk, 1, MR * lk, s.ks + kmin * ld + c0, ld, nv, s.dqs + c0, ld,
-                               static_cast<const A*>(nullptr));
+      if (c0 < dp)
+        flash_tiles<true, 2, lk>(nv, s.ds + kmin, 1, lk, MR, s.qs + c0, ld, nq, s.dks + kmin * ld + c0, ld, s.ones);
     }
+  }
+
+  /// The tile's dQ share of keys [kmin, kmax] (after products): dS K into s.dqs, head dims in
+  /// the lanes, then the terms of those keys whose K row is non-finite.
+  void dq_share(std::int64_t nq, std::int64_t kmin, std::int64_t kmax) const {
+    for (std::int64_t c0 = 0; c0 < dp; c0 += PW)
+      flash_tiles<false, 2, 1>(nq, s.ds + kmin, lk, 1, MR * lk, s.ks + kmin * ld + c0, ld, kmax + 1 - kmin, s.dqs + c0,
+                               ld, static_cast<const A*>(nullptr));
     for (std::int64_t n = 0; n < nbad; ++n) {
       const std::int64_t j = s.bad[n];
+      if (j < kmin || j > kmax) continue;
       backward_add_bad_key(s, j, nq, dim, ld, [&](std::int64_t i) { return s.ds[i * lk + j]; },
                            [&](std::int64_t d) { return s.kt[d * lk + j]; });
     }
@@ -255,8 +261,28 @@ inline void add_row(const A* src, std::int64_t n, A* dst) {
   for (; d < n; ++d) dst[d] += src[d];
 }
 
-/// Runs task t of `job` (key block t / (batch x K/V heads) of pair t % (batch x K/V heads))
-/// with the operands and products of `Products` (ConvertedBackward, or a dot product path).
+/// Keys [kmin, kmax] of the block [lo, hi] (task key indices) that the tile's `nq` rows see
+/// by s.row_lo / s.row_hi (kmax < kmin: none).
+template <class A>
+inline void tile_key_span(const BackwardScratch<A>& s, std::int64_t nq, std::int64_t lo, std::int64_t hi,
+                          std::int64_t& kmin, std::int64_t& kmax) {
+  kmin = hi + 1;
+  kmax = lo - 1;
+  for (std::int64_t i = 0; i < nq; ++i) {
+    const std::int64_t a = std::max(s.row_lo[i], lo), z = std::min(s.row_hi[i], hi);
+    if (a > z) continue;
+    kmin = std::min(kmin, a);
+    kmax = std::max(kmax, z);
+  }
+}
+
+/// Runs task t of `job` (key blocks [t / P x n, t / P x n + n) of pair t % P, P = batch x K/V
+/// heads, n = job.blocks_per_task) with the operands and products of `Products`
+/// (ConvertedBackward, or a dot product path). A tile's products run over every key of the
+/// task that a row sees, but its dQ share is formed and added one key block at a time, each
+/// in its own turn: so a task of two blocks adds to dQ exactly the sums, in exactly the order,
+/// that two tasks of one block each would, and the result does not depend on blocks_per_task
+/// (nor on the thread count that chose it). Every other sum is per key or per element.
 template <class Products, class T, class A>
 void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const BackwardScratch<A>& s, std::int32_t* turns) {
   constexpr std::int64_t BQ = FlashBackward<T, A>::BQ, BK = FlashBackward<T, A>::BK;
@@ -264,7 +290,8 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
                 "key blocks and scratch rows must be whole panels");
   const auto &q = job.q, &k = job.k;
   const std::int64_t pairs = q.batch() * k.heads(), b = t % pairs / k.heads(), kh = t % pairs % k.heads();
-  const std::int64_t jb = t / pairs, j0 = jb * BK, nk = std::min(BK, k.seq() - j0);
+  const std::int64_t jb = t / pairs * job.blocks_per_task, j0 = jb * BK;
+  const std::int64_t nk = std::min(BK * job.blocks_per_task, k.seq() - j0), blocks = (nk + BK - 1) / BK;
   const std::int64_t dim = q.dim(), dim_v = job.v.dim(), nqb = job.query_blocks();
   const std::int64_t ld = BackwardScratch<A>::ld_dim(dim), ldv = BackwardScratch<A>::ld_dim(dim_v);
   Products products{job, s, b, kh};
@@ -278,30 +305,43 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
     if (job.p.kv_head(h) != kh) continue;
     for (std::int64_t ib = 0; ib < nqb; ++ib) {
       const std::int64_t i0 = ib * BQ, nq = std::min(BQ, q.seq() - i0);
-      // Skip the query blocks that see none of this key block.
+      // Skip the query blocks that see none of this task's keys.
       std::int64_t prev = -1;
       if (!backward_tile_keys(job, b, i0, nq, j0, nk, s, prev)) continue;
       touched = true;
+      // Keys [lo, hi] of the task's block n that the rows see.
+      auto block_span = [&](std::int64_t n, std::int64_t& lo, std::int64_t& hi) {
+        tile_key_span(s, nq, n * BK, std::min(nk, n * BK + BK) - 1, lo, hi);
+      };
+      // The last of the task's blocks the rows see by the mask (a later block's task waits
+      // for the turn after it), before rows that saw no key at all are dropped.
+      std::int64_t last = -1;
+      for (std::int64_t n = 0; n < blocks; ++n) {
+        std::int64_t lo, hi;
+        block_span(n, lo, hi);
+        if (hi >= lo) last = n;
+      }
       backward_pack_rows(job, b, h, i0, nq, s, products);
       // (No software prefetch of the next query block's rows: a burst of them before the
       // tile's products measured 2-6% slower at S 2048-8192, D 64 and 128, than the hardware
       // prefetchers alone; the rows are read in order, which those follow.)
       // Keys [kmin, kmax] are those some row sees: the others add nothing and are left out
       // of every product.
-      std::int64_t kmin = nk, kmax = -1;
-      for (std::int64_t i = 0; i < nq; ++i)
-        if (s.row_lo[i] <= s.row_hi[i]) {
-          kmin = std::min(kmin, s.row_lo[i]);
-          kmax = std::max(kmax, s.row_hi[i]);
-        }
+      std::int64_t kmin, kmax;
+      tile_key_span(s, nq, 0, nk - 1, kmin, kmax);
       if (kmax >= kmin) products.products(nq, kmin, kmax);
-      // This key block's dQ share goes after that of `prev`, the last earlier block that
+      // Each key block's dQ share goes after that of `prev`, the last earlier block that
       // these rows see (so in key block order whatever the threads).
       std::int32_t* turn = turns ? turns + (b * q.heads() + h) * nqb + ib : nullptr;
       if (turn) wait_turn(*turn, static_cast<std::int32_t>(prev + 1));
-      if (kmax >= kmin)
+      for (std::int64_t n = 0; n <= last && kmax >= kmin; ++n) {
+        std::int64_t lo, hi;
+        block_span(n, lo, hi);
+        if (hi < lo) continue;
+        products.dq_share(nq, lo, hi);
         for (std::int64_t i = 0; i < nq; ++i) add_row(s.dqs + i * ld, dim, job.dq.row(b, i0 + i, h));
-      if (turn) pass_turn(*turn, static_cast<std::int32_t>(jb + 1));
+      }
+      if (turn) pass_turn(*turn, static_cast<std::int32_t>(jb + last + 1));
     }
   }
   if (!touched) return;

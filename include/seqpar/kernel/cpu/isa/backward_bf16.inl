@@ -163,12 +163,11 @@ struct Bf16DotBackward {
     }
   }
 
-  /// The tile's products over the keys [kmin, kmax] some row sees (as
-  /// ConvertedBackward::products), on pairs: dQ's pairs of keys start at the even key at or
-  /// before kmin (dS is 0 at a key no row sees).
+  /// The tile's products over the keys [kmin, kmax] some row sees but dQ's (as
+  /// ConvertedBackward::products), on pairs.
   void products(std::int64_t nq, std::int64_t kmin, std::int64_t kmax) const {
     const std::int64_t nv = kmax + 1 - kmin, c_lo = kmin / PW * PW, c_hi = (kmax + PW) / PW * PW;
-    const std::int64_t qpairs = (nq + 1) / 2, ke = kmin / 2 * 2, kpairs = (kmax + 2 - ke) / 2;
+    const std::int64_t qpairs = (nq + 1) / 2;
     const std::uint32_t *q = bf16_row(s.qs, ld, 0), *dout = bf16_row(s.dos, ldv, 0);
     for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
       dot_tiles<false>(nq, q, ld / 2, 1, MR * (ld / 2), words(s.kt) + c0, lk, (dim + 1) / 2, s.pm + c0, lk, nullptr, 1.0f);
@@ -179,19 +178,28 @@ struct Bf16DotBackward {
       probabilities<true>(nq, c_lo, c_hi);
     else
       probabilities<false>(nq, c_lo, c_hi);
-    const std::uint32_t* dsr = reinterpret_cast<const std::uint32_t*>(s.dsr) + ke / 2;
     for (std::int64_t c0 = 0; c0 < std::max(dp, dpv); c0 += PW) {
       if (c0 < dpv)
         dot_tiles<true>(nv, words(s.pm) + kmin, 1, lk, MR, query_pairs(s.dos, ldv, 0) + c0, ldv, qpairs,
                         s.dvs + kmin * ldv + c0, ldv, s.ones, 0.0f);
-      if (c0 >= dp) continue;
-      dot_tiles<true>(nv, words(s.ds) + kmin, 1, lk, MR, query_pairs(s.qs, ld, 0) + c0, ld, qpairs,
-                      s.dks + kmin * ld + c0, ld, s.ones, 0.0f);
+      if (c0 < dp)
+        dot_tiles<true>(nv, words(s.ds) + kmin, 1, lk, MR, query_pairs(s.qs, ld, 0) + c0, ld, qpairs,
+                        s.dks + kmin * ld + c0, ld, s.ones, 0.0f);
+    }
+  }
+
+  /// The tile's dQ share of keys [kmin, kmax] (as ConvertedBackward::dq_share), on pairs of
+  /// keys from the even key at or before kmin (dS is 0 at a key no row sees; a key block
+  /// starts at an even key, so no pair straddles two).
+  void dq_share(std::int64_t nq, std::int64_t kmin, std::int64_t kmax) const {
+    const std::int64_t ke = kmin / 2 * 2, kpairs = (kmax + 2 - ke) / 2;
+    const std::uint32_t* dsr = reinterpret_cast<const std::uint32_t*>(s.dsr) + ke / 2;
+    for (std::int64_t c0 = 0; c0 < dp; c0 += PW)
       dot_tiles<false>(nq, dsr, lk / 2, 1, MR * (lk / 2), words(s.ks) + ke / 2 * ld + c0, ld, kpairs, s.dqs + c0, ld,
                        nullptr, 1.0f);
-    }
     for (std::int64_t n = 0; n < nbad; ++n) {
       const std::int64_t j = s.bad[n];
+      if (j < kmin || j > kmax) continue;
       const bf16* kr = job.k.row(b, j0 + j, kh);
       backward_add_bad_key(s, j, nq, dim, ld, [&](std::int64_t i) { return static_cast<float>(bf16::from_bits(s.dsr[i * lk + j])); },
                            [&](std::int64_t d) { return static_cast<float>(kr[d]); });
