@@ -5,7 +5,7 @@
 /// has the work split and the dQ turn order; kernel/cpu/isa/backward.inl the tile loop, once
 /// per instruction set.
 ///
-/// Work split. A task is one key block of one (batch, K/V head): it owns that block's dK, dV
+/// Work split. A task is one key block (or two, below) of one (batch, K/V head): it owns their dK, dV
 /// rows (summed in scratch over every query block and every query head of the group, then
 /// added to the caller's once), so tasks never share a dK or dV row. dQ rows are shared by
 /// every key block; each task forms its dQ share of a tile in scratch and adds it to the
