@@ -261,7 +261,7 @@ class CpuFlashKernel {
   void reserve_backward(std::int64_t dim, std::int64_t dim_v, std::size_t call_bytes) {
     const std::size_t per_thread = detail::flash_thread_bytes<detail::BackwardScratch>(dim, dim_v);
     const std::size_t need = call_bytes + static_cast<std::size_t>(options_.threads) * per_thread + 64;
-    if (backward_scratch_.size() < need) backward_scratch_.resize(need);
+    backward_scratch_.grow(need);
   }
 
   /// Runs a decode-path job whose groups hold at most `keys` keys: its key chunks for this
@@ -386,7 +386,7 @@ class CpuFlashKernel {
   std::int64_t prepared_dim_v_ = 0;  // value dim the forward scratch is sized for
   std::size_t thread_stride_ = 0;
   std::vector<std::byte> scratch_;
-  std::vector<std::byte> backward_scratch_;  // backward's own; copies start empty and grow on use
+  detail::ScratchBuffer backward_scratch_;  // backward's own; copies start empty and grow on use
   std::vector<std::byte> decode_scratch_;    // the decode path's partials; as backward's
 };
 

@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <type_traits>
+#include <utility>
 
 #include "seqpar/core/key_span.hpp"
 
@@ -44,6 +47,51 @@ inline constexpr std::int64_t bwd_task_blocks = 2;
 /// Whether head dims (dim, dim_v) suit the AMX forward's tiles: dim a multiple of 32 (a
 /// tile's 16 pairs along the summed head dims), dim_v of 16 (a tile's rows of O^T).
 constexpr bool amx_fits(std::int64_t dim, std::int64_t dim_v) { return dim % 32 == 0 && dim_v % 16 == 0; }
+
+/// A growable byte range whose growth neither copies nor zero-fills: every call rewrites the
+/// scratch it reads, so what the range held is never needed, and zero-filling a plan's
+/// reserve of backward slices (megabytes a thread) was most of a small test's time under
+/// ThreadSanitizer. Builds without NDEBUG fill new bytes with 0xFF instead (NaN in every float
+/// and double lane), so that a path reading a scratch byte it did not write shows in tests;
+/// but not under ThreadSanitizer, which looks for races, and pays for every byte written.
+class ScratchBuffer {
+ public:
+  ScratchBuffer() = default;
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  /// Takes over `other`'s range; `other` is left empty.
+  ScratchBuffer(ScratchBuffer&& other) noexcept
+      : data_(std::move(other.data_)), size_(std::exchange(other.size_, 0)) {}
+  /// Takes over `other`'s range; `other` is left empty.
+  ScratchBuffer& operator=(ScratchBuffer&& other) noexcept {
+    data_ = std::move(other.data_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
+
+  /// First byte (null while empty).
+  std::byte* data() const { return data_.get(); }
+  /// Bytes held.
+  std::size_t size() const { return size_; }
+  /// At least `n` bytes from now on; a larger range replaces the old one, contents not kept.
+  void grow(std::size_t n) {
+    if (n <= size_) return;
+    data_.reset(new std::byte[n]);
+    size_ = n;
+#if !defined(NDEBUG) && !defined(__SANITIZE_THREAD__)
+    std::memset(data_.get(), 0xFF, n);
+#endif
+  }
+  /// Frees the range.
+  void clear() {
+    data_.reset();
+    size_ = 0;
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t size_ = 0;
+};
 
 /// Hands out 64-byte aligned sub-ranges of one byte range (or, with a null base, only counts).
 class ScratchCarver {
