@@ -29,7 +29,6 @@
 #include <memory>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "seqpar/core/bfloat16.hpp"
 #include "seqpar/core/error.hpp"
@@ -130,12 +129,9 @@ class CpuFlashKernel {
       prepared_dim_ = std::exchange(other.prepared_dim_, 0);
       prepared_dim_v_ = std::exchange(other.prepared_dim_v_, 0);
       thread_stride_ = std::exchange(other.thread_stride_, 0);
-      scratch_ = std::move(other.scratch_);
-      other.scratch_.clear();
+      scratch_ = std::move(other.scratch_);  // a moved-from ScratchBuffer is empty
       backward_scratch_ = std::move(other.backward_scratch_);
-      other.backward_scratch_.clear();
       decode_scratch_ = std::move(other.decode_scratch_);
-      other.decode_scratch_.clear();
     }
     return *this;
   }
@@ -168,7 +164,7 @@ class CpuFlashKernel {
     prepared_dim_ = std::max(prepared_dim_, max_head_dim);
     prepared_dim_v_ = std::max(prepared_dim_v_, dim_v);
     thread_stride_ = detail::flash_thread_bytes<detail::ForwardScratch>(prepared_dim_, prepared_dim_v_);
-    scratch_.resize(static_cast<std::size_t>(options_.threads) * thread_stride_ + 64);
+    scratch_.grow(static_cast<std::size_t>(options_.threads) * thread_stride_ + 64);
   }
 
   /// See LocalAttentionKernel. `out` may be T or the accumulation type.
@@ -247,7 +243,7 @@ class CpuFlashKernel {
     }
     const std::size_t decode = std::max(detail::decode_part_bytes_bound<float>(options_.threads, c),
                                         detail::decode_part_bytes_bound<double>(options_.threads, c));
-    if (decode > 0 && decode_scratch_.size() < decode + 64) decode_scratch_.resize(decode + 64);
+    if (decode > 0) decode_scratch_.grow(decode + 64);
   }
   /// Sizes the backward scratch for head dims up to `max_head_dim`, value dims up to
   /// `max_value_dim` (0: the head dim) and every thread (a no-op once large enough).
@@ -271,7 +267,7 @@ class CpuFlashKernel {
   void run_decode(detail::FlashDecode<T, O, A> job, std::int64_t keys) {
     job.chunks = detail::FlashDecode<T, O, A>::chunks_for(options_.threads, job.groups(), keys);
     if (const std::size_t bytes = job.part_bytes(); bytes > 0) {
-      if (decode_scratch_.size() < bytes + 64) decode_scratch_.resize(bytes + 64);
+      decode_scratch_.grow(bytes + 64);
       job.part = reinterpret_cast<A*>(aligned(decode_scratch_.data()));
     }
     detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
@@ -385,9 +381,12 @@ class CpuFlashKernel {
   std::int64_t prepared_dim_ = 0;    // head dim the forward scratch is sized for
   std::int64_t prepared_dim_v_ = 0;  // value dim the forward scratch is sized for
   std::size_t thread_stride_ = 0;
-  std::vector<std::byte> scratch_;
-  detail::ScratchBuffer backward_scratch_;  // backward's own; copies start empty and grow on use
-  std::vector<std::byte> decode_scratch_;    // the decode path's partials; as backward's
+  // Each call rewrites what it reads of these, so they grow without copying or zero-filling
+  // (ScratchBuffer; builds without NDEBUG fill new bytes with NaN, and the tests pass so). A
+  // copied kernel has its own: the forward's sized as the original's, the others on use.
+  detail::ScratchBuffer scratch_;           // forward's per-thread slices
+  detail::ScratchBuffer backward_scratch_;  // backward's per-call values and per-thread slices
+  detail::ScratchBuffer decode_scratch_;    // the decode path's partials
 };
 
 }  // namespace seqpar
