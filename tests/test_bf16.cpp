@@ -142,6 +142,40 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX products against the double reference, 
   }
 }
 
+// A kernel reads a view's elements and nothing past them: here Q is head 0 of a [S, 2, 67]
+// buffer whose head 1 is NaN, so element 67 of each row (where an odd head dim's last pair
+// would take its upper half from) is NaN. The output must match the same Q copied out
+// contiguously, bit for bit, on every level this CPU runs (the bf16 products pad that pair
+// with 0, the converting paths read 67 elements).
+TEST_CASE("bf16: the forward reads nothing of Q past a head view's odd head dim") {
+  constexpr std::int64_t S = 100, D = 67;
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  std::vector<bf16> q2(S * 2 * D), q1(S * D), k(S * D), v(S * D);
+  for (std::int64_t i = 0; i < S; ++i)
+    for (std::int64_t d = 0; d < D; ++d) {
+      q1[i * D + d] = q2[(i * 2) * D + d] = bf16(normal(rng));
+      q2[(i * 2 + 1) * D + d] = bf16(std::numeric_limits<float>::quiet_NaN());
+    }
+  for (auto* x : {&k, &v})
+    for (bf16& e : *x) e = bf16(normal(rng));
+  const KernelParams p = self_params(S, 0.12, -1, -1);
+  const auto kv = [&](const std::vector<bf16>& x) { return TensorView<const bf16>::bshd(x.data(), 1, S, 1, D); };
+  for (CpuIsa isa : {CpuIsa::amx_bf16, CpuIsa::avx512_bf16, CpuIsa::avx512, CpuIsa::avx2, CpuIsa::vec128}) {
+    if (!cpu_isa_supported(isa)) continue;
+    CAPTURE(cpu_isa_name(isa));
+    CpuFlashKernel kernel(CpuFlashOptions{.isa = isa});
+    std::vector<float> o_view(S * D), o_copy(S * D);
+    kernel.forward<bf16, float>(TensorView<const bf16>::bshd(q2.data(), 1, S, 2, D).slice_heads(0, 1), kv(k), kv(v),
+                                TensorView<float>::bshd(o_view.data(), 1, S, 1, D), {}, p);
+    kernel.forward<bf16, float>(kv(q1), kv(k), kv(v), TensorView<float>::bshd(o_copy.data(), 1, S, 1, D), {}, p);
+    bool finite = true;
+    for (float x : o_view) finite = finite && std::isfinite(x);
+    CHECK(finite);
+    CHECK(o_view == o_copy);
+  }
+}
+
 // The AVX512-BF16 backward forms its five products from pairs of bf16 (head dims for S and
 // dP, queries for dV and dK, keys for dQ), with P and dS rounded to bf16 as FlashAttention-2
 // rounds them on GPUs: odd head dims end in a zero pair, an odd tile's last query pair in a

@@ -16,10 +16,12 @@
 ///    (48 queries: each broadcast feeds three FMAs), elsewhere panels are 2 vectors;
 ///  - the softmax statistics (running max m, sum l, rescale alpha) of a column of queries are
 ///    lane-wise vector operations over the rows of S^T, and exp is the vectorised fast_exp.
-/// O^T is transposed back, divided by l, once per query block. Per thread the working set is
-/// Q^T, O^T (head_dim x query block each) and S^T (block_k x query block): 96 or 192 KiB at
-/// head_dim 128 in float, in L2; one micro-kernel's B panel (<= 16 KiB) stays in L1. The next
-/// key block's K and V rows are prefetched into L2 while the current one computes.
+/// Q^T is packed and O^T transposed back (divided by l) once per query block, a vector's
+/// width of rows at a time through in-register transposes (isa/simd.inl, transpose_lanes).
+/// Per thread the working set is Q^T, O^T (head_dim x query block each) and S^T (block_k x
+/// query block): 96 or 192 KiB at head_dim 128 in float, in L2; one micro-kernel's B panel
+/// (<= 16 KiB) stays in L1. The next key block's K and V rows are prefetched into L2 while
+/// the current one computes.
 
 #include <algorithm>
 #include <cmath>

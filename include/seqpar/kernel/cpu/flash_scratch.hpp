@@ -51,9 +51,10 @@ constexpr bool amx_fits(std::int64_t dim, std::int64_t dim_v) { return dim % 32 
 /// A growable byte range whose growth neither copies nor zero-fills: every call rewrites the
 /// scratch it reads, so what the range held is never needed, and zero-filling a plan's
 /// reserve of backward slices (megabytes a thread) was most of a small test's time under
-/// ThreadSanitizer. CpuFlashKernel's forward, backward and decode scratch are all of this kind. Builds without NDEBUG fill new bytes with 0xFF instead (NaN in every float
-/// and double lane), so that a path reading a scratch byte it did not write shows in tests;
-/// but not under ThreadSanitizer, which looks for races, and pays for every byte written.
+/// ThreadSanitizer. CpuFlashKernel's forward, backward and decode scratch are all of this
+/// kind. Builds without NDEBUG fill new bytes with 0xFF instead (NaN in every float and double
+/// lane), so that a path reading a scratch byte it did not write shows in tests; but not under
+/// ThreadSanitizer, which looks for races, and pays for every byte written.
 class ScratchBuffer {
  public:
   ScratchBuffer() = default;

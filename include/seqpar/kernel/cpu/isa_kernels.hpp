@@ -15,6 +15,7 @@
 /// a pragma.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

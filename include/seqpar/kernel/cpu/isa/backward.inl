@@ -138,6 +138,18 @@ inline void backward_add_bad_key(const BackwardScratch<A>& s, std::int64_t j, st
   }
 }
 
+/// The first of the tile's `nq` rows whose last key seen (s.row_hi) is c0 or later: the rows
+/// before it see no key of a panel from c0 on. S and dP of such a panel are formed from that
+/// row on: on a causal diagonal the rows above the panel's first key see none of it, and P and
+/// dS there are 0 without reading S (ProbabilityLanes::at). Where every row reaches the panel
+/// (no causal diagonal) this costs one comparison.
+template <class A>
+inline std::int64_t first_row_reaching(const BackwardScratch<A>& s, std::int64_t nq, std::int64_t c0) {
+  std::int64_t r = 0;
+  while (r < nq && s.row_hi[r] < c0) ++r;
+  return r;
+}
+
 /// The backward's operands and products in the accumulation type A, every element type
 /// converted on the way in (the path of float, double, and of bf16 / fp16 where no dot
 /// product path runs): the five products of a tile through flash_tiles. One per task: its
@@ -220,9 +232,11 @@ struct ConvertedBackward {
   void products(std::int64_t nq, std::int64_t kmin, std::int64_t kmax) const {
     const std::int64_t nv = kmax + 1 - kmin, c_lo = kmin / PW * PW, c_hi = (kmax + PW) / PW * PW;
     for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
-      flash_tiles<false, 2, 1>(nq, s.qs, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + c0, lk, static_cast<const A*>(nullptr));
-      flash_tiles<false, 2, 1>(nq, s.dos, ldv, 1, MR * ldv, s.vt + c0, lk, dim_v, s.ds + c0, lk,
+      const std::int64_t r0 = first_row_reaching(s, nq, c0);
+      flash_tiles<false, 2, 1>(nq - r0, s.qs + r0 * ld, ld, 1, MR * ld, s.kt + c0, lk, dim, s.pm + r0 * lk + c0, lk,
                                static_cast<const A*>(nullptr));
+      flash_tiles<false, 2, 1>(nq - r0, s.dos + r0 * ldv, ldv, 1, MR * ldv, s.vt + c0, lk, dim_v, s.ds + r0 * lk + c0,
+                               lk, static_cast<const A*>(nullptr));
     }
     if (job.p.softcap > 0)
       probabilities<true>(nq, c_lo, c_hi);

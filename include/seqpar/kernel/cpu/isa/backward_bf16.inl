@@ -168,11 +168,12 @@ struct Bf16DotBackward {
   void products(std::int64_t nq, std::int64_t kmin, std::int64_t kmax) const {
     const std::int64_t nv = kmax + 1 - kmin, c_lo = kmin / PW * PW, c_hi = (kmax + PW) / PW * PW;
     const std::int64_t qpairs = (nq + 1) / 2;
-    const std::uint32_t *q = bf16_row(s.qs, ld, 0), *dout = bf16_row(s.dos, ldv, 0);
     for (std::int64_t c0 = c_lo; c0 < c_hi; c0 += PW) {
-      dot_tiles<false>(nq, q, ld / 2, 1, MR * (ld / 2), words(s.kt) + c0, lk, (dim + 1) / 2, s.pm + c0, lk, nullptr, 1.0f);
-      dot_tiles<false>(nq, dout, ldv / 2, 1, MR * (ldv / 2), words(s.vt) + c0, lk, (dim_v + 1) / 2, s.ds + c0, lk,
-                       nullptr, 1.0f);
+      const std::int64_t r0 = first_row_reaching(s, nq, c0);
+      dot_tiles<false>(nq - r0, bf16_row(s.qs, ld, r0), ld / 2, 1, MR * (ld / 2), words(s.kt) + c0, lk, (dim + 1) / 2,
+                       s.pm + r0 * lk + c0, lk, nullptr, 1.0f);
+      dot_tiles<false>(nq - r0, bf16_row(s.dos, ldv, r0), ldv / 2, 1, MR * (ldv / 2), words(s.vt) + c0, lk,
+                       (dim_v + 1) / 2, s.ds + r0 * lk + c0, lk, nullptr, 1.0f);
     }
     if (job.p.softcap > 0)
       probabilities<true>(nq, c_lo, c_hi);

@@ -101,10 +101,28 @@ struct ConvertedProducts {
   std::ptrdiff_t v_tile = 0;                             ///< elements of one packed V tile
   bool v_finite = true;                                  ///< the block's V holds no NaN or Inf
 
-  /// Query column `i` of the block from row `src` (null: a padding lane, zero).
-  void pack_query(std::int64_t i, const T* src) const {
-    A* col = s.qt + i / PW * (dim * PW) + i % PW;
-    for (std::int64_t d = 0; d < dim; ++d) col[d * PW] = src ? static_cast<A>(src[d]) * scale : A(0);
+  /// Query columns pack in groups of this many (forward_query_block).
+  static constexpr int query_group = FlashTile<A>::width;
+
+  /// Query columns [i, i + query_group) of the block (i a multiple of query_group), scaled,
+  /// from the rows at `src` (null: a padding lane, zero).
+  void pack_queries(std::int64_t i, const T* const* src) const {
+    using V = simd_t<A>;
+    const V sc = simd_splat(scale);
+    auto load = [&](int r, std::int64_t d) {
+      if (!src[r]) return V{};
+      if constexpr (simd_loads_as<A, T>) {
+        return simd_load_as<A>(src[r] + d) * sc;
+      } else {
+        V x;
+        for (int w = 0; w < query_group; ++w) x[w] = static_cast<A>(src[r][d + w]);
+        return x * sc;
+      }
+    };
+    A* const col = s.qt + i / PW * (dim * PW) + i % PW;
+    auto store = [&](int k, std::int64_t d, V x) { simd_store(col + (d + k) * PW, x); };
+    for (std::int64_t d = transpose_blocks<A>(dim, load, store); d < dim; ++d)
+      for (int r = 0; r < query_group; ++r) col[d * PW + r] = src[r] ? static_cast<A>(src[r][d]) * scale : A(0);
   }
 
   /// K rows copied (and converted to A) into rows ldk apart: in the caller's tensor a head's
@@ -194,21 +212,27 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
   const std::int64_t ot_panel = dim_v * PW;  // elements of one O^T panel
   const A cap = static_cast<A>(p.softcap);
 
-  // Q^T; padding lanes are zero (finite scores, never written out). Rows a few ahead are
-  // prefetched: a head's rows are H D elements apart, a stride the hardware prefetchers miss,
-  // and each is read once.
-  constexpr std::int64_t ahead = 8;
-  for (std::int64_t i = 0; i < ncols; ++i) {
-    if (i + ahead < nq) prefetch_row(q.row(b, i0 + i + ahead, h), dim, 3);
-    const T* src = i < nq ? q.row(b, i0 + i, h) : nullptr;
-    products.pack_query(i, src);
-    if (src) {
-      const KeySpan r = p.row_span(b, i0 + i, sk);
-      s.first[i] = r.first;
-      s.last[i] = r.last;
+  // Q^T, a group of rows at a time (Products::pack_queries transposes them into lanes); padding
+  // lanes are zero (finite scores, never written out). The next group's rows are prefetched:
+  // a head's rows are H D elements apart, a stride the hardware prefetchers miss, and each is
+  // read once.
+  constexpr int G = Products::query_group;
+  constexpr std::int64_t ahead = G;
+  static_assert(PW % G == 0, "query panels are whole groups");
+  for (std::int64_t g = 0; g < ncols; g += G) {
+    const T* src[G];
+    for (std::int64_t i = g; i < g + G; ++i) {
+      if (i + ahead < nq) prefetch_row(q.row(b, i0 + i + ahead, h), dim, 3);
+      src[i - g] = i < nq ? q.row(b, i0 + i, h) : nullptr;
+      if (i < nq) {
+        const KeySpan r = p.row_span(b, i0 + i, sk);
+        s.first[i] = r.first;
+        s.last[i] = r.last;
+      }
+      s.m[i] = neg_inf;
+      s.l[i] = 0;
     }
-    s.m[i] = neg_inf;
-    s.l[i] = 0;
+    products.pack_queries(g, src);
   }
   std::fill(s.ot, s.ot + ncols * dim_v, A(0));
 
@@ -257,11 +281,30 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
     }
   }
 
-  for (std::int64_t i = 0; i < nq; ++i) {
-    O* dst = out.row(b, i0 + i, h);
-    const RowEnd<A> e = row_end(s.m[i], s.l[i]);
-    const A* col = s.ot + i / PW * ot_panel + i % PW;
-    for (std::int64_t d = 0; d < dim_v; ++d) dst[d] = static_cast<O>(col[d * PW] * e.inv);
-    if (!lse.absent()) lse(b, i0 + i, h) = e.lse;
+  // The rows out, W at a time: lanes [g, g + W) of O^T turned back into rows, times 1 / l.
+  using V = simd_t<A>;
+  constexpr int W = FlashTile<A>::width;
+  for (std::int64_t g = 0; g < nq; g += W) {
+    const int rows = static_cast<int>(std::min<std::int64_t>(W, nq - g));
+    A inv[W];
+    O* dst[W];
+    for (int r = 0; r < rows; ++r) {
+      const RowEnd<A> e = row_end(s.m[g + r], s.l[g + r]);
+      inv[r] = e.inv;
+      dst[r] = out.row(b, i0 + g + r, h);
+      if (!lse.absent()) lse(b, i0 + g + r, h) = e.lse;
+    }
+    const A* const col = s.ot + g / PW * ot_panel + g % PW;
+    auto load = [&](int k, std::int64_t d) { return simd_load(col + (d + k) * PW); };
+    auto store = [&](int r, std::int64_t d, V x) {
+      if (r >= rows) return;
+      x *= inv[r];
+      if constexpr (std::is_same_v<O, A>)
+        simd_store(dst[r] + d, x);
+      else
+        for (int w = 0; w < W; ++w) dst[r][d + w] = static_cast<O>(x[w]);
+    };
+    for (std::int64_t d = transpose_blocks<A>(dim_v, load, store); d < dim_v; ++d)
+      for (int r = 0; r < rows; ++r) dst[r][d] = static_cast<O>(col[d * PW + r] * inv[r]);
   }
 }

@@ -105,12 +105,28 @@ struct Bf16DotProducts {
   /// The block's K pair rows (in the scratch's kbuf).
   std::uint32_t* kpairs() const { return reinterpret_cast<std::uint32_t*>(conv.s.kbuf); }
 
-  /// Query column `i` as dim pairs x lanes (null `src`: a padding lane, zero), unscaled.
-  void pack_query(std::int64_t i, const bf16* src) const {
-    std::uint32_t* col = qpairs() + i / PW * (dp * PW) + i % PW;
+  /// Query columns pack in groups of this many (forward_query_block).
+  static constexpr int query_group = Simd<float>::width;
+
+  /// Query columns [i, i + query_group) as dim pairs x lanes (i a multiple of query_group),
+  /// unscaled, from the rows at `src` (null: a padding lane, zero).
+  void pack_queries(std::int64_t i, const bf16* const* src) const {
+    using Pairs = lanes_of<std::uint32_t>;
     const std::int64_t dim = conv.dim;
-    for (std::int64_t d = 0; d + 1 < dim; d += 2) col[d / 2 * PW] = src ? bf16_pair(src[d].bits, src[d + 1].bits) : 0;
-    if (dim % 2) col[(dp - 1) * PW] = src ? bf16_pair(src[dim - 1].bits, 0) : 0;
+    std::uint32_t* col = qpairs() + i / PW * (dp * PW) + i % PW;
+    auto load = [&](int r, std::int64_t p) {
+      Pairs x{};
+      if (src[r]) std::memcpy(&x, src[r] + 2 * p, sizeof x);
+      return x;
+    };
+    // Pair p of row r; an odd dim's last pair ends in 0.
+    auto one = [&](int r, std::int64_t p) -> std::uint32_t {
+      if (!src[r]) return 0;
+      return bf16_pair(src[r][2 * p].bits, 2 * p + 1 < dim ? src[r][2 * p + 1].bits : std::uint16_t{0});
+    };
+    auto store = [&](int k, std::int64_t p, Pairs x) { std::memcpy(col + (p + k) * PW, &x, sizeof x); };
+    for (std::int64_t p = transpose_blocks<std::uint32_t>(dim / 2, load, store); p < dp; ++p)
+      for (int r = 0; r < query_group; ++r) col[p * PW + r] = one(r, p);
   }
 
   /// K rows of the block copied as pair rows ldp apart, and V packed in key pairs: tile t
@@ -267,8 +283,10 @@ struct AmxProducts {
   Bf16DotProducts dot;  ///< Q^T and K pairs, P^T pairs, and the float path of non-finite V
   bool v_finite = true;  ///< the block's V holds no NaN or Inf
 
-  /// See Bf16DotProducts::pack_query.
-  void pack_query(std::int64_t i, const bf16* src) const { dot.pack_query(i, src); }
+  /// See Bf16DotProducts.
+  static constexpr int query_group = Bf16DotProducts::query_group;
+  /// See Bf16DotProducts::pack_queries.
+  void pack_queries(std::int64_t i, const bf16* const* src) const { dot.pack_queries(i, src); }
 
   /// K's pair rows, and V^T: row d holds the block's keys' head dim d, then zeros to a whole
   /// tile past them; V's exponent bits checked on the way (and V packed in float for the
