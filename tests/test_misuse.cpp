@@ -121,3 +121,38 @@ TEST_CASE("misuse: two threads calling one object at once get a ConfigError, not
   CHECK(second_error.find("forward: called while another call on this SequenceParallelAttention runs in another "
                           "thread") == 0);
 }
+
+// A mask places rows by their positions; a default PositionMap holds none, with which every
+// row would see no key and the output would be zeros. Every host kernel refuses such a call,
+// forward and backward, and runs it once every row has a position.
+TEST_CASE("misuse: a kernel given a mask but not the rows' positions refuses instead of returning zeros") {
+  constexpr std::int64_t S = 40, H = 2, D = 16;
+  std::vector<float> x(S * H * D, 0.5f), out(S * H * D), lse(S * H), dq(S * H * D), dk(S * H * D), dv(S * H * D);
+  const auto in = TensorView<const float>::bshd(x.data(), 1, S, H, D);
+  const auto grad = [&](std::vector<float>& g) { return TensorView<float>::bshd(g.data(), 1, S, H, D); };
+  const auto lse_view = TensorView<float>::bshd(lse.data(), 1, S, H, 1);
+  auto run = [&](auto& kernel, const KernelParams& p) {
+    kernel.template forward<float, float>(in, in, in, grad(out), lse_view, p);
+    kernel.template backward<float>(in, in, in, in, TensorView<const float>(grad(out)), TensorView<const float>(lse_view),
+                                    grad(dq), grad(dk), grad(dv), p);
+  };
+  KernelParams causal;
+  causal.causal = true;
+  KernelParams window;
+  window.mask.window_left = 8;
+  CpuFlashKernel fast;
+  ReferenceKernel exact;
+  for (const KernelParams* p : {&causal, &window}) {
+    CHECK_THROWS_WITH_AS(run(fast, *p), doctest::Contains("CpuFlashKernel::forward: a mask is on"), ConfigError);
+    CHECK_THROWS_WITH_AS(run(exact, *p), doctest::Contains("ReferenceKernel::forward: a mask is on"), ConfigError);
+    KernelParams placed = *p;
+    placed.q_positions = PositionMap::run(S, 0);
+    CHECK_THROWS_WITH_AS(run(fast, placed), doctest::Contains("expected at least 40 and 40, got 40 and 0"), ConfigError);
+    placed.k_positions = PositionMap::run(S, 0);
+    CHECK_NOTHROW(run(fast, placed));
+    CHECK(out[(S - 1) * H * D] == doctest::Approx(0.5f));  // V is 0.5 everywhere: every row sees a key
+    CHECK_NOTHROW(run(exact, placed));
+  }
+  // Without a mask the positions are not read: none needed.
+  CHECK_NOTHROW(run(fast, KernelParams{}));
+}

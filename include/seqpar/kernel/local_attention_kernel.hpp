@@ -6,6 +6,7 @@
 #include <concepts>
 #include <cstdint>
 
+#include "seqpar/core/error.hpp"
 #include "seqpar/core/key_span.hpp"
 #include "seqpar/core/mask.hpp"
 #include "seqpar/core/paged_cache.hpp"
@@ -60,6 +61,18 @@ struct KernelParams {
   constexpr bool extra_mask() const {
     return mask.window_left >= 0 || mask.window_right >= 0 || mask.doc_count > 0 || mask.kv_valid != nullptr ||
            mask.row_key_end != nullptr;
+  }
+  /// Checks that a call of `q_rows` query rows and `k_rows` key rows can be placed: with causal
+  /// or another mask family on, the mask reads each row's position, so q_positions and
+  /// k_positions must hold one for every row (the first q_rows and k_rows are read). A default
+  /// PositionMap holds none: every row would see no key, and the output would be zeros, not an
+  /// error. Throws ConfigError naming `call` otherwise; the engines always set them.
+  void check_positions(std::int64_t q_rows, std::int64_t k_rows, const char* call) const {
+    if (!full_mask().any()) return;
+    SEQPAR_CHECK(q_positions.size() >= q_rows && k_positions.size() >= k_rows, ConfigError, call,
+                 ": a mask is on, so KernelParams.q_positions and k_positions must hold a position for every row: "
+                 "expected at least ", q_rows, " and ", k_rows, ", got ", q_positions.size(), " and ",
+                 k_positions.size(), " (e.g. PositionMap::run(rows, first position))");
   }
 };
 

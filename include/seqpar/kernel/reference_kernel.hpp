@@ -49,6 +49,7 @@ struct ReferenceKernel {
   template <class T, class O, class L>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<L> lse, const KernelParams& p) const {
+    p.check_positions(q.seq(), k.seq(), "ReferenceKernel::forward");
     const std::int64_t sk = k.seq(), dim = q.dim(), dim_v = v.dim();
     std::vector<double> score(static_cast<std::size_t>(sk));
     std::vector<double> acc(static_cast<std::size_t>(dim_v));
@@ -94,6 +95,7 @@ struct ReferenceKernel {
   void backward(TensorView<const T> dout, TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
                 TensorView<const T> out, TensorView<const L> lse, TensorView<G> dq, TensorView<G> dk,
                 TensorView<G> dv, const KernelParams& p) const {
+    p.check_positions(q.seq(), k.seq(), "ReferenceKernel::backward");
     const std::int64_t dim = q.dim(), dim_v = v.dim();
     std::vector<double> dq_row(static_cast<std::size_t>(dim));
     for (std::int64_t b = 0; b < q.batch(); ++b)

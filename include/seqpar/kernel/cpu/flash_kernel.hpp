@@ -177,6 +177,7 @@ class CpuFlashKernel {
   template <class T, class O>
   void forward(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
                TensorView<acc_t<T>> lse, const KernelParams& p) {
+    p.check_positions(q.seq(), k.seq(), "CpuFlashKernel::forward");
     prepare(q.dim(), v.dim());  // no-op once prepared
     using Decode = detail::FlashDecode<T, O, acc_t<T>>;
     if (Decode::applies(q, k, p)) {
@@ -221,6 +222,7 @@ class CpuFlashKernel {
                 TensorView<const T> out, TensorView<const acc_t<T>> lse, TensorView<acc_t<T>> dq,
                 TensorView<acc_t<T>> dk, TensorView<acc_t<T>> dv, const KernelParams& p) {
     using A = acc_t<T>;
+    p.check_positions(q.seq(), k.seq(), "CpuFlashKernel::backward");
     detail::FlashBackward<T, A> job{dout, q, k, v, out, lse, dq, dk, dv, p, nullptr,
                                     detail::FlashBackward<T, A>::blocks_for(k.seq(), q.batch(), k.heads(), threads())};
     const std::size_t delta_bytes = round_up(job.delta_bytes(q.batch(), q.heads(), q.seq()), 256);

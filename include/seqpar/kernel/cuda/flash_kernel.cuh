@@ -400,6 +400,7 @@ void CudaFlashKernel::forward(TensorView<const T, CudaSpace> q, TensorView<const
   static_assert(is_element<T>, "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
   static_assert(std::is_same_v<O, T> || std::is_same_v<O, float>, "CudaFlashKernel: out must have the input type or float");
   check_shapes(q, k, v, out.extent, "forward");
+  p.check_positions(q.seq(), k.seq(), "CudaFlashKernel::forward");
   SEQPAR_CHECK(lse.absent() || (lse.batch() == q.batch() && lse.seq() == q.seq() && lse.heads() == q.heads()),
                ConfigError, "CudaFlashKernel::forward: lse: expected [", q.batch(), ", ", q.seq(), ", ", q.heads(),
                ", 1], got [", lse.batch(), ", ", lse.seq(), ", ", lse.heads(), ", ", lse.dim(), "]");
@@ -438,6 +439,7 @@ void CudaFlashKernel::backward(TensorView<const T, CudaSpace> dout, TensorView<c
                                TensorView<acc_t<T>, CudaSpace> dv, const KernelParams& p) const {
   static_assert(is_element<T>, "CudaFlashKernel: the element type must be __half, __nv_bfloat16 or float");
   check_shapes(q, k, v, out.extent, "backward");
+  p.check_positions(q.seq(), k.seq(), "CudaFlashKernel::backward");
   check_same("dout", dout.extent, value_extent(q, v));
   check_same("dq", dq.extent, q.extent);
   check_same("dk", dk.extent, k.extent);
