@@ -83,11 +83,6 @@ class ScratchBuffer {
     std::memset(data_.get(), 0xFF, n);
 #endif
   }
-  /// Frees the range.
-  void clear() {
-    data_.reset();
-    size_ = 0;
-  }
 
  private:
   std::unique_ptr<std::byte[]> data_;

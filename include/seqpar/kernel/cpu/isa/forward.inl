@@ -121,7 +121,7 @@ struct ConvertedProducts {
     };
     A* const col = s.qt + i / PW * (dim * PW) + i % PW;
     auto store = [&](int k, std::int64_t d, V x) { simd_store(col + (d + k) * PW, x); };
-    for (std::int64_t d = transpose_blocks<A>(dim, load, store); d < dim; ++d)
+    for (std::int64_t d = transpose_blocks<V>(dim, load, store); d < dim; ++d)
       for (int r = 0; r < query_group; ++r) col[d * PW + r] = src[r] ? static_cast<A>(src[r][d]) * scale : A(0);
   }
 
@@ -304,7 +304,7 @@ void forward_query_block(TensorView<const T> q, TensorView<const T> k, TensorVie
       else
         for (int w = 0; w < W; ++w) dst[r][d + w] = static_cast<O>(x[w]);
     };
-    for (std::int64_t d = transpose_blocks<A>(dim_v, load, store); d < dim_v; ++d)
+    for (std::int64_t d = transpose_blocks<V>(dim_v, load, store); d < dim_v; ++d)
       for (int r = 0; r < rows; ++r) dst[r][d] = static_cast<O>(col[d * PW + r] * inv[r]);
   }
 }

@@ -111,7 +111,7 @@ struct Bf16DotProducts {
   /// Query columns [i, i + query_group) as dim pairs x lanes (i a multiple of query_group),
   /// unscaled, from the rows at `src` (null: a padding lane, zero).
   void pack_queries(std::int64_t i, const bf16* const* src) const {
-    using Pairs = lanes_of<std::uint32_t>;
+    using Pairs = Simd<float>::itype;  // 32-bit lanes: a pair each
     const std::int64_t dim = conv.dim;
     std::uint32_t* col = qpairs() + i / PW * (dp * PW) + i % PW;
     auto load = [&](int r, std::int64_t p) {
@@ -125,7 +125,7 @@ struct Bf16DotProducts {
       return bf16_pair(src[r][2 * p].bits, 2 * p + 1 < dim ? src[r][2 * p + 1].bits : std::uint16_t{0});
     };
     auto store = [&](int k, std::int64_t p, Pairs x) { std::memcpy(col + (p + k) * PW, &x, sizeof x); };
-    for (std::int64_t p = transpose_blocks<std::uint32_t>(dim / 2, load, store); p < dp; ++p)
+    for (std::int64_t p = transpose_blocks<Pairs>(dim / 2, load, store); p < dp; ++p)
       for (int r = 0; r < query_group; ++r) col[p * PW + r] = one(r, p);
   }
 

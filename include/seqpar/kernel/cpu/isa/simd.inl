@@ -159,25 +159,17 @@ inline simd_t<A> simd_load_as(const T* p) {
   }
 }
 
-/// A vector of one level's width of E (float, double, or 32- or 64-bit integers).
-template <class E>
-struct Lanes {
-  typedef E type __attribute__((vector_size(simd_bytes)));  ///< the vector
-};
-/// A vector of one level's width of E.
-template <class E>
-using lanes_of = typename Lanes<E>::type;
-
 /// Transposes the square block held in `r` (lane c of r[i] is element (i, c)) in place, so that
 /// lane c of r[i] becomes element (c, i): one round of two-vector shuffles per bit of the lane
 /// index, each round exchanging, for the rows and lanes that differ in that bit, the two
 /// off-diagonal sub-blocks (W log2 W shuffles for W lanes: 64 on AVX-512 for 256 elements,
 /// against 256 single-element moves).
-template <class E>
-[[gnu::always_inline]] inline void transpose_lanes(lanes_of<E>* r) {
-  constexpr int W = simd_bytes / sizeof(E);
-  using Index = std::conditional_t<sizeof(E) == 4, std::int32_t, std::int64_t>;
-  using M = lanes_of<Index>;
+/// V: Simd<A>::type or Simd<A>::itype (float, double, or their same-width integer lanes).
+template <class V>
+[[gnu::always_inline]] inline void transpose_lanes(V* r) {
+  constexpr int W = simd_bytes / sizeof(r[0][0]);
+  using M = std::conditional_t<sizeof(r[0][0]) == 4, Simd<float>::itype, Simd<double>::itype>;
+  using Index = std::conditional_t<sizeof(r[0][0]) == 4, std::int32_t, std::int64_t>;
   // For rows i (bit h clear) and i + h: the low row keeps its lanes without bit h and takes
   // the high row's lanes without bit h into its lanes with it; the high row the other way.
   // (const, not constexpr: nvcc's front end cannot evaluate a vector constant; GCC folds them.)
@@ -191,7 +183,7 @@ template <class E>
        const M hi = mask(std::make_integer_sequence<int, W>{}, h, true);
        for (int i = 0; i < W; ++i) {
          if (i & h) continue;
-         const lanes_of<E> a = r[i], b = r[i + h];
+         const V a = r[i], b = r[i + h];
          r[i] = __builtin_shuffle(a, b, lo);
          r[i + h] = __builtin_shuffle(a, b, hi);
        }
@@ -200,20 +192,20 @@ template <class E>
   }(std::make_integer_sequence<int, std::countr_zero(static_cast<unsigned>(W))>{});
 }
 
-/// Turns rows into lanes W x W elements at a time, W the lanes of E: for c = 0, W, 2W, ...
+/// Turns rows into lanes W x W elements at a time, W the lanes of V: for c = 0, W, 2W, ...
 /// while c + W <= n, the vectors load(i, c) for i < W (row i's elements [c, c + W)) are
 /// transposed and vector i (element c + i of every row) goes to store(i, c). Returns the
 /// first c left (the caller does elements [c, n) one at a time). The forward packs Q^T and
 /// writes its output rows so: one element at a time, those two were about a quarter of its
 /// samples outside the products (perf, head dim 128, causal, 2048 queries).
-template <class E, class Load, class Store>
+template <class V, class Load, class Store>
 [[gnu::always_inline]] inline std::int64_t transpose_blocks(std::int64_t n, Load load, Store store) {
-  constexpr int W = simd_bytes / sizeof(E);
+  constexpr int W = simd_bytes / sizeof(V{}[0]);
   std::int64_t c = 0;
   for (; c + W <= n; c += W) {
-    lanes_of<E> r[W];
+    V r[W];
     for (int i = 0; i < W; ++i) r[i] = load(i, c);
-    transpose_lanes<E>(r);
+    transpose_lanes(r);
     for (int i = 0; i < W; ++i) store(i, c, r[i]);
   }
   return c;
