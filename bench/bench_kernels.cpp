@@ -22,11 +22,12 @@ using namespace seqpar::bench;
 
 constexpr std::int64_t batch = 1, heads = 2;
 
-/// `x` rounded to bf16 (the bf16 benchmarks' inputs: the float draws, rounded once).
-std::vector<bf16> rounded_to_bf16(const std::vector<float>& x) {
-  std::vector<bf16> out;
+/// `x` rounded to H, bf16 or f16 (the narrow benchmarks' inputs: the float draws, rounded once).
+template <class H>
+std::vector<H> rounded_to(const std::vector<float>& x) {
+  std::vector<H> out;
   out.reserve(x.size());
-  for (float v : x) out.push_back(bf16(v));
+  for (float v : x) out.push_back(H(v));
   return out;
 }
 
@@ -159,7 +160,7 @@ void BM_cpu_flash_backward(benchmark::State& state) {
   CpuFlashKernel kernel;
   kernel.prepare(c.dim);
   std::vector<float> dq(c.q.size()), dk(c.k.size()), dv(c.v.size());
-  auto narrowed = [&](const std::vector<float>& x) { return narrow ? rounded_to_bf16(x) : std::vector<bf16>{}; };
+  auto narrowed = [&](const std::vector<float>& x) { return narrow ? rounded_to<bf16>(x) : std::vector<bf16>{}; };
   const std::vector<bf16> qb = narrowed(c.q), kb = narrowed(c.k), vb = narrowed(c.v);
   std::vector<bf16> ob = narrowed(c.out);  // the bf16 forward's output
   auto view = [&]<class E>(E* x) { return TensorView<E>::bshd(x, batch, c.seq, heads, c.dim); };
@@ -206,13 +207,15 @@ double median_of(std::vector<double> x) {
 /// Args: head_dim, seq, causal. The same forward (4 heads, 1 thread) in float and in bf16 (the
 /// same values rounded to bf16): bf16 by the automatic level (its converting packs, or the
 /// AVX512-BF16 products where they pay, see bf16_dot_pays) and, where the CPU has them, by the
-/// AVX512-BF16 products explicitly. One call of each per iteration, alternated; counters are
-/// medians over the iterations of the per-round ratios (float time / bf16 time: > 1 means bf16
-/// is faster) and of the calls' GFLOP/s.
+/// AVX512-BF16 products explicitly; and in fp16 (its converting packs). One call of each per
+/// iteration, alternated; counters are medians over the iterations of the per-round ratios
+/// (float time / bf16 or fp16 time: > 1 means the narrow type is faster) and of the calls' GFLOP/s.
 void BM_cpu_flash_bf16(benchmark::State& state) {
   KernelCase c(state.range(1), state.range(0), state.range(2) != 0, 4);
-  const std::vector<bf16> qb = rounded_to_bf16(c.q), kb = rounded_to_bf16(c.k), vb = rounded_to_bf16(c.v);
+  const std::vector<bf16> qb = rounded_to<bf16>(c.q), kb = rounded_to<bf16>(c.k), vb = rounded_to<bf16>(c.v);
   std::vector<bf16> ob(c.out.size());
+  const std::vector<f16> qh = rounded_to<f16>(c.q), kh = rounded_to<f16>(c.k), vh = rounded_to<f16>(c.v);
+  std::vector<f16> oh(c.out.size());
   CpuFlashKernel f32, automatic;
   const bool has_dot = cpu_isa_supported(CpuIsa::avx512_bf16);
   CpuFlashKernel dot(CpuFlashOptions{.isa = has_dot ? CpuIsa::avx512_bf16 : CpuIsa::automatic});
@@ -222,6 +225,12 @@ void BM_cpu_flash_bf16(benchmark::State& state) {
               BV::bshd(vb.data(), batch, c.seq, c.h, c.dim), TensorView<bf16>::bshd(ob.data(), batch, c.seq, c.h, c.dim),
               TensorView<float>::bshd(c.lse.data(), batch, c.seq, c.h, 1), c.params);
   };
+  using HV = TensorView<const f16>;
+  auto run_f16 = [&] {
+    automatic.forward(HV::bshd(qh.data(), batch, c.seq, c.h, c.dim), HV::bshd(kh.data(), batch, c.seq, c.h, c.dim),
+                      HV::bshd(vh.data(), batch, c.seq, c.h, c.dim), TensorView<f16>::bshd(oh.data(), batch, c.seq, c.h, c.dim),
+                      TensorView<float>::bshd(c.lse.data(), batch, c.seq, c.h, 1), c.params);
+  };
   auto timed = [](auto&& f) {
     const double t0 = thread_cpu_seconds();
     f();
@@ -229,12 +238,15 @@ void BM_cpu_flash_bf16(benchmark::State& state) {
   };
   c.run(f32);  // warm-up: first touch of the pages and the scratch
   run_bf16(automatic);
+  run_f16();
   if (has_dot) run_bf16(dot);
-  std::vector<double> tf, ta, td, ra, rd;
+  std::vector<double> tf, ta, td, th, ra, rd, rh;
   for (auto _ : state) {
     tf.push_back(timed([&] { c.run(f32); }));
     ta.push_back(timed([&] { run_bf16(automatic); }));
     ra.push_back(tf.back() / ta.back());
+    th.push_back(timed(run_f16));
+    rh.push_back(tf.back() / th.back());
     if (has_dot) {
       td.push_back(timed([&] { run_bf16(dot); }));
       rd.push_back(tf.back() / td.back());
@@ -244,6 +256,8 @@ void BM_cpu_flash_bf16(benchmark::State& state) {
   state.counters["GFLOPs_f32"] = flops / median_of(tf);
   state.counters["GFLOPs_bf16"] = flops / median_of(ta);
   state.counters["f32_over_bf16"] = median_of(ra);
+  state.counters["GFLOPs_f16"] = flops / median_of(th);
+  state.counters["f32_over_f16"] = median_of(rh);
   if (has_dot) {
     state.counters["GFLOPs_bf16_dot"] = flops / median_of(td);
     state.counters["f32_over_bf16_dot"] = median_of(rd);

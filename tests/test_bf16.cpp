@@ -11,6 +11,7 @@
 // 1e-6 and 1e-5.
 #include <doctest/doctest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -19,6 +20,7 @@
 
 #include "support/attention_check.hpp"
 #include "support/narrow_check.hpp"
+#include "seqpar/kernel/cpu/isa_kernels.hpp"
 #include "support/paged_check.hpp"
 
 using namespace seqpar;
@@ -173,6 +175,139 @@ TEST_CASE("bf16: the forward reads nothing of Q past a head view's odd head dim"
     for (float x : o_view) finite = finite && std::isfinite(x);
     CHECK(finite);
     CHECK(o_view == o_copy);
+  }
+}
+
+namespace {
+
+/// One level's own conversions between float and the 2-byte types (convert_values, its vector
+/// loads and stores where it has them), compiled for that level's target.
+struct LevelConversions {
+  CpuIsa isa;
+  void (*widen_f16)(const f16*, float*, std::int64_t);
+  void (*narrow_f16)(const float*, f16*, std::int64_t);
+  void (*widen_bf16)(const bf16*, float*, std::int64_t);
+  void (*narrow_bf16)(const float*, bf16*, std::int64_t);
+};
+
+/// The levels this test program compiled, each with its conversions.
+std::vector<LevelConversions> level_conversions() {
+  std::vector<LevelConversions> levels;
+#define SEQPAR_TEST_LEVEL(isa, ns)                                                                  \
+  levels.push_back({isa, &detail::ns::convert_values<f16, float>, &detail::ns::convert_values<float, f16>, \
+                    &detail::ns::convert_values<bf16, float>, &detail::ns::convert_values<float, bf16>})
+#ifdef SEQPAR_HAS_ISA_AVX512
+  SEQPAR_TEST_LEVEL(CpuIsa::avx512, isa_avx512);
+#endif
+#ifdef SEQPAR_HAS_ISA_AVX2
+  SEQPAR_TEST_LEVEL(CpuIsa::avx2, isa_avx2);
+#endif
+#ifdef SEQPAR_HAS_ISA_VEC128
+  SEQPAR_TEST_LEVEL(CpuIsa::vec128, isa_vec128);
+#endif
+#undef SEQPAR_TEST_LEVEL
+  return levels;
+}
+
+/// Bits of a float.
+std::uint32_t float_bits(float f) { return std::bit_cast<std::uint32_t>(f); }
+
+}  // namespace
+
+// The kernels' packs and output rows convert whole vectors (F16C's vcvtph2ps / vcvtps2ph for
+// fp16 on the AVX2 and AVX-512 levels, integer lanes elsewhere); each must give the scalar
+// conversion's bits on every value: all 65,536 fp16 and bf16 patterns widened, and narrowed
+// from floats around every rounding point of both types (each pattern of a float's upper half
+// with lower halves at, beside and between the ties of both types' last kept bits, which covers
+// ties to even, the fp16 subnormals, overflow to infinity, float subnormals, and NaN payloads).
+// One exception, the hardware's: an fp16 signalling NaN widens quiet (the same NaN otherwise).
+TEST_CASE("f16 and bf16: every level's vector conversions give the scalar conversions' bits") {
+  std::vector<f16> halves(65536);
+  std::vector<bf16> brains(65536);
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    halves[b] = f16::from_bits(static_cast<std::uint16_t>(b));
+    brains[b] = bf16::from_bits(static_cast<std::uint16_t>(b));
+  }
+  std::vector<float> floats;
+  for (std::uint32_t hi = 0; hi < 65536; ++hi)
+    for (std::uint32_t lo : {0x0u, 0x1u, 0xfffu, 0x1000u, 0x1001u, 0x1fffu, 0x2000u, 0x3000u, 0x3001u, 0x4000u,
+                             0x6000u, 0x7fffu, 0x8000u, 0x8001u, 0xc000u, 0xffffu})
+      floats.push_back(std::bit_cast<float>(hi << 16 | lo));
+  const auto n = static_cast<std::int64_t>(floats.size());
+  for (const LevelConversions& level : level_conversions()) {
+    if (!cpu_isa_supported(level.isa)) continue;
+    CAPTURE(cpu_isa_name(level.isa));
+    std::vector<float> wide(65536);
+    level.widen_f16(halves.data(), wide.data(), 65536);
+    int wrong = 0;
+    for (std::uint32_t b = 0; b < 65536; ++b) {
+      const std::uint32_t want = float_bits(static_cast<float>(halves[b])), got = float_bits(wide[b]);
+      const bool signalling = std::isnan(wide[b]) && !(want & 0x00400000u);
+      wrong += signalling ? (got | 0x00400000u) != (want | 0x00400000u) : got != want;
+    }
+    CHECK(wrong == 0);
+    level.widen_bf16(brains.data(), wide.data(), 65536);
+    wrong = 0;
+    for (std::uint32_t b = 0; b < 65536; ++b) wrong += float_bits(wide[b]) != float_bits(static_cast<float>(brains[b]));
+    CHECK(wrong == 0);
+    std::vector<f16> narrow(floats.size());
+    std::vector<bf16> narrow_b(floats.size());
+    level.narrow_f16(floats.data(), narrow.data(), n);
+    level.narrow_bf16(floats.data(), narrow_b.data(), n);
+    int wrong_f16 = 0, wrong_bf16 = 0;
+    for (std::size_t i = 0; i < floats.size(); ++i) {
+      wrong_f16 += narrow[i].bits != f16(floats[i]).bits;
+      wrong_bf16 += narrow_b[i].bits != bf16(floats[i]).bits;
+    }
+    CHECK(wrong_f16 == 0);
+    CHECK(wrong_bf16 == 0);
+  }
+}
+
+// An fp16 forward converts its inputs to float and its output back, so on every level it must
+// give, bit for bit, the float forward of the same values with its output rounded to fp16
+// (the packs' vector and tail conversions, the output rows' vector and tail stores): an odd head
+// dim, a value dim of whole and part vectors, causal, and inputs spanning fp16's range
+// (subnormals to 2^12).
+TEST_CASE("f16: the forward on every level is the float forward of the same values, rounded once") {
+  constexpr std::int64_t S = 77, D = 67, DV = 40;
+  std::mt19937 rng(41);
+  std::uniform_int_distribution<int> exponent(-26, 12);
+  std::normal_distribution<float> normal;
+  auto draw = [&](std::int64_t count, std::vector<f16>& h, std::vector<float>& f) {
+    for (std::int64_t i = 0; i < count; ++i) {
+      h.push_back(f16(std::ldexp(normal(rng), i % 7 == 0 ? exponent(rng) : 0)));
+      f.push_back(static_cast<float>(h.back()));
+    }
+  };
+  std::vector<f16> qh, kh, vh;
+  std::vector<float> qf, kf, vf;
+  draw(S * D, qh, qf);
+  draw(S * D, kh, kf);
+  draw(S * DV, vh, vf);
+  KernelParams p = self_params(S, 0.01, -1, -1);
+  p.causal = true;
+  for (CpuIsa isa : {CpuIsa::avx512, CpuIsa::avx2, CpuIsa::vec128}) {
+    if (!cpu_isa_supported(isa)) continue;
+    CAPTURE(cpu_isa_name(isa));
+    CpuFlashKernel kernel(CpuFlashOptions{.isa = isa});
+    std::vector<f16> oh(S * DV);
+    std::vector<float> of(S * DV), lh(S), lf(S);
+    kernel.forward<f16, f16>(TensorView<const f16>::bshd(qh.data(), 1, S, 1, D), TensorView<const f16>::bshd(kh.data(), 1, S, 1, D),
+                             TensorView<const f16>::bshd(vh.data(), 1, S, 1, DV), TensorView<f16>::bshd(oh.data(), 1, S, 1, DV),
+                             TensorView<float>::bshd(lh.data(), 1, S, 1, 1), p);
+    kernel.forward<float, float>(TensorView<const float>::bshd(qf.data(), 1, S, 1, D),
+                                 TensorView<const float>::bshd(kf.data(), 1, S, 1, D),
+                                 TensorView<const float>::bshd(vf.data(), 1, S, 1, DV),
+                                 TensorView<float>::bshd(of.data(), 1, S, 1, DV), TensorView<float>::bshd(lf.data(), 1, S, 1, 1), p);
+    int wrong = 0, finite = 0;
+    for (std::int64_t i = 0; i < S * DV; ++i) {
+      wrong += oh[i].bits != f16(of[i]).bits;
+      finite += std::isfinite(of[i]);
+    }
+    CHECK(finite == S * DV);
+    CHECK(wrong == 0);
+    CHECK(lh == lf);
   }
 }
 

@@ -12,7 +12,7 @@
 ///
 /// The levels:
 ///  - `avx512`: 512-bit vectors, 32 registers (AVX-512 F/BW/DQ/VL with FMA).
-///  - `avx2`: 256-bit vectors with FMA, 16 registers.
+///  - `avx2`: 256-bit vectors with FMA (and F16C, for fp16), 16 registers.
 ///  - `avx512_bf16`: `avx512` plus AVX512-BF16's dot product (vdpbf16ps), which forms two
 ///    bf16 products per float lane and instruction: bf16 inputs' forward runs its products on
 ///    it (twice the float FMA's work per instruction); everything else runs the avx512 copy.
@@ -158,7 +158,8 @@ inline bool cpu_isa_supported(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::vec128: return true;
 #if SEQPAR_CPU_ISA_X86
-    case CpuIsa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CpuIsa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case CpuIsa::avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&

@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "seqpar/core/bfloat16.hpp"
+#include "seqpar/core/float16.hpp"
 #include "seqpar/kernel/cpu/flash_backward.hpp"
 #include "seqpar/kernel/cpu/flash_decode.hpp"
 #include "seqpar/kernel/cpu/flash_scratch.hpp"
@@ -60,8 +61,8 @@
 #endif
 /// The target features of the AVX-512 and AVX2 copies (what cpu_isa_supported checks).
 #define SEQPAR_TARGET_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"
-/// The target features of the AVX2 copy.
-#define SEQPAR_TARGET_AVX2 "avx2,fma"
+/// The target features of the AVX2 copy (F16C: its fp16 loads).
+#define SEQPAR_TARGET_AVX2 "avx2,fma,f16c"
 
 #if SEQPAR_CPU_ISA_DISPATCH && SEQPAR_CPU_ISA_X86
 SEQPAR_TARGET_PUSH(SEQPAR_TARGET_AVX512)

@@ -194,10 +194,8 @@ struct ConvertedBackward {
   /// Query row `i` of the tile from `q` and `dout` (null: zeros), zero-padded to whole panels.
   void pack_row(std::int64_t i, const T* q, const T* dout) const {
     auto copy = [](const T* src, std::int64_t n, std::int64_t padded, A* dst) {
-      std::int64_t d = 0;
-      if (src)
-        for (; d < n; ++d) dst[d] = static_cast<A>(src[d]);
-      std::fill(dst + d, dst + padded, A(0));
+      if (src) convert_values(src, dst, n);
+      std::fill(dst + (src ? n : 0), dst + padded, A(0));
     };
     copy(q, dim, dp, s.qs + i * ld);
     copy(dout, dim_v, dpv, s.dos + i * ldv);

@@ -223,15 +223,6 @@ struct BlockRows {
   const A* row(std::int64_t j) const { return at + j * ld; }
 };
 
-/// The `n` bf16 values at `src` as float at `dst`, a vector at a time (simd_load_as: a scalar
-/// loop made a bf16 decode step 2.4x slower).
-inline void widen_bf16(const bf16* src, float* dst, std::int64_t n) {
-  constexpr int W = Simd<float>::width;
-  std::int64_t d = 0;
-  for (; d + W <= n; d += W) simd_store(dst + d, simd_load_as<float>(src + d));
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
 /// The `n` rows of `dim` elements at `src` (`ld` apart) as A: in place when T is A, else
 /// widened into `buf` (rows dim apart).
 template <class A, class T>
@@ -239,12 +230,8 @@ template <class A, class T>
                                                       std::int64_t dim, A* buf) {
   if constexpr (std::is_same_v<T, A>) {
     return {src, ld};
-  } else if constexpr (std::is_same_v<T, bf16> && std::is_same_v<A, float>) {
-    for (std::int64_t j = 0; j < n; ++j) widen_bf16(src + j * ld, buf + j * dim, dim);
-    return {buf, dim};
   } else {
-    for (std::int64_t j = 0; j < n; ++j)
-      for (std::int64_t d = 0; d < dim; ++d) buf[j * dim + d] = static_cast<A>(src[j * ld + d]);
+    for (std::int64_t j = 0; j < n; ++j) convert_values(src + j * ld, buf + j * dim, dim);
     return {buf, dim};
   }
 }

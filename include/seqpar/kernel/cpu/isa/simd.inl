@@ -14,6 +14,17 @@ inline constexpr int simd_bytes = SEQPAR_ISA_BYTES;
 /// Architectural SIMD registers at this level (sizes the register tiles).
 inline constexpr int simd_registers = SEQPAR_ISA_REGISTERS;
 
+#if SEQPAR_CPU_ISA_X86 && (SEQPAR_ISA_BYTES == 64 || (SEQPAR_ISA_BYTES == 32 && (SEQPAR_CPU_ISA_DISPATCH || defined(__F16C__))))
+/// Whether this level converts fp16 by F16C (vcvtph2ps, vcvtps2ph): AVX-512 has it; the AVX2
+/// copy is compiled with it (cpu_isa_supported checks it), a one-copy AVX2 build when its flags
+/// name it.
+inline constexpr bool simd_f16c = true;
+#else
+/// Whether this level converts fp16 by F16C: not the 128-bit level, nor a one-copy AVX2 build
+/// whose flags leave it out.
+inline constexpr bool simd_f16c = false;
+#endif
+
 /// The SIMD vector of A (float or double) and its same-width integer vector.
 template <class A>
 struct Simd;
@@ -137,26 +148,100 @@ inline To bits_as(From from) {
   return to;
 }
 
-/// Whether simd_load_as<A> reads T: A itself, or bf16 as float.
+/// Whether simd_load_as<A> reads T: A itself, or bf16 / fp16 as float.
 template <class A, class T>
-inline constexpr bool simd_loads_as = std::is_same_v<T, A> || (std::is_same_v<T, bf16> && std::is_same_v<A, float>);
+inline constexpr bool simd_loads_as =
+    std::is_same_v<T, A> || ((std::is_same_v<T, bf16> || std::is_same_v<T, f16>) && std::is_same_v<A, float>);
 
-/// A vector of the values of T at `p` as A (simd_loads_as<A, T>): a plain load when T is A;
-/// bf16 as float, each value zero-extended and shifted into a float's upper half (a bf16 is
-/// one; written out: GCC 12 at -O2 leaves a scalar conversion loop unvectorised).
+/// A vector of the values of T at `p` as A (simd_loads_as<A, T>), each the float its scalar
+/// conversion gives: a plain load when T is A; a bf16 zero-extended and shifted into a float's
+/// upper half (a bf16 is one); an fp16 by F16C's vcvtph2ps on the AVX2 and AVX-512 levels
+/// (which quiets a signalling NaN; every other value bit for bit), and rebuilt from its fields
+/// in integer lanes on the 128-bit level. Written out because GCC 12 at -O2 leaves the scalar
+/// conversion loops unvectorised.
 template <class A, class T>
 inline simd_t<A> simd_load_as(const T* p) {
   static_assert(simd_loads_as<A, T>);
+#if SEQPAR_CPU_ISA_X86
+  if constexpr (std::is_same_v<T, f16> && simd_f16c) {
+    // (maskz: the unmasked form's header leaves a register "uninitialised" to GCC 12's -Wall.)
+    if constexpr (simd_bytes == 64)
+      return _mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    else
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+#endif
   if constexpr (std::is_same_v<T, A>) {
     return simd_load(p);
   } else {
-    constexpr int W = Simd<float>::width;
-    typedef std::uint16_t Half __attribute__((vector_size(W * 2)));
-    typedef std::uint32_t Word __attribute__((vector_size(W * 4)));
+    using F = simd_t<float>;
+    typedef std::uint16_t Half __attribute__((vector_size(Simd<float>::width * 2)));
+    typedef std::uint32_t Word __attribute__((vector_size(simd_bytes)));
     Half h;
     std::memcpy(&h, p, sizeof h);
-    return bits_as<simd_t<float>>(__builtin_convertvector(h, Word) << 16);
+    const Word x = __builtin_convertvector(h, Word);
+    if constexpr (std::is_same_v<T, bf16>) {
+      return bits_as<F>(x << 16);
+    } else {
+      // As f16's operator float: sign | exponent rebiased (15 -> 127) | mantissa; exponent 0
+      // is mantissa x 2^-24 (exact, whatever the FPU's denormal modes: the product is normal);
+      // exponent 31 is Inf or NaN, the mantissa kept.
+      const Word sign = (x & 0x8000u) << 16, exponent = (x >> 10) & 0x1fu, mantissa = x & 0x3ffu;
+      const Word normal = ((exponent + 112u) << 23) | (mantissa << 13);
+      const Word special = 0x7f800000u | (mantissa << 13);
+      const F small = __builtin_convertvector(bits_as<Simd<float>::itype>(mantissa), F) * 0x1p-24f;
+      return bits_as<F>(sign | (exponent == 0u ? bits_as<Word>(small) : exponent == 31u ? special : normal));
+    }
   }
+}
+
+/// Whether simd_store_as<T> writes A: as itself, or float as bf16 (every level) or fp16 (the
+/// AVX2 and AVX-512 levels, F16C).
+template <class T, class A>
+inline constexpr bool simd_stores_as =
+    std::is_same_v<T, A> || (std::is_same_v<T, bf16> && std::is_same_v<A, float>) ||
+    (std::is_same_v<T, f16> && std::is_same_v<A, float> && simd_f16c);
+
+/// Stores `x` at `p` as T (simd_stores_as<T, A>), each lane rounded as T's constructor rounds
+/// it, bit for bit: bf16 to nearest even in integer lanes (a NaN kept quiet), fp16 by F16C's
+/// vcvtps2ph to nearest even (which writes NaN, Inf and subnormals as f16's constructor does).
+/// The forward's output rows go through here (fp16 one element at a time was 1-2% of a forward).
+template <class T, class A>
+[[gnu::always_inline]] inline void simd_store_as(T* p, simd_t<A> x) {
+  static_assert(simd_stores_as<T, A>);
+  if constexpr (std::is_same_v<T, A>) {
+    simd_store(p, x);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    typedef std::uint16_t Half __attribute__((vector_size(Simd<float>::width * 2)));
+    typedef std::uint32_t Word __attribute__((vector_size(simd_bytes)));
+    const Word u = bits_as<Word>(x);
+    const Word rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    const Half h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, Half);
+    std::memcpy(static_cast<void*>(p), &h, sizeof h);
+  } else {
+#if SEQPAR_CPU_ISA_X86
+    if constexpr (simd_bytes == 64)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtps_ph(__mmask16(0xffff), x, _MM_FROUND_TO_NEAREST_INT));
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+#endif
+  }
+}
+
+/// The `n` values at `src` as To at `dst`, each as static_cast<To> gives it: a vector at a time
+/// where simd_load_as widens From to To or simd_store_as narrows it, the tail (and other pairs
+/// of types) one by one. The packs' conversions go through here, so that they run at the speed
+/// of a copy (a scalar loop made a bf16 decode step 2.4x slower); always inlined, as the loops
+/// it replaced were (a call per packed K row cost a float forward 1-2%).
+template <class From, class To>
+[[gnu::always_inline]] inline void convert_values(const From* src, To* dst, std::int64_t n) {
+  std::int64_t d = 0;
+  if constexpr (simd_loads_as<To, From>) {
+    for (; d + Simd<To>::width <= n; d += Simd<To>::width) simd_store(dst + d, simd_load_as<To>(src + d));
+  } else if constexpr (simd_stores_as<To, From>) {
+    for (; d + Simd<From>::width <= n; d += Simd<From>::width) simd_store_as<To, From>(dst + d, simd_load(src + d));
+  }
+  for (; d < n; ++d) dst[d] = static_cast<To>(src[d]);
 }
 
 /// Transposes the square block held in `r` (lane c of r[i] is element (i, c)) in place, so that
