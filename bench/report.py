@@ -329,6 +329,12 @@ def main(out_dir, results_md):
             f"medians of alternated rounds; bf16 automatic ({label}) / AVX512-BF16 products vs float)",
             f"{rows}; the best bf16 path runs at {worst:.2f}x float's speed on its worst row{why}",
             worst >= 1.5, f"{1.5 - worst:.2f}x"))
+    if fwd and all("f32_over_f16" in b for _, b in fwd):
+        target_rows.append((
+            "fp16 forward against float (the same rows; fp16's converting path, by F16C on the AVX2 and AVX-512 "
+            "levels): no target, for the record",
+            ", ".join(f"D {a['D']}{' causal' if a['causal'] else ''}: {b['GFLOPs_f16']:.0f} GFLOP/s, "
+                      f"{b['f32_over_f16']:.2f}x float's speed" for a, b in fwd), None, ""))
     dec = {n.split("<")[1].split(">")[0] + "/" + n.split("/")[1]: b for n, b in bf16.items() if base_of(n).startswith("BM_decode_kernel<")}
     pairs_dec = [(t, dec[f"float/{t}"], dec[f"bf16/{t}"]) for t in ("T:1", "T:16") if f"float/{t}" in dec and f"bf16/{t}" in dec]
     if pairs_dec:
