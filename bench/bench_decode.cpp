@@ -104,7 +104,7 @@ void BM_decode(benchmark::State& state) {
 
 /// Args: new tokens T, threads. CpuFlashKernel alone on one decode step's shape: T queries of
 /// H heads against a cache_len-token shard (K heads, D, element type E: float, or a bf16
-/// cache, half the bytes, widened block by block), each row limited to its own
+/// or fp16 cache, half the bytes, widened block by block), each row limited to its own
 /// keys by row_key_end (the cache and the step's earlier tokens), as SequenceParallelDecode
 /// calls it. Fastest call in wall time; GFLOPs = 4 T H D x visible keys per second, GBs = K
 /// and V bytes read once (2 x keys x K x D x sizeof(E)) per second: decode is bound by the latter.
@@ -152,4 +152,5 @@ void BM_decode_kernel(benchmark::State& state) {
 
 BENCHMARK_TEMPLATE(BM_decode_kernel, float)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_decode_kernel, bf16)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_decode_kernel, f16)->ArgNames({"T", "threads"})->ArgsProduct({{1, 16}, {1, 2}})->UseManualTime()->MinTime(0.5)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode)->ArgNames({"P", "gather"})->ArgsProduct({{1, 2, 4}, {0, 1}})->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);
