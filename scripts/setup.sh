@@ -24,20 +24,9 @@ esac
 # doxygen: the doxygen_no_warnings test exists only where it is installed.
 packages=(g++ make ninja-build cmake git libopenmpi-dev openmpi-bin)
 [[ $mode == all ]] && packages+=(doctest-dev libbenchmark-dev doxygen)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-    echo "setup.sh: installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  else
-    echo "setup.sh: not installing (needs root and apt-get): ${missing[*]}; trying to build anyway" >&2
-  fi
-fi
+status=0
+bash scripts/need_packages.sh "${packages[@]}" || status=$?
+if ((status == 3)); then echo "setup.sh: trying to build anyway" >&2; elif ((status)); then exit "$status"; fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
 if [[ $mode == demo ]]; then

@@ -18,21 +18,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 tests=("$@")
 ((${#tests[@]})) || tests=(test_f16 test_bf16 test_decode test_policies test_cpu_flash_backward_threads)
-packages=(g++-aarch64-linux-gnu qemu-user doctest-dev)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  else
-    echo "aarch64.sh: needs ${missing[*]} (root and apt-get install them)" >&2
-    exit 2
-  fi
-fi
+bash scripts/need_packages.sh g++-aarch64-linux-gnu qemu-user doctest-dev || exit 2
 
 out=${SEQPAR_CROSS_DIR:-build-aarch64}
 mkdir -p "$out"
