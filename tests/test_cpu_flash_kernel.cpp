@@ -826,7 +826,10 @@ TEST_CASE_TEMPLATE("flash kernel decode: dot-product scores and slabs of K/V hea
                                     {4, 90, 3, 3, 96, 2},   {1, 1100, 4, 1, 128, 2}, {1, 40, 16, 2, 256, 1},
                                     {2, 600, 6, 3, 40, 2},  {5, 75, 2, 2, 100, 1},   {1, 33, 12, 12, 24, 2}};
   std::uint64_t seed = 700;
-  for (const auto& [sq, sk, heads, kv_heads, dim, threads] : shapes) {
+  for (const auto& shape : shapes) {
+    // (Named copies, not a structured binding: Clang 14 cannot capture one in INFO's lambda.)
+    const std::int64_t sq = shape[0], sk = shape[1], heads = shape[2], kv_heads = shape[3], dim = shape[4],
+                       threads = shape[5];
     MaskCase c = cross_case(PositionMap::run(sq, 0), PositionMap::run(sk, 0), ++seed);
     INFO("tokens ", sq, ", keys ", sk, ", heads ", heads, "/", kv_heads, ", dim ", dim, ", threads ", threads);
     c.heads = heads;

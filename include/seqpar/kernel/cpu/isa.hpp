@@ -37,6 +37,7 @@
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 /// 1 when the compiler can build the AVX2 and AVX-512 copies (GCC or Clang on x86).
 #define SEQPAR_CPU_ISA_X86 1
+#include <cpuid.h>
 #else
 /// 0: only the 128-bit copy of the CPU kernels (not GCC or Clang on x86).
 #define SEQPAR_CPU_ISA_X86 0
@@ -66,7 +67,6 @@
 /// 1 when the AMX tile products are compiled (as SEQPAR_CPU_ISA_BF16_DOT, on Linux, whose
 /// arch_prctl grants the tile state).
 #define SEQPAR_CPU_ISA_AMX 1
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #else
@@ -126,6 +126,15 @@ constexpr bool cpu_isa_compiled(CpuIsa isa) {
 
 namespace detail {
 
+#if SEQPAR_CPU_ISA_X86
+/// Whether this CPU has F16C (CPUID leaf 1: ECX bit 29; Clang 14's __builtin_cpu_supports does
+/// not know it).
+inline bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1u);
+}
+#endif
+
 #if SEQPAR_CPU_ISA_AMX
 /// Whether this CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22; GCC 12's
 /// __builtin_cpu_supports does not know them) and the OS grants this process the tile data
@@ -159,7 +168,7 @@ inline bool cpu_isa_supported(CpuIsa isa) {
     case CpuIsa::vec128: return true;
 #if SEQPAR_CPU_ISA_X86
     case CpuIsa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && detail::cpu_has_f16c();
     case CpuIsa::avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&

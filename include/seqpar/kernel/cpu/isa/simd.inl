@@ -257,9 +257,13 @@ template <class V>
   using Index = std::conditional_t<sizeof(r[0][0]) == 4, std::int32_t, std::int64_t>;
   // For rows i (bit h clear) and i + h: the low row keeps its lanes without bit h and takes
   // the high row's lanes without bit h into its lanes with it; the high row the other way.
-  // (const, not constexpr: nvcc's front end cannot evaluate a vector constant; GCC folds them.)
-  const auto mask = []<int... L>(std::integer_sequence<int, L...>, int h, bool high) {
-    return M{static_cast<Index>(high ? ((L & h) ? L + W : L + h) : ((L & h) ? L - h + W : L))...};
+  // Lane L of either comes from lane lane(L, h, high) of a (below W) or of b (W and up).
+  // GCC (and nvcc's front end, which reads this host code as GCC) shuffles by a mask vector,
+  // const, not constexpr: nvcc cannot evaluate a vector constant (GCC folds them). Clang has
+  // only __builtin_shufflevector, whose lanes are constants (nvcc mistypes its result).
+  constexpr auto lane = [](int L, int h, bool high) { return high ? ((L & h) ? L + W : L + h) : ((L & h) ? L - h + W : L); };
+  const auto mask = [&]<int... L>(std::integer_sequence<int, L...>, int h, bool high) {
+    return M{static_cast<Index>(lane(L, h, high))...};
   };
   [&]<int... H>(std::integer_sequence<int, H...>) {
     (([&] {
@@ -269,8 +273,16 @@ template <class V>
        for (int i = 0; i < W; ++i) {
          if (i & h) continue;
          const V a = r[i], b = r[i + h];
+#if defined(__clang__)
+         (void)lo, (void)hi;
+         [&]<int... L>(std::integer_sequence<int, L...>) {
+           r[i] = __builtin_shufflevector(a, b, lane(L, h, false)...);
+           r[i + h] = __builtin_shufflevector(a, b, lane(L, h, true)...);
+         }(std::make_integer_sequence<int, W>{});
+#else
          r[i] = __builtin_shuffle(a, b, lo);
          r[i + h] = __builtin_shuffle(a, b, hi);
+#endif
        }
      }()),
      ...);
