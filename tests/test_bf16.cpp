@@ -4,6 +4,8 @@
 // run it end to end with float accumulation: CpuFlashKernel's forward and backward against the
 // double reference on the same bf16 inputs, and every policy over thread ranks (odd lengths,
 // causal, GQA, ring degree 3), bf16 on the wire (the bytes are the analytic count at 2 bytes).
+// This program compiles the kernels once per instruction-set level, so the vector conversions
+// of both 2-byte types (bf16 and fp16) are checked here too, level by level.
 //
 // Tolerances: O is rounded to bf16 once at the end, so its normwise error is at most about one
 // bf16 rounding (2^-8 = 3.9e-3; measured 2.0-2.2e-3): 5e-3. The LSE and the gradients stay
