@@ -219,18 +219,15 @@ void BM_cpu_flash_bf16(benchmark::State& state) {
   CpuFlashKernel f32, automatic;
   const bool has_dot = cpu_isa_supported(CpuIsa::avx512_bf16);
   CpuFlashKernel dot(CpuFlashOptions{.isa = has_dot ? CpuIsa::avx512_bf16 : CpuIsa::automatic});
-  using BV = TensorView<const bf16>;
-  auto run_bf16 = [&](CpuFlashKernel& k) {
-    k.forward(BV::bshd(qb.data(), batch, c.seq, c.h, c.dim), BV::bshd(kb.data(), batch, c.seq, c.h, c.dim),
-              BV::bshd(vb.data(), batch, c.seq, c.h, c.dim), TensorView<bf16>::bshd(ob.data(), batch, c.seq, c.h, c.dim),
+  // One forward of `k` on the 2-byte inputs q, kk, v into o.
+  auto run_narrow = [&]<class H>(CpuFlashKernel& k, const std::vector<H>& q, const std::vector<H>& kk,
+                                 const std::vector<H>& v, std::vector<H>& o) {
+    auto in = [&](const std::vector<H>& x) { return TensorView<const H>::bshd(x.data(), batch, c.seq, c.h, c.dim); };
+    k.forward(in(q), in(kk), in(v), TensorView<H>::bshd(o.data(), batch, c.seq, c.h, c.dim),
               TensorView<float>::bshd(c.lse.data(), batch, c.seq, c.h, 1), c.params);
   };
-  using HV = TensorView<const f16>;
-  auto run_f16 = [&] {
-    automatic.forward(HV::bshd(qh.data(), batch, c.seq, c.h, c.dim), HV::bshd(kh.data(), batch, c.seq, c.h, c.dim),
-                      HV::bshd(vh.data(), batch, c.seq, c.h, c.dim), TensorView<f16>::bshd(oh.data(), batch, c.seq, c.h, c.dim),
-                      TensorView<float>::bshd(c.lse.data(), batch, c.seq, c.h, 1), c.params);
-  };
+  auto run_bf16 = [&](CpuFlashKernel& k) { run_narrow(k, qb, kb, vb, ob); };
+  auto run_f16 = [&] { run_narrow(automatic, qh, kh, vh, oh); };
   auto timed = [](auto&& f) {
     const double t0 = thread_cpu_seconds();
     f();

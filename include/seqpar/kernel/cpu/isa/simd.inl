@@ -49,6 +49,12 @@ struct Simd<double> {
 template <class A>
 using simd_t = typename Simd<A>::type;
 
+/// The bits of a float vector's lanes as unsigned 32-bit words, and as many 16-bit words (the
+/// 2-byte types' bits): the conversions to and from bf16 and fp16 work on these.
+typedef std::uint32_t WordLanes __attribute__((vector_size(simd_bytes)));
+/// See WordLanes.
+typedef std::uint16_t HalfLanes __attribute__((vector_size(simd_bytes / 2)));
+
 /// Loads a vector from `p` (no alignment required).
 template <class A>
 inline simd_t<A> simd_load(const A* p) {
@@ -175,9 +181,8 @@ inline simd_t<A> simd_load_as(const T* p) {
     return simd_load(p);
   } else {
     using F = simd_t<float>;
-    typedef std::uint16_t Half __attribute__((vector_size(Simd<float>::width * 2)));
-    typedef std::uint32_t Word __attribute__((vector_size(simd_bytes)));
-    Half h;
+    using Word = WordLanes;
+    HalfLanes h;
     std::memcpy(&h, p, sizeof h);
     const Word x = __builtin_convertvector(h, Word);
     if constexpr (std::is_same_v<T, bf16>) {
@@ -212,11 +217,9 @@ template <class T, class A>
   if constexpr (std::is_same_v<T, A>) {
     simd_store(p, x);
   } else if constexpr (std::is_same_v<T, bf16>) {
-    typedef std::uint16_t Half __attribute__((vector_size(Simd<float>::width * 2)));
-    typedef std::uint32_t Word __attribute__((vector_size(simd_bytes)));
-    const Word u = bits_as<Word>(x);
-    const Word rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    const Half h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, Half);
+    const WordLanes u = bits_as<WordLanes>(x);
+    const WordLanes rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    const HalfLanes h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, HalfLanes);
     std::memcpy(static_cast<void*>(p), &h, sizeof h);
   } else {
 #if SEQPAR_CPU_ISA_X86
