@@ -187,8 +187,9 @@ void NormError::add(double got, double want, i64 where, double magnitude) {
     bad = true;
   } else {
     max_ref = std::max({max_ref, std::abs(want), magnitude});
-    if (std::abs(got - want) > max_err && !bad) {
-      max_err = std::abs(got - want);
+    const double err = std::max(0.0, std::abs(got - want) - floor);
+    if (err > max_err && !bad) {
+      max_err = err;
       worst = where, worst_got = got, worst_want = want;
     }
   }

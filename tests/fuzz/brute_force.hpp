@@ -75,6 +75,9 @@ double softcapped(double s, double cap);
 /// magnitude is that sum, so a row whose terms cancel is held to the accuracy its terms allow.
 struct NormError {
   double max_err = 0, max_ref = 0;
+  /// Absolute error not counted: what the element type cannot avoid where the values are
+  /// subnormal (set by the caller; 0: none).
+  double floor = 0;
   bool bad = false;  ///< a non-finite value where a finite one was wanted, or a -inf mismatch
   std::int64_t worst = -1;               ///< the caller's index of the worst pair (the first bad one)
   double worst_got = 0, worst_want = 0;  ///< its values

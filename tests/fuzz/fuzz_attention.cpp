@@ -215,6 +215,14 @@ void check_backward(const AttentionCase& c, const CaseData& d, const AttentionRu
     return std::any_of(d.wild_sink.begin() + kh * G, d.wild_sink.begin() + (kh + 1) * G, [](unsigned char w) { return w != 0; });
   };
   NormError dq, dk, dv, ds;
+  // A float gradient element is a sum of up to Sq + Skv terms (and one partial sum per rank),
+  // each of which the float path may round in the subnormal range: a tiny scale, or a sink that
+  // takes nearly all of a row's probability, puts whole gradients there (scale 1e-30 and a
+  // sink of 30: dQ ~ 1e-43), where no float result is closer than such roundings, however
+  // computed. Each is at most half of float's smallest subnormal, 2^-149 (inputs lie in
+  // [-1, 1]): four such roundings a term are allowed.
+  if (!c.f64)
+    dq.floor = dk.floor = dv.floor = 4 * 0.5 * static_cast<double>(d.Sq + d.Skv + c.world) * std::ldexp(1.0, -149);
   for (const RankResult& r : run.ranks) {
     auto add = [&](NormError& err, const std::vector<double>& got, const std::vector<double>& want,
                    const std::vector<double>& mag, const PositionMap& pos, i64 S, i64 heads, i64 D) {

@@ -425,3 +425,21 @@ TEST_CASE("the checks hold a row whose V values cancel to the accuracy its terms
   c.decode.data_seed = 14367442863588565289u;  // the inputs of the run that found it: error 1.05e-5 of |O|
   expect_clean(c);
 }
+
+TEST_CASE("the checks hold float gradients in the subnormal range to what float can represent") {
+  // Scale 1e-30 and a sink of 30, which takes nearly all of each row's probability: every
+  // gradient is ~1e-43, subnormal in float, where one rounding of a term (up to 2^-150) is
+  // ~1e-3 of the values. The checks allow those roundings (NormError's floor) and hold the
+  // rest to the float tolerance.
+  AttentionProblem p = small(1, 48);
+  p.causal = true;
+  p.scale = 1e-30;
+  FuzzCase c = attention(2, ulysses(true), KernelKind::cpu_flash_2, p, {{18, -1}, {13, 13}});
+  c.attention.sinks = {30.0f};
+  c.attention.backward = true;
+  c.attention.nan_hidden_kv = true;
+  for (int isa : {-1, 0}) {  // the widest level, and the 128-bit one every CPU has
+    c.attention.isa = isa;
+    expect_clean(c);
+  }
+}
