@@ -2,7 +2,8 @@
 // rank builds together (work and bytes per rank, for uneven lengths and meshes); each phase's
 // estimate is the model's arithmetic, checked by hand on shapes small enough to count; ranks
 // sharing cores, links crossing nodes and causal imbalance move the estimate the way they
-// should; the advisor ranks what runs and gives plan's reason for what does not.
+// should; the advisor ranks what runs and gives plan's reason for what does not; calibrate and
+// the estimates refuse what they cannot measure or model.
 #include <algorithm>
 #include <doctest/doctest.h>
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "seqpar/advise/advisor.hpp"
+#include "seqpar/advise/calibrate.hpp"
 #include "seqpar/advise/machines.hpp"
 #include "seqpar/seqpar.hpp"
 
@@ -179,4 +181,27 @@ TEST_CASE("the advisor's first choice is the simplest within its margin") {
   for (const Choice& c : exact)
     if (c.runs) CHECK(exact.front().ms <= c.ms);
   CHECK(lenient.front().mesh.ring == 1);  // every choice is within 1000%: Ulysses has no ring step
+}
+
+TEST_CASE("calibrate refuses options it cannot measure with, on every rank; the estimates refuse a K/V length below -1") {
+  // The latency probe sends 8 bytes out of the exchange buffers (fewer bytes: it wrote past
+  // them), and no tokens give no rate (advise then ranked a choice at NaN ms first).
+  auto refuse = [](CalibrationOptions opt, int bad_rank, const char* needle) {
+    std::vector<std::string> what(2);
+    run_ranks(2, [&](ThreadCommunicator& c) {
+      CalibrationOptions mine = c.rank() == bad_rank ? opt : CalibrationOptions{.tokens = 16, .rounds = 1};
+      try {
+        (void)calibrate<float>(c, ReferenceKernel{}, problem(2, 0, 8, false), Machine{}, mine);
+      } catch (const ConfigError& e) {
+        what[static_cast<std::size_t>(c.rank())] = e.what();
+      }
+    }, ThreadRunOptions{.timeout = std::chrono::milliseconds(10000)});
+    INFO(what[0] << " | " << what[1]);
+    CHECK(what[static_cast<std::size_t>(bad_rank)].find(needle) != std::string::npos);
+    CHECK(what[static_cast<std::size_t>(1 - bad_rank)].find("calibrate: rank " + std::to_string(bad_rank)) == 0);
+  };
+  refuse({.tokens = 16, .rounds = 1, .exchange_bytes = 4}, 0, "exchange_bytes: expected at least 8");
+  refuse({.tokens = 0, .rounds = 1}, 1, "tokens: expected at least 1, got 0");
+  CHECK_THROWS_WITH_AS(advise(problem(2, 0, 8, false), 64, -2, 2, Machine{}, false),
+                       doctest::Contains("seq_kv: expected a length, or -1"), ConfigError);
 }

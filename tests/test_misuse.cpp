@@ -1,11 +1,15 @@
 // Misuse of the public API that must not hang, wrap or crash: a plan from another object,
-// sizes that overflow, a head_dim no kernel can allocate for, and two threads calling one
-// object at once. Each must be a ConfigError naming the cause.
+// sizes that overflow, a head_dim no kernel can allocate for, two threads calling one object
+// at once, a ring's output over its input: each must be a ConfigError naming the cause. And
+// uses that must simply work: ranks with different kernels, no LSE view on a rank without rows.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <latch>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -155,4 +159,96 @@ TEST_CASE("misuse: a kernel given a mask but not the rows' positions refuses ins
   }
   // Without a mask the positions are not read: none needed.
   CHECK_NOTHROW(run(fast, KernelParams{}));
+}
+
+namespace {
+/// Tokens a rank holds in the small runs below, and their shape: 2 heads of dim 8.
+constexpr std::int64_t kHeads = 2, kDim = 8;
+
+/// `n` values in (-1, 1), never 0, from `seed`.
+std::vector<float> values(std::size_t n, unsigned seed) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<float>(((i * 37 + seed * 101) % 199) + 1) / 200.0f - 0.5f;
+  return v;
+}
+}  // namespace
+
+TEST_CASE("misuse: a ring forward refuses out or lse over q, which it reads again at every step; Ulysses computes in place") {
+  constexpr std::int64_t L = 5;
+  using CV = TensorView<const float>;
+  auto ring = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, CpuFlashKernel> a(c);
+    const Plan plan = a.plan<float>({.heads = kHeads, .head_dim = kDim}, {L});
+    std::vector<float> q = values(L * kHeads * kDim, 1 + c.rank()), kv = values(q.size(), 3 + c.rank());
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    const auto qv = TensorView<float>::bshd(q.data(), 1, L, kHeads, kDim);
+    a.forward<float>(plan, qv, CV::bshd(kv.data(), 1, L, kHeads, kDim), CV::bshd(kv.data(), 1, L, kHeads, kDim), qv, ws);
+  });
+  INFO(describe(ring));
+  CHECK(all_same_config_error(ring, "forward: out or lse overlaps q"));
+
+  // Ulysses gathers Q into its workspace before it writes the output: out over q is exact.
+  auto ulysses = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<UlyssesPolicy, ThreadCommunicator, CpuFlashKernel> a(c);
+    const Plan plan = a.plan<float>({.heads = kHeads, .head_dim = kDim}, {L});
+    std::vector<float> q = values(L * kHeads * kDim, 1 + c.rank()), kv = values(q.size(), 3 + c.rank()), apart(q.size());
+    std::vector<std::byte> ws(plan.workspace_bytes());
+    const auto qv = TensorView<float>::bshd(q.data(), 1, L, kHeads, kDim);
+    const CV kvv = CV::bshd(kv.data(), 1, L, kHeads, kDim);
+    a.forward<float>(plan, qv, kvv, kvv, TensorView<float>::bshd(apart.data(), 1, L, kHeads, kDim), ws);
+    a.forward<float>(plan, qv, kvv, kvv, qv, ws);
+    SEQPAR_CHECK(q == apart, ConfigError, "in place differs from apart");
+  });
+  INFO(describe(ulysses));
+  for (const auto& o : ulysses) CHECK(o.kind == "none");
+}
+
+TEST_CASE("misuse: ranks with different kernel types plan and compute together") {
+  // A plan's scratch agreement is a gather every rank joins, whatever its kernel: a rank whose
+  // kernel has no scratch skipped it once, and both ranks then waited in each other's gathers.
+  auto out = rank_outcomes(2, [](ThreadCommunicator& c) {
+    auto run = [&](auto kernel) {
+      constexpr std::int64_t L = 5;
+      SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, decltype(kernel)> a(c, {}, kernel);
+      const Plan plan = a.template plan<float>({.heads = kHeads, .head_dim = kDim}, {L});
+      std::vector<float> x = values(L * kHeads * kDim, 5 + c.rank()), o(x.size());
+      std::vector<std::byte> ws(plan.workspace_bytes());
+      const auto in = TensorView<const float>::bshd(x.data(), 1, L, kHeads, kDim);
+      a.template forward<float>(plan, in, in, in, TensorView<float>::bshd(o.data(), 1, L, kHeads, kDim), ws);
+    };
+    if (c.rank() == 0)
+      run(ReferenceKernel{});
+    else
+      run(CpuFlashKernel{});
+  });
+  INFO(describe(out));
+  for (const auto& o : out) CHECK(o.kind == "none");
+}
+
+TEST_CASE("misuse: a rank holding no query rows may give no LSE view, forward and backward") {
+  auto out = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<AnythingPolicy<RingPolicy<>>, ThreadCommunicator, CpuFlashKernel> a(c);
+    const std::int64_t L = c.rank() == 0 ? 0 : 5, n = L * kHeads * kDim;
+    const Plan plan = a.plan<float>({.heads = kHeads, .head_dim = kDim, .causal = true, .with_lse = true}, {L});
+    std::vector<float> x = values(static_cast<std::size_t>(n) + 1, 7), o(x.size()), l(static_cast<std::size_t>(L * kHeads) + 1);
+    std::vector<float> dq(x.size()), dk(x.size()), dv(x.size());
+    std::vector<std::byte> ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+    using CV = TensorView<const float>;
+    const CV in = CV::bshd(x.data(), 1, L, kHeads, kDim);
+    const auto lse = L == 0 ? TensorView<float>{} : TensorView<float>::bshd(l.data(), 1, L, kHeads, 1);
+    auto grad = [&](std::vector<float>& g) { return TensorView<float>::bshd(g.data(), 1, L, kHeads, kDim); };
+    a.forward<float>(plan, in, in, in, grad(o), lse, ws);
+    a.backward<float>(plan, in, in, in, in, CV(grad(o)), TensorView<const float>(lse), grad(dq), grad(dk), grad(dv), ws);
+  });
+  INFO(describe(out));
+  for (const auto& o : out) CHECK(o.kind == "none");
+}
+
+TEST_CASE("misuse: a SEQPAR_CPU_ISA that names no level is refused, not ignored") {
+  // The level is read once a process: ctest's test_misuse_misspelt_cpu_isa runs this case
+  // alone with SEQPAR_CPU_ISA=AVX2 (the names are lower case); without it there is nothing to check.
+  const char* env = std::getenv("SEQPAR_CPU_ISA");
+  if (env == nullptr || std::string_view(env) != "AVX2") return;
+  CHECK_THROWS_WITH_AS(CpuFlashKernel{}, doctest::Contains("SEQPAR_CPU_ISA: expected amx_bf16, avx512_bf16"), ConfigError);
+  CHECK_THROWS_AS(CpuFlashKernel{}, ConfigError);  // every time, not only the first
 }

@@ -14,12 +14,14 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "seqpar/advise/cost_model.hpp"
 #include "seqpar/attention.hpp"
+#include "seqpar/core/error.hpp"
 #include "seqpar/core/types.hpp"
 
 namespace seqpar {
@@ -134,6 +136,21 @@ double world_median(Comm& world, double mine) {
 /// measurement failed.
 template <class T, class Kernel, class Comm>
 Machine calibrate(Comm& world, Kernel kernel, AttentionProblem problem, Machine base, CalibrationOptions opt = {}) {
+  // Options every measurement below needs (the latency probe sends 8 bytes from the exchange
+  // buffers; no tokens, no rate), agreed first: a rank that refused alone would leave the
+  // others waiting in the first collective.
+  {
+    std::string why;
+    if (opt.tokens < 1) why = "tokens: expected at least 1, got " + std::to_string(opt.tokens);
+    else if (opt.exchange_bytes < 8)
+      why = "exchange_bytes: expected at least 8 (the latency probe's message), got " + std::to_string(opt.exchange_bytes);
+    std::vector<std::int64_t> bad(static_cast<std::size_t>(world.size()));
+    const std::int64_t mine = why.empty() ? 0 : 1;
+    world.all_gather_host(std::span<const std::int64_t>(&mine, 1), bad);
+    for (int r = 0; r < world.size(); ++r)
+      SEQPAR_CHECK(bad[static_cast<std::size_t>(r)] == 0, ConfigError, "calibrate: rank ", r, "'s options: ",
+                   r == world.rank() ? why : std::string("refused there"));
+  }
   problem.dtype = dtype_v<T>;
   problem.with_lse = opt.backward;
   // Documents are scaled to the timed length, so the mask keeps its density and its cuts.

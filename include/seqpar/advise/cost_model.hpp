@@ -184,6 +184,7 @@ inline double all_to_all_ms(const Plan& p, const RankSeat& seat, int w, double b
 /// Every world rank's lengths for global lengths seq_q and seq_kv (-1: the same), split as
 /// evenly as the mesh allows.
 inline std::vector<LocalLengths> even_lengths(std::int64_t seq_q, std::int64_t seq_kv, const MeshConfig& mesh) {
+  SEQPAR_CHECK(seq_kv >= -1, ConfigError, "seq_kv: expected a length, or -1 for the same as seq_q, got ", seq_kv);
   const std::vector<std::int64_t> q = split_sequence(seq_q, mesh), kv = split_sequence(seq_kv < 0 ? seq_q : seq_kv, mesh);
   std::vector<LocalLengths> lengths(q.size());
   for (std::size_t w = 0; w < q.size(); ++w) lengths[w] = {q[w], kv[w]};

@@ -3,6 +3,7 @@
 /// TensorView: a non-owning, strided view of a [batch, seq, heads, head_dim] tensor.
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
@@ -82,6 +83,23 @@ struct TensorView {
     return {p, {b, s, h, 1}, {h * s, 1, s, 1}};
   }
 };
+
+/// True when views `a` and `b` may share an element: the byte ranges from each one's first
+/// element to its last intersect. Conservative: two strided views that interleave without
+/// sharing an element count as overlapping too. A view without elements overlaps nothing.
+template <class T, class U, class Space>
+bool may_overlap(const TensorView<T, Space>& a, const TensorView<U, Space>& b) {
+  auto range = [](const auto& v, std::uintptr_t& lo, std::uintptr_t& hi) {
+    if (v.data == nullptr || v.numel() == 0) return false;
+    std::int64_t last = 0;  // element offset of the last element
+    for (int i = 0; i < 4; ++i) last += (v.extent[i] - 1) * v.stride[i];
+    lo = reinterpret_cast<std::uintptr_t>(v.data);
+    hi = lo + static_cast<std::uintptr_t>(last + 1) * sizeof(*v.data);
+    return true;
+  };
+  std::uintptr_t alo = 0, ahi = 0, blo = 0, bhi = 0;
+  return range(a, alo, ahi) && range(b, blo, bhi) && alo < bhi && blo < ahi;
+}
 
 /// What a call does with a tensor it is given, for check_view.
 enum class ViewUse : std::uint8_t {

@@ -229,17 +229,16 @@ class PagedDecode {
     detail::StepExchange::configure(p.messages_, pr.row_limit(), p.slots_);
     declare_partials(p);
     p.slots_.place();
-    if constexpr (kernel_has_scratch<Kernel>) {
-      const std::string why = detail::allocation_disagreement(world_, "paged decode plan: ", [&] {
-        prepare_for(kernel_, pr.head_dim, pr.value_dim());
-        // Calls read at most T rows of a sequence (or all rows, paged) against a run of pages
-        // of any length: the decode path's partials are bounded by its chunk count, not by keys.
-        if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })
-          kernel_.reserve({pr.max_batch, pr.max_new_tokens, pr.heads, std::int64_t{1} << 40, p.problem_.kv_heads,
-                           pr.heads / p.problem_.kv_heads, pr.head_dim, false, pr.value_dim()});
-      });
-      SEQPAR_CHECK(why.empty(), ConfigError, why);
-    }
+    // Every rank joins the gather whatever its kernel (see MeshEngine::plan).
+    const std::string why = detail::allocation_disagreement(world_, "paged decode plan: ", [&] {
+      prepare_for(kernel_, pr.head_dim, pr.value_dim());
+      // Calls read at most T rows of a sequence (or all rows, paged) against a run of pages
+      // of any length: the decode path's partials are bounded by its chunk count, not by keys.
+      if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })
+        kernel_.reserve({pr.max_batch, pr.max_new_tokens, pr.heads, std::int64_t{1} << 40, p.problem_.kv_heads,
+                         pr.heads / p.problem_.kv_heads, pr.head_dim, false, pr.value_dim()});
+    });
+    SEQPAR_CHECK(why.empty(), ConfigError, why);
     return p;
   }
 

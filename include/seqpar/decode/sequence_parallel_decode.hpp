@@ -97,19 +97,18 @@ class DecodeEngine {
     p.step_bytes_ = StepExchange::bytes_sent(p.messages_);
     declare_partials(p);
     p.slots_.place();
-    if constexpr (kernel_has_scratch<Kernel>) {
-      const std::string why = allocation_disagreement(world_, "decode plan: ", [&] {
-        // Forward scratch only (decode has no backward), for rows of D (Q, K) and D_v (V, O).
-        if constexpr (requires { kernel_.prepare(std::int64_t{}, std::int64_t{}); })
-          kernel_.prepare(pr.head_dim, pr.value_dim());
-        else if constexpr (requires { kernel_.prepare(std::int64_t{}); })
-          kernel_.prepare(std::max(pr.head_dim, pr.value_dim()));
-        if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })  // every step: T rows against the shard
-          kernel_.reserve({pr.batch, pr.new_tokens, pr.heads, p.shard_capacity_, p.problem_.kv_heads,
-                           pr.heads / p.problem_.kv_heads, pr.head_dim, false, pr.value_dim()});
-      });
-      SEQPAR_CHECK(why.empty(), ConfigError, why);
-    }
+    // Every rank joins the gather whatever its kernel (see MeshEngine::plan).
+    const std::string why = allocation_disagreement(world_, "decode plan: ", [&] {
+      // Forward scratch only (decode has no backward), for rows of D (Q, K) and D_v (V, O).
+      if constexpr (requires { kernel_.prepare(std::int64_t{}, std::int64_t{}); })
+        kernel_.prepare(pr.head_dim, pr.value_dim());
+      else if constexpr (requires { kernel_.prepare(std::int64_t{}); })
+        kernel_.prepare(std::max(pr.head_dim, pr.value_dim()));
+      if constexpr (requires { kernel_.reserve(KernelCallBounds{}); })  // every step: T rows against the shard
+        kernel_.reserve({pr.batch, pr.new_tokens, pr.heads, p.shard_capacity_, p.problem_.kv_heads,
+                         pr.heads / p.problem_.kv_heads, pr.head_dim, false, pr.value_dim()});
+    });
+    SEQPAR_CHECK(why.empty(), ConfigError, why);
     return p;
   }
 

@@ -104,13 +104,14 @@ class MeshEngine {
     if (why.empty()) why = sinks_reason<Space>(problem);
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan<Phases>(all, problem, cx_.mesh, cx_.world.rank(), id_);
-    if constexpr (kernel_has_scratch<Kernel>) {
-      why = allocation_disagreement(cx_.world, "plan: ", [&] {
-        prepare_for(kernel_, problem.head_dim, problem.value_dim());
-        if constexpr (requires { kernel_.reserve(KernelCallBounds{}); }) kernel_.reserve(call_bounds(p));
-      });
-      SEQPAR_CHECK(why.empty(), ConfigError, why);
-    }
+    // Every rank joins this gather whatever its kernel: a kernel without scratch allocates
+    // nothing, but a rank that skipped the gather while another (another kernel type, the
+    // one with scratch) joined it would leave the collectives out of step and both waiting.
+    why = allocation_disagreement(cx_.world, "plan: ", [&] {
+      prepare_for(kernel_, problem.head_dim, problem.value_dim());
+      if constexpr (requires { kernel_.reserve(KernelCallBounds{}); }) kernel_.reserve(call_bounds(p));
+    });
+    SEQPAR_CHECK(why.empty(), ConfigError, why);
     return p;
   }
 
@@ -241,9 +242,12 @@ class MeshEngine {
   static void check_lse_view(const Plan& p, TensorView<L, Space> lse, const char* call) {
     const auto& pr = p.problem();
     if (pr.with_lse) {
-      // An empty slice (a rank with no queries) may come with a null pointer.
-      SEQPAR_CHECK(!lse.absent() || pr.batch * p.local_q() * pr.heads == 0, ConfigError, call,
-                   ": lse: this plan needs an LSE view (with_lse = true), got none");
+      // An empty slice (a rank with no queries) may come as no view at all.
+      if (lse.absent()) {
+        SEQPAR_CHECK(pr.batch * p.local_q() * pr.heads == 0, ConfigError, call,
+                     ": lse: this plan needs an LSE view (with_lse = true), got none");
+        return;
+      }
       check_view(lse, std::string(call) + ": lse", pr.batch, p.local_q(), pr.heads, 1,
                  std::is_const_v<L> ? ViewUse::read : ViewUse::write);
     } else {

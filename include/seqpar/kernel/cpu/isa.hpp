@@ -270,12 +270,19 @@ inline CpuIsa widest_cpu_isa() {
 }
 
 /// The level CpuIsa::automatic resolves to in this process: the widest supported, capped by
-/// the environment variable SEQPAR_CPU_ISA when set. Decided once (the first call).
+/// the environment variable SEQPAR_CPU_ISA when set. Decided once (the first call). A value
+/// that names no level throws ConfigError (every call): a misspelt cap would otherwise run
+/// the level the user meant to avoid, silently.
 inline CpuIsa default_cpu_isa() {
   static const CpuIsa chosen = [] {
     CpuIsa isa = widest_cpu_isa();
-    if (const char* env = std::getenv("SEQPAR_CPU_ISA")) {
-      const CpuIsa cap = parse_cpu_isa(env, isa);
+    const char* env = std::getenv("SEQPAR_CPU_ISA");
+    const std::string_view text = env ? env : "";
+    if (!text.empty() && text != "automatic") {
+      // A level parse_cpu_isa knows never parses to `automatic`: that is the unknown name.
+      const CpuIsa cap = parse_cpu_isa(text, CpuIsa::automatic);
+      SEQPAR_CHECK(cap != CpuIsa::automatic, ConfigError, "SEQPAR_CPU_ISA: expected amx_bf16, avx512_bf16, avx512, ",
+                   "avx2 or vec128 (also scalar, sse2, neon: vec128; automatic: no cap), got '", text, "'");
       if (static_cast<int>(cap) < static_cast<int>(isa) && cpu_isa_supported(cap)) isa = cap;
     }
     return isa;
