@@ -95,6 +95,8 @@ class SequenceParallelAttention {
   /// Computes this rank's output rows (and LSE rows when the plan's problem has with_lse).
   /// q [B, Lq, H, D], k [B, Lkv, K, D], v [B, Lkv, K, D_v], out [B, Lq, H, D_v] (T is deduced
   /// from it), lse [B, Lq, H, 1] or absent (with sinks: the LSE with each row's sink joined).
+  /// On a ring without a Ulysses exchange, float and double out and lse must not overlap q
+  /// (the ring adds into them while it reads q at every step); Ulysses may write out over q.
   /// Every argument is checked before the first message: a ConfigError from those checks
   /// leaves this object (and out, lse) untouched and usable. A failure after communication
   /// began leaves out and lse unspecified (see the README's "Failures and time-outs").

@@ -130,6 +130,13 @@ class MeshEngine {
     check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().value_dim(),
                ViewUse::write);
     check_lse_view(p, lse, "forward");
+    // A ring over the caller's own rows (no Ulysses exchange before it, which gathers Q into
+    // the workspace) adds into out and lse in place when they hold the accumulation type,
+    // while every step reads q again (RingLoop::compute).
+    if constexpr (std::is_same_v<T, acc_t<T>>)
+      SEQPAR_CHECK(p.mesh().ring == 1 || p.mesh().ulysses > 1 || (!may_overlap(out, q) && !may_overlap(lse, q)),
+                   ConfigError, "forward: out or lse overlaps q: the ring reads q at every step while it adds into out "
+                   "and lse; give them memory of their own");
     const auto guard = cx_.start_call(Pass::forward);
     PhaseCall<Comm, Kernel> call{cx_, kernel_, p, {PlanAccess::schedule(p).forward, workspace}};
     // The operands as the caller gave them; the phases (exchanges first) take it from there.

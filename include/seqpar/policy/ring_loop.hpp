@@ -179,10 +179,8 @@ struct RingLoop {
                                ws.template get<A>(F::l_part), params, o_acc, l_out);
     };
     if constexpr (std::is_same_v<T, A>) {
-      // The running output and LSE are the caller's tensors, while every step reads Q again.
-      SEQPAR_CHECK(!may_overlap(x.out, x.q) && !may_overlap(x.lse, x.q), ConfigError,
-                   "forward: out or lse overlaps q: the ring reads q at every step while it adds into out and "
-                   "lse; give them memory of their own");
+      // (The running output and LSE are then the caller's tensors, while every step reads Q
+      // again: MeshEngine::forward refuses out or lse over q.)
       run(x.out, x.lse.absent() ? AView::sbhd(l_acc, s.B, s.qr, s.hq, 1) : x.lse);
     } else {
       const AView o_acc = AView::sbhd(ws.template get<A>(F::o_acc), s.B, s.qr, s.hq, s.Dv);
