@@ -4,7 +4,8 @@
 // rows equal attention over each sequence's whole cache in double, on 1-6 thread ranks, every
 // placement (interleaved runs of 1, 3 and 16 tokens, contiguous), pool page sizes 1, 4, 16,
 // CSR and dense block tables, GQA/MQA, both exchanges, today's models' features; bytes per step
-// equal the plan's count for the step's rows.
+// equal the plan's count for the step's rows. Bad views throw before the exchange, and the
+// plan's placement queries refuse positions outside any sequence.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -141,6 +142,70 @@ TEST_CASE("paged decode: a bad or differing batch is refused on every rank, neve
     (void)dec.plan({.max_new_tokens = 17, .heads = 2, .head_dim = 4});
   });
   CHECK(test::all_same_config_error(maxima, "paged decode plan: max_new_tokens: expected 1..16, got 17"));
+}
+
+TEST_CASE("paged decode refuses null, strided, overlapping and misshapen views on every rank before any exchange") {
+  struct Bad {
+    void (*edit)(int, SmallStep&);
+    const char* message;
+  };
+  const Bad bad[] = {
+      {[](int, SmallStep& s) { s.q.data = nullptr; }, "paged decode step: q: null data pointer"},
+      {[](int, SmallStep& s) { s.k_pool.data = nullptr; }, "paged decode step: k_pool: null data pointer"},
+      {[](int, SmallStep& s) { s.q.extent[0] = 2; }, "paged decode step: q.batch: expected 1, got 2"},
+      {[](int, SmallStep& s) { s.out.extent[0] = 0; }, "paged decode step: out.batch: expected 1, got 0"},
+      {[](int, SmallStep& s) { s.out.stride[1] = 0; }, "paged decode step: out: strides overlap (dimension seq"},
+      {[](int, SmallStep& s) { s.k_pool.stride[3] = 2; }, "paged decode step: k_pool.stride[3] (head_dim): expected 1"},
+      {[](int, SmallStep& s) { s.v_pool.stride[0] = -s.v_pool.stride[0]; },
+       "paged decode step: v_pool.stride[0]: expected >= 0"},
+  };
+  for (DecodeExchange ex : {DecodeExchange::all_gather, DecodeExchange::heads})
+    for (const Bad& b : bad) {
+      CAPTURE(static_cast<int>(ex));
+      CAPTURE(b.message);
+      // Every rank refuses its own view; the unedited step then runs on the same plan and
+      // communicator, so nothing of the refused step was sent (a throw after the exchange
+      // began would have failed the communicator).
+      run_ranks(2, [&](ThreadCommunicator& world) {
+        CHECK_THROWS_WITH_AS(test::small_paged_step(world, b.edit, false, ex), doctest::Contains(b.message),
+                             ConfigError);
+        CHECK_NOTHROW(test::small_paged_step(world, b.edit, true, ex));
+      }, ThreadRunOptions{test::outcome_timeout});
+    }
+  // Valid layouts still pass: HND pages ([pages, page_size 4, heads 3, D 4] stored [pages,
+  // heads, rows, D]), V a view of K's pool, q and out with more rows than the step's (the
+  // feature cases run MLA's V, K's first D_v columns).
+  auto hnd = small_step(2, [](int, SmallStep& s) { s.k_pool.stride = s.v_pool.stride = {3 * 4 * 4, 4, 4 * 4, 1}; });
+  INFO(test::describe(hnd));
+  for (const auto& o : hnd) CHECK(o.kind == "none");
+}
+
+TEST_CASE("paged decode plan: owner, slot and local_tokens refuse negative or huge positions, lengths and splits") {
+  constexpr std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  run_ranks(2, [](ThreadCommunicator& world) {
+    PagedDecode<ThreadCommunicator, ReferenceKernel> dec(world);
+    for (std::int64_t interleave : {0, 1, 3}) {
+      CAPTURE(interleave);
+      const PagedDecodePlan plan = dec.plan({.heads = 2, .head_dim = 4, .interleave = interleave});
+      for (std::int64_t pos : {std::int64_t{-1}, std::int64_t{-5}, big, -big - 1}) {
+        CAPTURE(pos);
+        CHECK_THROWS_AS((void)plan.owner(pos, 8), ConfigError);
+        CHECK_THROWS_AS((void)plan.slot(pos, 8), ConfigError);
+        CHECK_THROWS_AS((void)plan.local_tokens(pos, 8), ConfigError);
+      }
+      CHECK_THROWS_WITH_AS((void)plan.owner(-5),
+                           doctest::Contains("PagedDecodePlan::owner: pos: expected 0..2^61, got -5"), ConfigError);
+      // A split counts only with the contiguous placement (interleave 0), as in a step.
+      if (interleave == 0) CHECK_THROWS_AS((void)plan.owner(3, -1), ConfigError);
+      else CHECK(plan.owner(3, -1) == static_cast<int>((3 / interleave) % 2));
+      // Every legal position has the placement's owner and slot.
+      for (std::int64_t pos = 0; pos < 40; ++pos) {
+        CHECK(plan.owner(pos, 8) == plan.placement().owner(pos, 8));
+        CHECK(plan.slot(pos, 8) == plan.placement().slot(pos, 8));
+        CHECK(plan.local_tokens(pos, 8) == plan.placement().count(world.rank(), pos, 8));
+      }
+    }
+  }, ThreadRunOptions{test::outcome_timeout});
 }
 
 TEST_CASE("paged decode: the placement puts every token on one rank, in increasing slots, queryable by the engine") {

@@ -302,16 +302,18 @@ double run_paged_case(const PagedCase& c) {
   return *std::max_element(err.begin(), err.end());
 }
 
-/// The batch of small_paged_step, which a test may edit on one rank.
+/// The batch and views of small_paged_step, which a test may edit on one rank.
 struct SmallStep {
   std::vector<std::int64_t> ids{7, 9}, kv_len{10, 5}, new_tokens{2, 1}, split{0, 0};
   std::vector<std::int32_t> indptr, indices;
+  TensorView<const float> q, k_pool, v_pool;  ///< q [1, 16, q heads, 4]; the pools both the one NHD pool
+  TensorView<float> out;                      ///< [1, 16, out heads, 4]
 };
 
 /// A small paged step on this rank of `world`: 2 sequences (ids 7 and 9) of 10 and 5 cached
 /// tokens, T = 2 and 1, page size 4, interleave 2, 3 heads of D 4; `edit(rank, step)` may
-/// change this rank's batch or table first. With `then_valid`, a ConfigError of that step is
-/// swallowed and the unedited step follows (a refusal must leave the plan usable).
+/// change this rank's batch, table or views first. With `then_valid`, a ConfigError of that
+/// step is swallowed and the unedited step follows (a refusal must leave the plan usable).
 template <class Comm, class Edit>
 void small_paged_step(Comm& world, Edit edit, bool then_valid, DecodeExchange ex) {
   PagedDecode<Comm, ReferenceKernel> dec(world);
@@ -330,12 +332,12 @@ void small_paged_step(Comm& world, Edit edit, bool then_valid, DecodeExchange ex
       for (std::int64_t i = 0; i < need; ++i) s.indices.push_back(next++);
       s.indptr.push_back(static_cast<std::int32_t>(s.indices.size()));
     }
+    s.q = TensorView<const float>::bshd(q.data(), 1, 16, plan.q_heads().count, 4);
+    s.k_pool = s.v_pool = TensorView<const float>::bshd(pool.data(), pages, ps, 3, 4);
+    s.out = TensorView<float>::bshd(out.data(), 1, 16, plan.out_heads().count, 4);
     if (edited) edit(world.rank(), s);
-    const auto view = TensorView<const float>::bshd(pool.data(), pages, ps, 3, 4);
-    const HeadRange qh = plan.q_heads(), oh = plan.out_heads();
     dec.template step<float>(plan, {s.ids, s.kv_len, s.new_tokens, s.split, BlockTable::csr(s.indptr, s.indices)},
-                             TensorView<const float>::bshd(q.data(), 1, 16, qh.count, 4), view, view,
-                             TensorView<float>::bshd(out.data(), 1, 16, oh.count, 4), ws);
+                             s.q, s.k_pool, s.v_pool, s.out, ws);
   };
   try {
     run(true);

@@ -25,8 +25,9 @@
 /// range): it still takes part in the exchange, carrying a refusal instead of a tag, so no
 /// peer waits for it. Message sizes follow the step's row count, so ranks that disagree on it
 /// fail in the exchange itself (the communicator's size check: CommError, never a hang or a
-/// merge). Views with the wrong dims and a workspace that is too small are this rank's
-/// programming errors: they throw before the exchange (peers then wait in it until the
+/// merge). Views that check_view refuses (wrong extents, a null pointer, a strided head dim,
+/// negative strides, an out that overlaps itself) and a workspace that is too small are this
+/// rank's programming errors: they throw before the exchange (peers then wait in it until the
 /// communicator's time-out, as for any rank that leaves before a collective).
 ///
 /// Fixed buffers, as CUDA-graph replay needs: q and out may have more rows than the step
@@ -124,13 +125,21 @@ class PagedDecodePlan {
   const TokenPlacement& placement() const { return placement_; }
   /// This rank.
   int rank() const { return messages_.rank; }
-  /// Rank that stores token `pos` of a sequence (`split`: its split, contiguous placement).
-  int owner(std::int64_t pos, std::int64_t split = 0) const { return placement_.owner(pos, split); }
+  /// Rank that stores token `pos` of a sequence (`split`: its split, contiguous placement);
+  /// ConfigError for a pos outside 0..2^61 or a split outside 0..2^60 (as a step's).
+  int owner(std::int64_t pos, std::int64_t split = 0) const {
+    check_token("owner", "pos", pos, split);
+    return placement_.owner(pos, split);
+  }
   /// Local slot of token `pos` on its owner (`split` as for owner).
-  std::int64_t slot(std::int64_t pos, std::int64_t split = 0) const { return placement_.slot(pos, split); }
+  std::int64_t slot(std::int64_t pos, std::int64_t split = 0) const {
+    check_token("slot", "pos", pos, split);
+    return placement_.slot(pos, split);
+  }
   /// Tokens of a sequence of `length` tokens that this rank stores (its slots 0..n-1): with a
-  /// page size, the pages it needs here are ceil(n / page_size).
+  /// page size, the pages it needs here are ceil(n / page_size). Ranges as for owner.
   std::int64_t local_tokens(std::int64_t length, std::int64_t split = 0) const {
+    check_token("local_tokens", "length", length, split);
     return placement_.count(rank(), length, split);
   }
   /// Heads whose merged output this rank returns (all with DecodeExchange::all_gather).
@@ -153,6 +162,16 @@ class PagedDecodePlan {
  private:
   template <class Comm, class Kernel>
   friend class PagedDecode;
+
+  /// Checks the arguments of owner, slot and local_tokens (`call`), as DecodePlan does:
+  /// `value` (the position or length named `name`) in 0..2^61, past any step's (kv_len up to
+  /// 2^60, 16 new tokens), and with the contiguous placement `split` in 0..2^60, as a step's.
+  void check_token(const char* call, const char* name, std::int64_t value, std::int64_t split) const {
+    SEQPAR_CHECK(value >= 0 && value <= (std::int64_t{1} << 61), ConfigError, "PagedDecodePlan::", call, ": ", name,
+                 ": expected 0..2^61, got ", value);
+    SEQPAR_CHECK(placement_.interleave > 0 || (split >= 0 && split <= (std::int64_t{1} << 60)), ConfigError,
+                 "PagedDecodePlan::", call, ": split: expected 0..2^60, got ", split);
+  }
 
   PagedDecodeProblem problem_;
   TokenPlacement placement_;
@@ -246,7 +265,9 @@ class PagedDecode {
   /// the batch's sequences, sequence b's T_b rows after those of sequences before it),
   /// k_pool [num_pages, page_size, K, D], v_pool [num_pages, page_size, K, D_v] (may view
   /// k_pool's rows), out [1, >= rows, plan.out_heads(), D_v]; rows = the sum of T_b. The new
-  /// tokens' K/V must already be in their slots. Returns the rows written.
+  /// tokens' K/V must already be in their slots. Every view passes check_view (out must not
+  /// overlap itself; the pools may have any non-negative strides: NHD or HND pages), else
+  /// ConfigError before the exchange. Returns the rows written.
   template <class T>
   std::int64_t step(PagedDecodePlan& plan, const DecodeBatch& batch, Input<T> q, Input<T> k_pool, Input<T> v_pool,
                     TensorView<T, memory_space> out, std::span<std::byte> workspace) {
@@ -259,10 +280,11 @@ class PagedDecode {
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, who, "element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t H = pr.heads, K = pr.kv_heads, D = pr.head_dim, Dv = pr.value_dim();
-    check_dims(q, "q", plan.q_heads().count, D);
-    check_dims(out, "out", plan.out_heads().count, Dv);
-    check_dims(k_pool, "k_pool", K, D);
-    check_dims(v_pool, "v_pool", K, Dv);
+    check_step_view(q, "paged decode step: q", 1, plan.q_heads().count, D, ViewUse::read);
+    check_step_view(out, "paged decode step: out", 1, plan.out_heads().count, Dv, ViewUse::write);
+    // Read only, so any strides: NHD or HND pages, MLA's V the first D_v columns of K's rows.
+    check_step_view(k_pool, "paged decode step: k_pool", k_pool.batch(), K, D, ViewUse::read);
+    check_step_view(v_pool, "paged decode step: v_pool", v_pool.batch(), K, Dv, ViewUse::read);
     SEQPAR_CHECK(v_pool.batch() == k_pool.batch() && v_pool.seq() == k_pool.seq(), ConfigError, who,
                  "v_pool: expected the pages of k_pool (", k_pool.batch(), " pages of ", k_pool.seq(), " tokens), got ",
                  v_pool.batch(), " of ", v_pool.seq());
@@ -327,13 +349,15 @@ class PagedDecode {
     }
   }
 
-  /// Checks a view's heads and dims (a programming error of this rank: thrown at once).
+  /// Checks one of a step's views with check_view (a programming error of this rank: thrown
+  /// at once): [batch, any seq >= 0, heads, dim] (q and out: any rows; the pools: any page
+  /// size), contiguous head dim, non-negative strides, a pointer, and for `use` write no overlap.
   template <class V>
-  static void check_dims(const V& v, const char* name, std::int64_t heads, std::int64_t dim) {
-    SEQPAR_CHECK(v.heads() == heads && v.dim() == dim && v.batch() >= 0 && v.seq() >= 0, ConfigError,
-                 "paged decode step: ", name,
-                 ": expected heads ", heads, " and head dim ", dim, ", got [", v.batch(), ", ", v.seq(), ", ", v.heads(),
-                 ", ", v.dim(), "]");
+  static void check_step_view(const V& v, const char* name, std::int64_t batch, std::int64_t heads, std::int64_t dim,
+                              ViewUse use) {
+    SEQPAR_CHECK(v.batch() >= 0 && v.seq() >= 0, ConfigError, name, ": expected extents >= 0, got [", v.batch(),
+                 ", ", v.seq(), ", ", v.heads(), ", ", v.dim(), "]");
+    check_view(v, name, batch, v.seq(), heads, dim, use);
   }
 
   /// The step's row count as every rank computes it from its batch: T_b clamped to
