@@ -326,7 +326,7 @@ Options parse(int argc, char** argv) {
   if (o.model == "list") return o;  // main prints the list
   if (!o.has("--policy")) {
     if (o.advise) return o;  // the advisor tries every policy
-    if (!o.decode && !o.serve) throw UsageError("--policy: required (ulysses, ring or unified)");
+    if (!o.decode && !o.serve) throw UsageError("--policy: required (ulysses, ring, unified or auto)");
     // The prompts' total rarely divides evenly, and stripe balances packed documents.
     o.policy = PolicyKind::ring;
     o.policy_name = "ring";
