@@ -52,10 +52,13 @@ Options choose_policy(Comm& comm, const Options& o, const ex::GlobalShape& s) {
   if (cs.empty() || !cs.front().runs)
     throw UsageError("--policy auto: no policy runs this shape" + (cs.empty() ? std::string() : ": " + cs.front().reason));
   if (comm.rank() == 0) {
-    std::printf("auto         calibrated: kernel %.1f GFLOP/s forward, %.1f backward; copies %.1f GB/s; exchange %.2f GB/s, "
-                "%.1f us; a ring step %.0f us forward, %.0f backward\n",
-                m.forward_gflops, m.backward_gflops, m.copy_gbytes_per_s, m.intra.gbytes_per_s, m.intra.latency_us,
-                m.ring_step_us, m.backward_ring_step_us);
+    // The backward figures only when they were measured (--backward): else the base's stand-ins.
+    std::printf("auto         calibrated: kernel %.1f GFLOP/s forward", m.forward_gflops);
+    if (o.backward) std::printf(", %.1f backward", m.backward_gflops);
+    std::printf("; copies %.1f GB/s; exchange %.2f GB/s, %.1f us; a ring step %.0f us forward", m.copy_gbytes_per_s,
+                m.intra.gbytes_per_s, m.intra.latency_us, m.ring_step_us);
+    if (o.backward) std::printf(", %.0f backward", m.backward_ring_step_us);
+    std::printf("\n");
     for (std::size_t i = 0; i < std::min<std::size_t>(cs.size(), 5) && cs[i].runs; ++i)
       std::printf("auto         %s %-36s estimate %.3f ms\n", i == 0 ? "->" : "  ", cs[i].name.c_str(), cs[i].ms);
   }

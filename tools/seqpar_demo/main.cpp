@@ -109,6 +109,11 @@ std::vector<Options> runs_of(const Options& o) {
 int run_threads(Options& options) {
   options.comm = "threads";
   const int ranks = options.ranks ? options.ranks : 4;
+  // A thread and a copy of the inputs per rank: past this, memory runs out before a clear reason.
+  constexpr int most_thread_ranks = 1024;
+  if (ranks > most_thread_ranks)
+    throw UsageError("--ranks: at most " + std::to_string(most_thread_ranks) + " thread ranks in one process, got " +
+                     std::to_string(ranks) + " (--advise models any world without running it)");
   int worst = 0;
   for (const Options& o : runs_of(options))
     for (std::size_t at = 0; at < o.lengths().size(); ++at) {  // a failed check goes on to the next length
