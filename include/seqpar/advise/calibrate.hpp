@@ -126,6 +126,19 @@ double world_median(Comm& world, double mine) {
   return v[v.size() / 2];
 }
 
+/// Gathers whether each rank failed (`mine`: this rank's reason, empty when it did not) and,
+/// if any did, throws E on every rank alike, naming the first that did ("calibrate: rank r
+/// <what>", and its reason on that rank). Collective: no rank is left waiting in a later one.
+template <class E, class Comm>
+void throw_if_any_failed(Comm& world, const std::string& mine, const char* what) {
+  std::vector<std::int64_t> failed(static_cast<std::size_t>(world.size()));
+  const std::int64_t flag = mine.empty() ? 0 : 1;
+  world.all_gather_host(std::span<const std::int64_t>(&flag, 1), failed);
+  for (int r = 0; r < world.size(); ++r)
+    if (failed[static_cast<std::size_t>(r)] != 0)
+      throw E("calibrate: rank " + std::to_string(r) + " " + what + (r == world.rank() ? ": " + mine : std::string()));
+}
+
 }  // namespace detail
 
 /// Measures `base`'s rates on this machine (see the file comment) for element type T and
@@ -139,18 +152,11 @@ Machine calibrate(Comm& world, Kernel kernel, AttentionProblem problem, Machine 
   // Options every measurement below needs (the latency probe sends 8 bytes from the exchange
   // buffers; no tokens, no rate), agreed first: a rank that refused alone would leave the
   // others waiting in the first collective.
-  {
-    std::string why;
-    if (opt.tokens < 1) why = "tokens: expected at least 1, got " + std::to_string(opt.tokens);
-    else if (opt.exchange_bytes < 8)
-      why = "exchange_bytes: expected at least 8 (the latency probe's message), got " + std::to_string(opt.exchange_bytes);
-    std::vector<std::int64_t> bad(static_cast<std::size_t>(world.size()));
-    const std::int64_t mine = why.empty() ? 0 : 1;
-    world.all_gather_host(std::span<const std::int64_t>(&mine, 1), bad);
-    for (int r = 0; r < world.size(); ++r)
-      SEQPAR_CHECK(bad[static_cast<std::size_t>(r)] == 0, ConfigError, "calibrate: rank ", r, "'s options: ",
-                   r == world.rank() ? why : std::string("refused there"));
-  }
+  std::string bad_options;
+  if (opt.tokens < 1) bad_options = "tokens: expected at least 1, got " + std::to_string(opt.tokens);
+  else if (opt.exchange_bytes < 8)
+    bad_options = "exchange_bytes: expected at least 8 (the latency probe's message), got " + std::to_string(opt.exchange_bytes);
+  detail::throw_if_any_failed<ConfigError>(world, bad_options, "refused its options");
   problem.dtype = dtype_v<T>;
   problem.with_lse = opt.backward;
   // Documents are scaled to the timed length, so the mask keeps its density and its cuts.
@@ -188,14 +194,7 @@ Machine calibrate(Comm& world, Kernel kernel, AttentionProblem problem, Machine 
   }
 
   // A failure anywhere reaches every rank here, after collectives every rank joined.
-  auto agree = [&] {
-    std::vector<std::int64_t> failed(static_cast<std::size_t>(W));
-    const std::int64_t mine = failure.empty() ? 0 : 1;
-    world.all_gather_host(std::span<const std::int64_t>(&mine, 1), failed);
-    for (int r = 0; r < W; ++r)
-      if (failed[static_cast<std::size_t>(r)] != 0)
-        throw std::runtime_error("calibrate: rank " + std::to_string(r) + " failed" + (r == me ? ": " + failure : std::string()));
-  };
+  auto agree = [&] { detail::throw_if_any_failed<std::runtime_error>(world, failure, "failed"); };
   agree();
 
   // A ring over the whole world on a few unmasked tokens a rank: what is left of a step is its

@@ -172,13 +172,6 @@ inline constexpr bool kernel_has_backward =
 template <class K>
 inline constexpr bool kernel_supports_masks = requires { requires K::supports_masks; };
 
-/// True when kernel K sizes scratch when a plan is made (prepare, prepare_backward or
-/// reserve): plans then agree on whether every rank could allocate it.
-template <class K>
-inline constexpr bool kernel_has_scratch = requires(K& k) { k.prepare(std::int64_t{}); } ||
-                                           requires(K& k) { k.prepare_backward(std::int64_t{}); } ||
-                                           requires(K& k) { k.reserve(KernelCallBounds{}); };
-
 /// Sizes a kernel's per-head-dim scratch, forward and backward, for rows of `head_dim` (Q, K)
 /// and `value_dim` (V, O): with both dims where the kernel takes them, else the wider one.
 template <class K>
