@@ -9,7 +9,11 @@
 //  - a local argument error in forward or backward latches nothing: the next valid call on
 //    every rank matches the exact reference (calls are transactional);
 //  - the latch is shared by copies and splits, and a time-out sets it;
-//  - a user communicator with neither tags nor latch still runs every policy exactly.
+//  - a user communicator with neither tags nor latch still runs every policy exactly;
+//  - with SEQPAR_CHECK_CALLS=1, ranks that pass different plans (of equal message sizes),
+//    make different passes, or one of which refused its arguments, all refuse the call
+//    before any message, latch nothing, and the next matched call is exact; plans made alike
+//    by two plan() calls are interchangeable; any value but 0 and 1 is refused.
 // Every run has a time-out, so a regression fails instead of hanging.
 
 #include <doctest/doctest.h>
@@ -26,6 +30,7 @@
 #include "support/decode_check.hpp"
 #include "support/fault_kernel.hpp"
 #include "support/rank_outcomes.hpp"
+#include "support/scoped_env.hpp"
 
 using namespace seqpar;
 using std::chrono::milliseconds;
@@ -440,4 +445,142 @@ TEST_CASE("call isolation: a communicator without tags or latch still runs every
   };
   run(RingPolicy<Stripe>{});
   run(UnifiedPolicy<>{2, 2});
+}
+
+namespace {
+
+/// How each rank's mismatched call ended, and its next (matched) call against the reference.
+struct AgreementRun {
+  std::vector<std::string> refused = std::vector<std::string>(4);  ///< the ConfigError each rank got ("" none)
+  std::vector<test::Errors> fwd = std::vector<test::Errors>(4);     ///< the matched forward
+  std::vector<test::GradErrors> bwd = std::vector<test::GradErrors>(4);  ///< the matched backward
+  std::vector<bool> checks = std::vector<bool>(4);                  ///< checks_calls() on each rank
+  std::vector<std::uint64_t> gathers = std::vector<std::uint64_t>(4);  ///< host gathers of the matched pair
+};
+
+/// 4 ranks under SEQPAR_CHECK_CALLS=1 make two plans, A (causal) and B (not causal: the same
+/// message sizes, so without the check the call would run and return wrong rows). Then
+/// `mismatched(rank, attn, a, b, tensors)` makes each rank's first call (it may throw
+/// ConfigError), and every rank calls forward and backward with plan A, which must be exact.
+template <class Policy, class Mismatch>
+AgreementRun run_agreement(Policy policy, Mismatch&& mismatched) {
+  const test::GlobalShape c = fault_shape();
+  const auto g = test::make_inputs<float>(c);
+  const test::GlobalData want_out = test::make_global_as<float>(c);
+  const test::ReferenceGrads want = test::make_global_grads(g);
+  AgreementRun r;
+  const test::ScopedEnv on(check_calls_env, "1");
+  run_ranks(4, [&](ThreadCommunicator& comm) {
+    SequenceParallelAttention<Policy, ThreadCommunicator, CpuFlashKernel> attn(comm, policy);
+    const int w = comm.rank();
+    const auto u = static_cast<std::size_t>(w);
+    const Plan a = attn.plan(c.problem<float>(true), {8, -1});
+    AttentionProblem not_causal = c.problem<float>(true);
+    not_causal.causal = false;
+    const Plan b = attn.plan(not_causal, {8, -1});
+    RankTensors t(g, a, w);
+    r.checks[u] = attn.checks_calls();
+    try {
+      mismatched(w, attn, a, b, t);
+    } catch (const ConfigError& e) {
+      r.refused[u] = e.what();
+    }
+    CHECK(!comm.failed());
+    const std::uint64_t before = comm.stats().host_gathers;
+    t.forward(attn, a);
+    t.backward(attn, a);
+    r.gathers[u] = comm.stats().host_gathers - before;
+    r.fwd[u] = test::compare_rows(t.x.out, t.lse, want_out, a.q_positions(w));
+    r.bwd[u] = test::compare_grads(t.dq, t.dk, t.dv, want, c, a.q_positions(w), a.kv_positions(w));
+  }, ThreadRunOptions{test::outcome_timeout});
+  return r;
+}
+
+/// Every rank's matched calls were exact, each agreed in one host gather, and rank w's
+/// refusal contains `expect(w)` ("" for: no refusal).
+template <class Expect>
+void check_agreement(const AgreementRun& r, Expect&& expect) {
+  for (int w = 0; w < 4; ++w) {
+    const auto u = static_cast<std::size_t>(w);
+    CAPTURE(w);
+    CAPTURE(r.refused[u]);
+    CHECK(r.checks[u]);
+    const std::string want = expect(w);
+    CHECK((want.empty() ? r.refused[u].empty() : r.refused[u].find(want) != std::string::npos));
+    CHECK(r.gathers[u] == 2);  // one per call: forward, backward
+    CHECK(r.fwd[u].within(1e-5));
+    CHECK(r.bwd[u].worst() <= 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("call agreement: ranks that pass different plans all refuse the call before any message") {
+  const auto run = [](auto policy) {
+    const AgreementRun r = run_agreement(policy, [](int w, auto& attn, const Plan& a, const Plan& b, RankTensors& t) {
+      t.forward(attn, w == 2 ? b : a);
+    });
+    check_agreement(r, [](int) {
+      return std::string("forward: ranks pass different plans (SEQPAR_CHECK_CALLS): rank 2's plan differs from "
+                         "rank 0's");
+    });
+  };
+  SUBCASE("Ulysses") { run(UlyssesPolicy{}); }
+  SUBCASE("Ring over Zigzag") { run(RingPolicy<Zigzag>{}); }
+}
+
+TEST_CASE("call agreement: plans that two plan() calls made alike are interchangeable") {
+  const test::GlobalShape c = fault_shape();
+  const AgreementRun r = run_agreement(UnifiedPolicy<>{2, 2}, [&](int w, auto& attn, const Plan& a, const Plan&,
+                                                                  RankTensors& t) {
+    const Plan again = attn.plan(c.problem<float>(true), {8, -1});
+    t.forward(attn, w == 1 ? again : a);
+  });
+  check_agreement(r, [](int) { return std::string(); });
+}
+
+TEST_CASE("call agreement: ranks making different passes all refuse the call") {
+  const AgreementRun r = run_agreement(RingPolicy<Stripe>{}, [](int w, auto& attn, const Plan& a, const Plan&,
+                                                               RankTensors& t) {
+    t.forward(attn, a);
+    if (w == 3) t.forward(attn, a);  // the others go on to backward
+    else t.backward(attn, a);
+  });
+  check_agreement(r, [](int w) {
+    return w == 3 ? std::string("forward: ranks disagree on the call (SEQPAR_CHECK_CALLS): rank 0 calls backward, "
+                                "rank 3 calls forward")
+                  : std::string("backward: ranks disagree on the call (SEQPAR_CHECK_CALLS): rank 0 calls backward, "
+                                "rank 3 calls forward");
+  });
+}
+
+TEST_CASE("call agreement: one rank's refused arguments are every rank's refusal, with no wait") {
+  const auto start = Clock::now();
+  const AgreementRun r = run_agreement(UlyssesPolicy{}, [](int w, auto& attn, const Plan& a, const Plan&,
+                                                           RankTensors& t) {
+    t.forward(attn, a, w == 1 ? t.x.lq - 1 : -1);
+  });
+  check_agreement(r, [](int w) {
+    return w == 1 ? std::string("forward: out.seq: expected 8, got 7")
+                  : std::string("forward: rank(s) 1 refused their arguments (their ConfigError says why), so every "
+                                "rank refuses this call (SEQPAR_CHECK_CALLS)");
+  });
+  CHECK(Clock::now() - start < milliseconds(5000));  // no rank waited for a time-out
+}
+
+TEST_CASE("call agreement: SEQPAR_CHECK_CALLS other than 0 or 1 is refused by every rank; unset or 0 is off") {
+  for (const char* value : {"yes", "2", "0", ""}) {
+    CAPTURE(value);
+    const test::ScopedEnv env(check_calls_env, value);
+    const bool bad = std::string(value) != "0" && *value != '\0';
+    const auto out = rank_outcomes(3, [&](ThreadCommunicator& comm) {
+      SequenceParallelAttention<UlyssesPolicy, ThreadCommunicator, CpuFlashKernel> attn(comm);
+      CHECK(!attn.checks_calls());
+    });
+    for (const auto& o : out) {
+      CHECK(o.kind == (bad ? "ConfigError" : "none"));
+      if (bad) CHECK(o.what.find("SequenceParallelAttention: SEQPAR_CHECK_CALLS: expected 1 (on), 0 or nothing "
+                                 "(off); rank(s) 0, 1, 2 have another value") == 0);
+    }
+  }
 }

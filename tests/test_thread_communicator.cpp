@@ -16,6 +16,7 @@
 
 #include "support/attention_check.hpp"
 #include "support/rank_outcomes.hpp"
+#include "support/scoped_env.hpp"
 
 using namespace seqpar;
 using namespace std::chrono_literals;
@@ -438,14 +439,7 @@ void block_in(ThreadCommunicator& c, const std::string& op) {
   }
 }
 
-/// Sets an environment variable for one scope.
-struct ScopedEnv {
-  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
-  ~ScopedEnv() { ::unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-  const char* name_;
-};
+using test::ScopedEnv;
 
 }  // namespace
 

@@ -155,6 +155,10 @@ class SequenceParallelAttention {
   void set_profile(PhaseProfile* profile) { engine_.set_profile(profile); }
   /// The profile set by set_profile, or nullptr.
   PhaseProfile* profile() const { return engine_.profile(); }
+  /// Whether each forward and backward first agrees with the other ranks on the call (its
+  /// pass, its plan, every rank's arguments accepted): SEQPAR_CHECK_CALLS=1 on any rank when
+  /// this object was made (see seqpar::check_calls_env). Off, a call exchanges no metadata.
+  bool checks_calls() const { return engine_.checks_calls(); }
 
  private:
   Policy policy_;

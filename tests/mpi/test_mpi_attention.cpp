@@ -12,6 +12,7 @@
 
 #include "common.hpp"
 #include "mpi_suites.hpp"
+#include "support/scoped_env.hpp"
 #include "seqpar/comm/mpi_communicator.hpp"
 
 using namespace seqpar;
@@ -236,6 +237,29 @@ TEST_CASE("MPI: ranks that disagree on a plan all throw the same ConfigError, no
   CHECK(world.size() == P);
   const Plan ok = attn.plan(p, {64});
   CHECK(ok.global_q() == 64 * P);
+}
+
+TEST_CASE("MPI: under SEQPAR_CHECK_CALLS=1, ranks that pass different plans all refuse the call alike" *
+          doctest::test_suite(mpi_test::two_or_more_ranks)) {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size(), me = world.rank();
+  REQUIRE(P >= 2);
+  const ex::GlobalShape shape = shape_of(16 * P + 3, 2 * P, P, 16, true);
+  const test::ScopedEnv on(check_calls_env, "1");
+  SequenceParallelAttention<AnythingPolicy<UlyssesPolicy>, MpiCommunicator, CpuFlashKernel> attn(world);
+  CHECK(attn.checks_calls());
+  const LocalLengths mine{split_evenly(shape.seq_q, P)[static_cast<std::size_t>(me)]};
+  const Plan causal = attn.plan(shape.problem<float>(), mine);
+  AttentionProblem other = shape.problem<float>();
+  other.causal = false;  // the same message sizes: without the check, wrong rows and no error
+  const Plan not_causal = attn.plan(other, mine);
+  const auto g = ex::make_inputs(shape);
+  const auto [msg, same] = collective_error(world, [&] { ex::forward_error<float>(attn, me == 1 ? not_causal : causal, g); });
+  INFO(msg);
+  CHECK(same);
+  CHECK(msg.find("forward: ranks pass different plans (SEQPAR_CHECK_CALLS): rank 1's plan differs from rank 0's") == 0);
+  // Nothing was latched: the matched call is exact.
+  CHECK(ex::reduce_errors(world, ex::forward_error<float>(attn, causal, g)).rel() <= 1e-5);
 }
 
 TEST_CASE("MPI: ranks that disagree on the mesh's factorisation all throw the same ConfigError" *

@@ -180,6 +180,7 @@ class Plan {
   MeshConfig mesh_;
   int world_rank_ = 0;
   std::uint64_t owner_ = 0;  // id of the engine that made it (0: none)
+  std::int64_t fingerprint_ = 0;  // hash of what every rank gave plan(): equal on every rank
   SequenceLayout q_layout_, kv_layout_;
   std::vector<HeadRange> q_heads_, kv_heads_;
   std::size_t elem_bytes_ = 4, acc_bytes_ = 4;
@@ -193,6 +194,11 @@ namespace detail {
 struct PlanAccess {
   static const PlanSchedule& schedule(const Plan& p) { return p.schedule_; }
   static std::uint64_t owner(const Plan& p) { return p.owner_; }
+  /// The hash of everything every rank gave plan() (its fields and lengths), the same on every
+  /// rank: two plans that hash alike are interchangeable in a call.
+  static std::int64_t fingerprint(const Plan& p) { return p.fingerprint_; }
+  /// Sets it (plan() does, once the plan is built).
+  static void set_fingerprint(Plan& p, std::int64_t f) { p.fingerprint_ = f; }
   /// The state phase `Ph` kept in plan p (Ph::State); p must come from an engine with that phase.
   template <class Ph>
   static const typename Ph::State& state(const Plan& p) {

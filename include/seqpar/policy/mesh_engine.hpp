@@ -18,8 +18,10 @@
 
 #include <atomic>
 #include <cstddef>
-#include <new>
 #include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <new>
 #include <span>
 #include <string>
 #include <string_view>
@@ -36,7 +38,29 @@
 #include "seqpar/policy/plan_builder.hpp"
 #include "seqpar/policy/policies.hpp"
 
-namespace seqpar::detail {
+namespace seqpar {
+
+/// The environment variable that makes every forward and backward agree on the call before
+/// its first message. "1": each call's argument checks run, then one host all-gather of three
+/// integers over the world (did this rank's arguments pass, forward or backward, the plan's
+/// fingerprint), so that ranks which pass different plans, make different passes, or one of
+/// which refused its arguments, all throw the same ConfigError before any data moves (without
+/// it such ranks exchange mismatched data: wrong rows or a time-out). Unset, empty or "0": off,
+/// and a call exchanges no metadata. Read when a SequenceParallelAttention is made; on when
+/// any rank sets it (the constructor agrees), so every rank joins the gathers. The debugging
+/// aid of PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL (which checks collectives' shapes across
+/// ranks), for one call's worth of the same.
+inline constexpr const char* check_calls_env = "SEQPAR_CHECK_CALLS";
+
+namespace detail {
+
+/// SEQPAR_CHECK_CALLS as this rank has it: 1 on, 0 off (unset, empty or "0"), -1 any other
+/// value (which the constructor refuses on every rank alike).
+inline int check_calls_from_env() {
+  const char* env = std::getenv(check_calls_env);
+  if (env == nullptr || *env == '\0' || std::string_view(env) == "0") return 0;
+  return std::string_view(env) == "1" ? 1 : -1;
+}
 
 /// Marks an engine busy for one call, so that a second thread calling the same object at the
 /// same time gets a ConfigError instead of corrupting the first call's communication. Moving
@@ -76,7 +100,7 @@ class MeshEngine {
   /// world size (every rank alike, so all throw the same ConfigError or none), then split the
   /// world into Ulysses groups and rings.
   MeshEngine(Comm& world, const MeshConfig& request, Kernel kernel)
-      : cx_(world, agree_on_mesh(world, request)), kernel_(std::move(kernel)) {}
+      : MeshEngine(world, agree_on_mesh(world, request), std::move(kernel)) {}
 
   /// Collective: gathers every rank's problem and lengths once, validates them identically on
   /// every rank (all throw the same ConfigError, none hangs), and builds the plan.
@@ -104,6 +128,9 @@ class MeshEngine {
     if (why.empty()) why = sinks_reason<Space>(problem);
     SEQPAR_CHECK(why.empty(), ConfigError, why);
     Plan p = build_plan<Phases>(all, problem, cx_.mesh, cx_.world.rank(), id_);
+    Fnv print;
+    print.mix(std::span<const std::int64_t>(all));
+    PlanAccess::set_fingerprint(p, print.value());
     // Every rank joins this gather whatever its kernel: a kernel without scratch allocates
     // nothing, but a rank that skipped the gather while another (another kernel type, the
     // one with scratch) joined it would leave the collectives out of step and both waiting.
@@ -125,18 +152,20 @@ class MeshEngine {
                   "seqpar: the kernel does not model LocalAttentionKernel for this element type: it needs "
                   "forward(q, k, v, out, lse, params) with out a TensorView<T> (see kernel/local_attention_kernel.hpp)");
     const BusyFlag::Hold hold(busy_, "forward");
-    check_call(p, dtype_v<T>, "forward", workspace, p.workspace_bytes());
-    check_inputs(p, q, k, v, "forward");
-    check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().value_dim(),
-               ViewUse::write);
-    check_lse_view(p, lse, "forward");
-    // A ring over the caller's own rows (no Ulysses exchange before it, which gathers Q into
-    // the workspace) adds into out and lse in place when they hold the accumulation type,
-    // while every step reads q again (RingLoop::compute).
-    if constexpr (std::is_same_v<T, acc_t<T>>)
-      SEQPAR_CHECK(p.mesh().ring == 1 || p.mesh().ulysses > 1 || (!may_overlap(out, q) && !may_overlap(lse, q)),
-                   ConfigError, "forward: out or lse overlaps q: the ring reads q at every step while it adds into out "
-                   "and lse; give them memory of their own");
+    agree_on_call(p, Pass::forward, "forward", [&] {
+      check_call(p, dtype_v<T>, "forward", workspace, p.workspace_bytes());
+      check_inputs(p, q, k, v, "forward");
+      check_view(out, "forward: out", p.problem().batch, p.local_q(), p.problem().heads, p.problem().value_dim(),
+                 ViewUse::write);
+      check_lse_view(p, lse, "forward");
+      // A ring over the caller's own rows (no Ulysses exchange before it, which gathers Q into
+      // the workspace) adds into out and lse in place when they hold the accumulation type,
+      // while every step reads q again (RingLoop::compute).
+      if constexpr (std::is_same_v<T, acc_t<T>>)
+        SEQPAR_CHECK(p.mesh().ring == 1 || p.mesh().ulysses > 1 || (!may_overlap(out, q) && !may_overlap(lse, q)),
+                     ConfigError, "forward: out or lse overlaps q: the ring reads q at every step while it adds into "
+                     "out and lse; give them memory of their own");
+    });
     const auto guard = cx_.start_call(Pass::forward);
     PhaseCall<Comm, Kernel> call{cx_, kernel_, p, {PlanAccess::schedule(p).forward, workspace}};
     // The operands as the caller gave them; the phases (exchanges first) take it from there.
@@ -159,19 +188,21 @@ class MeshEngine {
                   "seqpar: the kernel has no backward for this element type (see the backward requirement in "
                   "kernel/local_attention_kernel.hpp)");
     const BusyFlag::Hold hold(busy_, "backward");
-    check_call(p, dtype_v<T>, "backward", workspace, p.backward_workspace_bytes());
-    SEQPAR_CHECK(p.problem().with_lse, ConfigError,
-                 "backward: needs the forward's LSE, but the plan's problem has with_lse = false");
     const auto& pr = p.problem();
-    check_inputs(p, q, k, v, "backward");
-    check_view(dout, "backward: dout", pr.batch, p.local_q(), pr.heads, pr.value_dim(), ViewUse::read);
-    check_view(out, "backward: out", pr.batch, p.local_q(), pr.heads, pr.value_dim(), ViewUse::read);
-    check_lse_view(p, lse, "backward");
-    check_view(dq, "backward: dq", pr.batch, p.local_q(), pr.heads, pr.head_dim, ViewUse::write);
-    check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, ViewUse::write);
-    check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.value_dim(), ViewUse::write);
-    SEQPAR_CHECK(!d_sinks || pr.sinks, ConfigError,
-                 "backward: d_sinks given, but the plan's problem has no sinks (problem.sinks is null)");
+    agree_on_call(p, Pass::backward, "backward", [&] {
+      check_call(p, dtype_v<T>, "backward", workspace, p.backward_workspace_bytes());
+      SEQPAR_CHECK(pr.with_lse, ConfigError,
+                   "backward: needs the forward's LSE, but the plan's problem has with_lse = false");
+      check_inputs(p, q, k, v, "backward");
+      check_view(dout, "backward: dout", pr.batch, p.local_q(), pr.heads, pr.value_dim(), ViewUse::read);
+      check_view(out, "backward: out", pr.batch, p.local_q(), pr.heads, pr.value_dim(), ViewUse::read);
+      check_lse_view(p, lse, "backward");
+      check_view(dq, "backward: dq", pr.batch, p.local_q(), pr.heads, pr.head_dim, ViewUse::write);
+      check_view(dk, "backward: dk", pr.batch, p.local_kv(), pr.kv_heads, pr.head_dim, ViewUse::write);
+      check_view(dv, "backward: dv", pr.batch, p.local_kv(), pr.kv_heads, pr.value_dim(), ViewUse::write);
+      SEQPAR_CHECK(!d_sinks || pr.sinks, ConfigError,
+                   "backward: d_sinks given, but the plan's problem has no sinks (problem.sinks is null)");
+    });
     const auto guard = cx_.start_call(Pass::backward);
     // The sinks' gradient needs only this rank's rows (and no message): it comes first.
     if (d_sinks) {
@@ -201,23 +232,86 @@ class MeshEngine {
   void set_profile(PhaseProfile* profile) { cx_.clock.set(profile); }
   /// The profile set, or nullptr.
   PhaseProfile* profile() const { return cx_.clock.get(); }
+  /// Whether every call agrees with the other ranks on the call first (SEQPAR_CHECK_CALLS).
+  bool checks_calls() const { return !call_gather_.empty(); }
 
  private:
-  static MeshConfig agree_on_mesh(Comm& world, const MeshConfig& request) {
-    const std::int64_t mine[5] = {request.ulysses, request.ring, static_cast<std::int64_t>(request.placement),
-                                  static_cast<std::int64_t>(request.layout), request.anything};
+  /// What the constructor's gather agreed: the mesh, and whether calls agree first.
+  struct Agreed {
+    MeshConfig mesh;
+    bool check_calls = false;
+  };
+
+  MeshEngine(Comm& world, const Agreed& agreed, Kernel kernel) : cx_(world, agreed.mesh), kernel_(std::move(kernel)) {
+    if (agreed.check_calls) call_gather_.resize(static_cast<std::size_t>(call_fields * world.size()));
+  }
+
+  static Agreed agree_on_mesh(Comm& world, const MeshConfig& request) {
+    constexpr int n_fields = 6;  // the mesh request's five, then SEQPAR_CHECK_CALLS
+    const std::int64_t mine[n_fields] = {request.ulysses, request.ring, static_cast<std::int64_t>(request.placement),
+                                         static_cast<std::int64_t>(request.layout), request.anything,
+                                         check_calls_from_env()};
     const int n = world.size();
-    std::vector<std::int64_t> all(static_cast<std::size_t>(5 * n));
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n_fields * n));
     world.all_gather_host(mine, all);
     world.stats().uncount_host_gather();  // set-up, not per-call metadata
     static constexpr const char* names[5] = {"ulysses_degree", "ring_degree", "placement", "layout", "anything"};
     static constexpr int fields[5] = {f_ulysses, f_ring, f_placement, f_layout, f_anything};
     for (int f = 0; f < 5; ++f)
       for (int w = 1; w < n; ++w)
-        SEQPAR_CHECK(all[w * 5 + f] == all[f], ConfigError, "SequenceParallelAttention: ranks disagree on ",
+        SEQPAR_CHECK(all[w * n_fields + f] == all[f], ConfigError, "SequenceParallelAttention: ranks disagree on ",
                      names[f], ": rank 0 has ", field_value(fields[f], all[f]), ", rank ", w, " has ",
-                     field_value(fields[f], all[w * 5 + f]));
-    return resolve_mesh(request, n);
+                     field_value(fields[f], all[w * n_fields + f]));
+    std::string bad;
+    bool check_calls = false;
+    for (int w = 0; w < n; ++w) {
+      const std::int64_t flag = all[w * n_fields + 5];
+      if (flag < 0) bad += (bad.empty() ? "" : ", ") + std::to_string(w);
+      check_calls = check_calls || flag == 1;
+    }
+    SEQPAR_CHECK(bad.empty(), ConfigError, "SequenceParallelAttention: ", check_calls_env,
+                 ": expected 1 (on), 0 or nothing (off); rank(s) ", bad, " have another value");
+    return {resolve_mesh(request, n), check_calls};
+  }
+
+  /// The fields of a call's agreement (SEQPAR_CHECK_CALLS): refused, pass, plan fingerprint.
+  static constexpr int call_fields = 3;
+
+  /// Runs a call's argument checks. With SEQPAR_CHECK_CALLS, then agrees with every rank on the
+  /// call (one host all-gather into a buffer the constructor sized): if any rank refused its
+  /// arguments, that rank rethrows its own ConfigError and the others one naming it; ranks that
+  /// make different passes or pass plans of different fingerprints all throw the same
+  /// ConfigError. Either way no message has left, nothing is latched and the call takes no
+  /// number (CallGuard), so the next call is paired correctly on every rank.
+  template <class Checks>
+  void agree_on_call(const Plan& p, Pass pass, const char* call, Checks&& checks) {
+    if (call_gather_.empty()) return checks();
+    std::exception_ptr refused;
+    try {
+      checks();
+    } catch (const ConfigError&) {
+      refused = std::current_exception();
+    }
+    const std::int64_t mine[call_fields] = {refused != nullptr, static_cast<std::int64_t>(pass),
+                                            PlanAccess::fingerprint(p)};
+    cx_.world.all_gather_host(std::span<const std::int64_t>(mine), std::span<std::int64_t>(call_gather_));
+    const auto field = [&](int w, int f) { return call_gather_[static_cast<std::size_t>(w * call_fields + f)]; };
+    const int n = cx_.world.size();
+    std::string refusers;
+    for (int w = 0; w < n; ++w)
+      if (field(w, 0) != 0) refusers += (refusers.empty() ? "" : ", ") + std::to_string(w);
+    if (refused) std::rethrow_exception(refused);
+    SEQPAR_CHECK(refusers.empty(), ConfigError, call, ": rank(s) ", refusers,
+                 " refused their arguments (their ConfigError says why), so every rank refuses this call (",
+                 check_calls_env, ")");
+    const auto pass_name = [](std::int64_t v) { return v == static_cast<std::int64_t>(Pass::forward) ? "forward" : "backward"; };
+    for (int w = 1; w < n; ++w) {
+      SEQPAR_CHECK(field(w, 1) == field(0, 1), ConfigError, call, ": ranks disagree on the call (", check_calls_env,
+                   "): rank 0 calls ", pass_name(field(0, 1)), ", rank ", w, " calls ", pass_name(field(w, 1)));
+      SEQPAR_CHECK(field(w, 2) == field(0, 2), ConfigError, call, ": ranks pass different plans (", check_calls_env,
+                   "): rank ", w, "'s plan differs from rank 0's (every rank must pass the plan that one plan() "
+                   "call made, or one made from the same problem and lengths)");
+    }
   }
 
   /// The largest kernel call of plan p: this rank's heads over its ring block's queries
@@ -275,6 +369,8 @@ class MeshEngine {
   Kernel kernel_;
   std::uint64_t id_ = next_engine_id();
   BusyFlag busy_;
+  std::vector<std::int64_t> call_gather_;  // the call agreement's gather; empty when calls do not agree
 };
 
-}  // namespace seqpar::detail
+}  // namespace detail
+}  // namespace seqpar
