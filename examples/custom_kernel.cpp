@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli.hpp"     // argument checks and the verdict line
+#include "end_job_on_error.hpp"  // the README's catch, report, MPI_Abort, for the whole program
 #include "common.hpp"  // the error measure
 #include "custom_kernel.hpp"
 #include "seqpar/comm/mpi_communicator.hpp"
@@ -115,6 +116,7 @@ int main(int argc, char** argv) {
   seqpar::examples::Args args(argc, argv, "mpirun -np <ranks> custom_kernel   (no arguments)");
   if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);
+  seqpar::examples::end_job_on_error(argv[0]);  // an error nobody catches: one line, MPI_Abort on every rank
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
   // 2P query heads over P K/V heads (GQA), 64 tokens per rank for the plain policies.

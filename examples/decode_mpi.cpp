@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli.hpp"     // argument checks and the verdict line
+#include "end_job_on_error.hpp"  // the README's catch, report, MPI_Abort, for the whole program
 #include "common.hpp"  // the error measure
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
   examples::Args args(argc, argv, "mpirun -np <ranks> decode_mpi   (no arguments)");
   if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);
+  examples::end_job_on_error(argv[0]);  // an error nobody catches: one line, MPI_Abort on every rank
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
   const std::int64_t B = static_cast<std::int64_t>(prompts.size());

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli.hpp"     // argument checks and the verdict line
+#include "end_job_on_error.hpp"  // the README's catch, report, MPI_Abort, for the whole program
 #include "common.hpp"  // random inputs and the reference
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   const std::int64_t text = given.empty() ? 77 : given[0];
   MpiSession mpi(argc, argv);
+  examples::end_job_on_error(argv[0]);  // an error nobody catches: one line, MPI_Abort on every rank
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
   const std::int64_t image = 63 * 63;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cli.hpp"     // argument checks and the verdict line
+#include "end_job_on_error.hpp"  // the README's catch, report, MPI_Abort, for the whole program
 #include "common.hpp"  // random inputs and the reference check
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
   if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
 
   MpiSession mpi(argc, argv);
+  examples::end_job_on_error(argv[0]);  // an error nobody catches: one line, MPI_Abort on every rank
   MpiCommunicator world(MPI_COMM_WORLD);
   const int P = world.size(), me = world.rank();
   using Policy = AnythingPolicy<UnifiedPolicy<>>;  // Ulysses pairs when P is even, a ring across them

@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "cli.hpp"     // argument checks and the verdict line
+#include "end_job_on_error.hpp"  // the README's catch, report, MPI_Abort, for the whole program
 #include "common.hpp"  // random inputs and the reference check
 #include "seqpar/comm/mpi_communicator.hpp"
 #include "seqpar/seqpar.hpp"
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   examples::Args args(argc, argv, "mpirun -np 4 unified_mpi   (no arguments)");
   if (const auto exit = args.finish()) return *exit;  // before MPI starts, on every rank alike
   MpiSession mpi(argc, argv);
+  examples::end_job_on_error(argv[0]);  // an error nobody catches: one line, MPI_Abort on every rank
   MpiCommunicator world(MPI_COMM_WORLD);
   if (world.size() != 4) {
     if (world.rank() == 0) std::fprintf(stderr, "unified_mpi: run with 4 ranks (mpirun -np 4), got %d\n", world.size());
