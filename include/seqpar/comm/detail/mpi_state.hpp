@@ -36,8 +36,17 @@ inline void mpi_check(int rc, const char* call, const char* file, int line) {
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
   const std::string text_call(call);
   const std::string name = text_call.substr(0, text_call.find('('));
+  int error_class = MPI_SUCCESS;
+  if (MPI_Error_class(rc, &error_class) != MPI_SUCCESS) error_class = MPI_SUCCESS;
+  // A message longer than its receive: in seqpar, ranks whose calls move different sizes, most
+  // often ranks that pass different plans to one call.
+  const char* hint = error_class == MPI_ERR_TRUNCATE
+                         ? " (a message longer than its receive: do all ranks pass the same plan to this call? "
+                           "SEQPAR_CHECK_CALLS=1 makes every call check that before any data moves)"
+                         : "";
   throw_error<MpiError>(file, line, name, " failed with error ", rc, ": ",
-                        len > 0 ? std::string(text, static_cast<std::size_t>(len)) : std::string("(no MPI error string)"));
+                        len > 0 ? std::string(text, static_cast<std::size_t>(len)) : std::string("(no MPI error string)"),
+                        hint);
 }
 
 /// The largest power of two <= 256 that divides every value: MPI counts are `int`, so
