@@ -8,6 +8,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -18,6 +20,22 @@
 #include "seqpar/seqpar.hpp"
 
 namespace seqpar::bench {
+
+/// Ends a benchmark program built only to check that it compiles (SEQPAR_BENCH_COMPILE_ONLY:
+/// unoptimized, what scripts/setup.sh's test build makes), with a message saying where the
+/// measuring build is, so that nobody quotes figures of an -O0 build.
+inline void refuse_if_compile_only(const char* program) {
+#if SEQPAR_BENCH_COMPILE_ONLY
+  std::fprintf(stderr,
+               "%s: this build's benchmarks are compile checks, unoptimized (SEQPAR_BENCH_COMPILE_ONLY=ON, as "
+               "scripts/setup.sh configures build/): run bench/run.sh, which builds optimized ones in build-bench/, "
+               "or configure with -DSEQPAR_BENCH_COMPILE_ONLY=OFF\n",
+               program);
+  std::exit(2);
+#else
+  (void)program;
+#endif
+}
 
 /// Random values in [-1, 1): never zeros, so no shortcut makes a kernel look faster.
 template <class T>

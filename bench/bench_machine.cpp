@@ -14,6 +14,9 @@
 
 namespace {
 
+/// A compile-check build ends before Google Benchmark's main runs (bench_common.hpp).
+[[maybe_unused]] const bool refused = (seqpar::bench::refuse_if_compile_only("seqpar_bench"), true);
+
 /// The vector width the kernels run at (CpuFlashKernel's default: the widest this CPU has,
 /// capped by SEQPAR_CPU_ISA), so that the peak and the kernels are measured alike.
 const seqpar::CpuIsa isa = seqpar::default_cpu_isa();

@@ -192,6 +192,7 @@ int exchange_forms(const MpiCommunicator& world, const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  seqpar::bench::refuse_if_compile_only("seqpar_bench_mpi");
   MpiSession session(argc, argv);
   MpiCommunicator world(MPI_COMM_WORLD);
   try {

@@ -59,7 +59,7 @@ wait_idle() {  # wait_idle <stage>
 }
 
 run cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_BUILD_TESTS=OFF -DSEQPAR_BUILD_EXAMPLES=OFF \
-  -DSEQPAR_BUILD_BENCHMARKS=ON -DSEQPAR_BUILD_TOOLS=ON > "$out/cmake.log"
+  -DSEQPAR_BUILD_BENCHMARKS=ON -DSEQPAR_BENCH_COMPILE_ONLY=OFF -DSEQPAR_BUILD_TOOLS=ON > "$out/cmake.log"
 targets=(seqpar_bench)
 # (The list is read whole first: grep -q would close the pipe early, which pipefail counts as a failure.)
 help="$(cmake --build "$build" --target help)"
