@@ -23,7 +23,8 @@ namespace seqpar {
 /// Usage: construct on every rank (collective: splits the communicator into the mesh), call
 /// `plan(problem, my_lengths)` once per shape (collective: all ranks validate that they agree,
 /// or all throw the same ConfigError), allocate `plan.workspace_bytes()` once, then call
-/// `forward` as often as needed: it allocates nothing and exchanges no metadata.
+/// `forward` as often as needed: it allocates nothing and exchanges no metadata (unless
+/// SEQPAR_CHECK_CALLS=1 asks every call to agree first: checks_calls()).
 ///
 /// Only the phases the policy uses are compiled (policy_traits): a kernel needs a backward only
 /// if backward is called, and a kernel that writes only T works with every policy.

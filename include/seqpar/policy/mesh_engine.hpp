@@ -144,7 +144,7 @@ class MeshEngine {
 
   /// Forward: the policy's phases in order (with Unified: the Ulysses exchange in, the ring
   /// loop or, on a ring of one, the local kernel, the exchange back; see PhaseList::run).
-  /// Allocates nothing and exchanges no metadata.
+  /// Allocates nothing and exchanges no metadata (but see agree_on_call).
   template <class T>
   void forward(const Plan& p, TensorView<const T, Space> q, TensorView<const T, Space> k, TensorView<const T, Space> v,
                TensorView<T, Space> out, TensorView<acc_t<T>, Space> lse, std::span<std::byte> workspace) {
