@@ -11,9 +11,10 @@
 //  - the latch is shared by copies and splits, and a time-out sets it;
 //  - a user communicator with neither tags nor latch still runs every policy exactly;
 //  - with SEQPAR_CHECK_CALLS=1, ranks that pass different plans (of equal message sizes),
-//    make different passes, or one of which refused its arguments, all refuse the call
-//    before any message, latch nothing, and the next matched call is exact; plans made alike
-//    by two plan() calls are interchangeable; any value but 0 and 1 is refused.
+//    make different passes, call two objects in different orders, are in plan() against a
+//    call, or one of which refused its arguments, all refuse the call before any message,
+//    latch nothing, and the next matched call is exact; plans made alike by two plan() calls
+//    are interchangeable; any value but 0 and 1 is refused, quoting it.
 // Every run has a time-out, so a regression fails instead of hanging.
 
 #include <doctest/doctest.h>
@@ -521,8 +522,8 @@ TEST_CASE("call agreement: ranks that pass different plans all refuse the call b
       t.forward(attn, w == 2 ? b : a);
     });
     check_agreement(r, [](int) {
-      return std::string("forward: ranks pass different plans (SEQPAR_CHECK_CALLS): rank 2's plan differs from "
-                         "rank 0's");
+      return std::string("forward: ranks pass different plans (SEQPAR_CHECK_CALLS): rank(s) 2 pass a plan other "
+                         "than rank(s) 0, 1, 3");
     });
   };
   SUBCASE("Ulysses") { run(UlyssesPolicy{}); }
@@ -547,10 +548,8 @@ TEST_CASE("call agreement: ranks making different passes all refuse the call") {
     else t.backward(attn, a);
   });
   check_agreement(r, [](int w) {
-    return w == 3 ? std::string("forward: ranks disagree on the call (SEQPAR_CHECK_CALLS): rank 0 calls backward, "
-                                "rank 3 calls forward")
-                  : std::string("backward: ranks disagree on the call (SEQPAR_CHECK_CALLS): rank 0 calls backward, "
-                                "rank 3 calls forward");
+    return std::string(w == 3 ? "forward" : "backward") +
+           ": ranks disagree on the call (SEQPAR_CHECK_CALLS): rank(s) 0, 1, 2 call backward, rank(s) 3 call forward";
   });
 }
 
@@ -580,7 +579,57 @@ TEST_CASE("call agreement: SEQPAR_CHECK_CALLS other than 0 or 1 is refused by ev
     for (const auto& o : out) {
       CHECK(o.kind == (bad ? "ConfigError" : "none"));
       if (bad) CHECK(o.what.find("SequenceParallelAttention: SEQPAR_CHECK_CALLS: expected 1 (on), 0 or nothing "
-                                 "(off); rank(s) 0, 1, 2 have another value") == 0);
+                                 "(off); rank(s) 0, 1, 2 have another value (this rank: \"" + std::string(value) +
+                                 "\")") == 0);
     }
+  }
+}
+
+TEST_CASE("call agreement: a rank in plan() while the others are in a call: every rank refuses, none hangs") {
+  const test::GlobalShape c = fault_shape();
+  const AgreementRun r = run_agreement(RingPolicy<Zigzag>{}, [&](int w, auto& attn, const Plan& a, const Plan&,
+                                                               RankTensors& t) {
+    if (w == 1) (void)attn.plan(c.problem<float>(true), {8, -1});
+    else t.forward(attn, a);
+  });
+  check_agreement(r, [](int w) {
+    return w == 1 ? std::string("plan: rank(s) 0, 2, 3 are in a forward or backward (as SEQPAR_CHECK_CALLS shows)")
+                  : std::string("forward: rank(s) 1 are in plan() (as SEQPAR_CHECK_CALLS shows): every rank must "
+                                "make an object's calls in the same order");
+  });
+}
+
+TEST_CASE("call agreement: ranks that call two objects in different orders all refuse, then run in order exactly") {
+  const test::GlobalShape c = fault_shape();
+  const auto g = test::make_inputs<float>(c);
+  const test::GlobalData want_out = test::make_global_as<float>(c);
+  std::vector<std::string> refused(4);
+  std::vector<test::Errors> fwd(8);
+  const test::ScopedEnv on(check_calls_env, "1");
+  run_ranks(4, [&](ThreadCommunicator& comm) {
+    // Two objects of one policy on one communicator, plans of one problem: equal fingerprints.
+    SequenceParallelAttention<UlyssesPolicy, ThreadCommunicator, CpuFlashKernel> x(comm), y(comm);
+    const int w = comm.rank();
+    const Plan px = x.plan(c.problem<float>(true), {8, -1}), py = y.plan(c.problem<float>(true), {8, -1});
+    RankTensors t(g, px, w);
+    try {
+      if (w == 0) t.forward(x, px);  // rank 0 calls x first, the others y
+      else t.forward(y, py);
+    } catch (const ConfigError& e) {
+      refused[static_cast<std::size_t>(w)] = e.what();
+    }
+    CHECK(!comm.failed());
+    t.forward(x, px);
+    fwd[static_cast<std::size_t>(2 * w)] = test::compare_rows(t.x.out, t.lse, want_out, px.q_positions(w));
+    t.forward(y, py);
+    fwd[static_cast<std::size_t>(2 * w + 1)] = test::compare_rows(t.x.out, t.lse, want_out, py.q_positions(w));
+  }, ThreadRunOptions{test::outcome_timeout});
+  for (int w = 0; w < 4; ++w) {
+    CAPTURE(w);
+    CHECK(refused[static_cast<std::size_t>(w)].find(
+              "forward: ranks call different objects (SEQPAR_CHECK_CALLS): rank(s) 1, 2, 3 call another "
+              "SequenceParallelAttention than rank(s) 0") == 0);
+    CHECK(fwd[static_cast<std::size_t>(2 * w)].within(1e-5));
+    CHECK(fwd[static_cast<std::size_t>(2 * w + 1)].within(1e-5));
   }
 }

@@ -41,7 +41,39 @@ TEST_CASE("misuse: a plan made by another object is refused, even with the same 
     std::vector<std::byte> ws(256);
     a.forward<float>(Plan{}, {}, {}, {}, {}, ws);
   });
-  CHECK(all_same_config_error(empty, "forward: the plan is empty (make it with plan())"));
+  CHECK(all_same_config_error(empty, "forward: the plan is empty (default-made or moved from: make it with plan())"));
+
+  // A moved-from plan: its tables went with the move, so it must be refused as empty, not read
+  // (it kept its owner and crashed reading its layout).
+  auto moved = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> a(c);
+    Plan plan = a.plan({.heads = 2, .head_dim = 8}, {4});
+    const Plan taken = std::move(plan);
+    CHECK(taken.local_q() == 4);
+    std::vector<float> x(4 * 2 * 8), o(x.size());
+    std::vector<std::byte> ws(taken.workspace_bytes());
+    using CV = TensorView<const float>;
+    const CV in = CV::bshd(x.data(), 1, 4, 2, 8);
+    a.forward<float>(plan, in, in, in, TensorView<float>::bshd(o.data(), 1, 4, 2, 8), ws);  // NOLINT(bugprone-use-after-move)
+  });
+  CHECK(all_same_config_error(moved, "forward: the plan is empty (default-made or moved from: make it with plan())"));
+  auto moved_decode = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelDecode<ThreadCommunicator, ReferenceKernel> dec(c);
+    DecodePlan plan = dec.plan({.heads = 2, .head_dim = 8, .kv_len = {5}, .capacity = 16});
+    const DecodePlan taken = std::move(plan);
+    std::vector<std::byte> ws(taken.workspace_bytes());
+    dec.step<float>(plan, {}, {}, {}, {}, ws);  // NOLINT(bugprone-use-after-move)
+  });
+  CHECK(all_same_config_error(moved_decode, "decode step: the plan is empty (default-made or moved from"));
+}
+
+TEST_CASE("misuse: a soft-cap of -0.0 on one rank and 0.0 on another agree: both mean off") {
+  auto out = rank_outcomes(2, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<UlyssesPolicy, ThreadCommunicator, ReferenceKernel> a(c);
+    const Plan plan = a.plan({.heads = 2, .head_dim = 8, .softcap = c.rank() == 0 ? -0.0 : 0.0}, {4});
+    CHECK(plan.global_q() == 8);
+  });
+  for (const auto& o : out) CHECK(o.kind == "none");
 }
 
 TEST_CASE("misuse: sizes that overflow 64 bits are a ConfigError naming the fields") {

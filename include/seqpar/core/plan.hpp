@@ -87,6 +87,31 @@ inline std::uint64_t next_engine_id() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+/// The id of the engine that made a plan (0: none). A move takes it along and leaves 0 behind:
+/// a moved-from plan, whose tables went with the move, is then refused as empty, not read.
+class OwnerId {
+ public:
+  OwnerId() = default;
+  /// The id `id` (of next_engine_id).
+  explicit OwnerId(std::uint64_t id) : id_(id) {}
+  OwnerId(const OwnerId&) = default;
+  OwnerId& operator=(const OwnerId&) = default;
+  /// Takes o's id, leaving o none.
+  OwnerId(OwnerId&& o) noexcept : id_(std::exchange(o.id_, 0)) {}
+  /// Takes o's id, leaving o none.
+  OwnerId& operator=(OwnerId&& o) noexcept {
+    id_ = std::exchange(o.id_, 0);
+    return *this;
+  }
+  /// The id (0: none).
+  std::uint64_t get() const { return id_; }
+  /// Whether the plan belongs to the engine of id `id`.
+  bool operator==(std::uint64_t id) const { return id_ == id; }
+
+ private:
+  std::uint64_t id_ = 0;
+};
+
 }  // namespace detail
 
 /// The result of SequenceParallelAttention::plan: read-only. It answers where tokens live,
@@ -179,7 +204,7 @@ class Plan {
   AttentionProblem problem_;
   MeshConfig mesh_;
   int world_rank_ = 0;
-  std::uint64_t owner_ = 0;  // id of the engine that made it (0: none)
+  detail::OwnerId owner_;  // the engine that made it (none: empty, or moved from)
   std::int64_t fingerprint_ = 0;  // hash of what every rank gave plan(): equal on every rank
   SequenceLayout q_layout_, kv_layout_;
   std::vector<HeadRange> q_heads_, kv_heads_;
@@ -193,7 +218,7 @@ namespace detail {
 /// The engine's door into a Plan: building it and reading its schedule. Not for users.
 struct PlanAccess {
   static const PlanSchedule& schedule(const Plan& p) { return p.schedule_; }
-  static std::uint64_t owner(const Plan& p) { return p.owner_; }
+  static std::uint64_t owner(const Plan& p) { return p.owner_.get(); }
   /// The hash of everything every rank gave plan() (its fields and lengths), the same on every
   /// rank: two plans that hash alike are interchangeable in a call.
   static std::int64_t fingerprint(const Plan& p) { return p.fingerprint_; }
@@ -213,7 +238,7 @@ struct PlanAccess {
     p.problem_ = problem;
     p.mesh_ = mesh;
     p.world_rank_ = world_rank;
-    p.owner_ = owner;
+    p.owner_ = OwnerId(owner);
     p.q_layout_ = std::move(q);
     p.kv_layout_ = std::move(kv);
     p.q_heads_ = std::move(q_heads);

@@ -219,7 +219,7 @@ class DecodePlan {
   DecodeProblem problem_;
   CacheLayout layout_;
   int rank_ = 0;
-  std::uint64_t owner_ = 0;
+  detail::OwnerId owner_;  // the engine that made it (none: empty, or moved from)
   std::vector<std::int64_t> len_;
   std::int64_t step_ = 0;
   std::int64_t shard_capacity_ = 0;

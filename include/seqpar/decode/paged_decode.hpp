@@ -175,7 +175,7 @@ class PagedDecodePlan {
 
   PagedDecodeProblem problem_;
   TokenPlacement placement_;
-  std::uint64_t owner_ = 0;
+  detail::OwnerId owner_;  // the engine that made it (none: empty, or moved from)
   std::int64_t steps_ = 0;
   detail::StepMessages messages_;
   WorkspaceLayout slots_;
@@ -240,7 +240,7 @@ class PagedDecode {
     p.problem_ = pr;
     p.problem_.kv_heads = pr.kv_head_count();
     p.placement_ = {P, pr.interleave};
-    p.owner_ = id_;
+    p.owner_ = detail::OwnerId(id_);
     p.begin_.assign(static_cast<std::size_t>(pr.max_batch + 1), 0);
     p.key_end_.assign(static_cast<std::size_t>(pr.row_limit()), 0);
     p.run_end_.assign(static_cast<std::size_t>(pr.max_new_tokens), 0);
@@ -276,7 +276,9 @@ class PagedDecode {
     static_assert(LocalAttentionKernel<Kernel, T>, "seqpar: the kernel does not model LocalAttentionKernel for T");
     const PagedDecodeProblem& pr = plan.problem_;
     const char* const who = "paged decode step: ";  // (no std::string: a step allocates nothing)
-    SEQPAR_CHECK(plan.owner_ == id_, ConfigError, who, "the plan was made by another PagedDecode");
+    SEQPAR_CHECK(plan.owner_ == id_, ConfigError, who,
+                 plan.owner_ == 0 ? "the plan is empty (default-made or moved from: make it with plan())"
+                                  : "the plan was made by another PagedDecode");
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, who, "element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t H = pr.heads, K = pr.kv_heads, D = pr.head_dim, Dv = pr.value_dim();

@@ -87,7 +87,7 @@ class DecodeEngine {
     p.problem_.kv_heads = pr.kv_head_count();
     p.layout_ = CacheLayout(P, pr.page, pr.kv_len);
     p.rank_ = me;
-    p.owner_ = id_;
+    p.owner_ = OwnerId(id_);
     p.len_ = pr.kv_len;
     for (std::int64_t b = 0; b < pr.batch; ++b)
       p.shard_capacity_ = std::max(p.shard_capacity_, p.layout_.count(me, b, pr.capacity));
@@ -125,7 +125,9 @@ class DecodeEngine {
                   "seqpar: decode limits each query row to its own visible cache slots: the kernel needs "
                   "supports_masks (ReferenceKernel has it)");
     const DecodeProblem& pr = p.problem_;
-    SEQPAR_CHECK(p.owner_ == id_, ConfigError, "decode step: the plan was made by another SequenceParallelDecode");
+    SEQPAR_CHECK(p.owner_ == id_, ConfigError, "decode step: ",
+                 p.owner_ == 0 ? "the plan is empty (default-made or moved from: make it with plan())"
+                               : "the plan was made by another SequenceParallelDecode");
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, "decode step: element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, K = pr.kv_heads, D = pr.head_dim;

@@ -16,11 +16,13 @@
 /// RingPolicy<Stripe> and AnythingPolicy<RingPolicy<Contiguous>> share one compiled engine. A program that switches
 /// between policies at run time (seqpar_demo: 14 of them) compiles three engines, not 14.
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <new>
 #include <span>
 #include <string>
@@ -41,11 +43,12 @@
 namespace seqpar {
 
 /// The environment variable that makes every forward and backward agree on the call before
-/// its first message. "1": each call's argument checks run, then one host all-gather of three
-/// integers over the world (did this rank's arguments pass, forward or backward, the plan's
-/// fingerprint), so that ranks which pass different plans, make different passes, or one of
-/// which refused its arguments, all throw the same ConfigError before any data moves (without
-/// it such ranks exchange mismatched data: wrong rows or a time-out). Unset, empty or "0": off,
+/// its first message. "1": each call's argument checks run, then one host all-gather over the
+/// world of a row per rank (did its arguments pass, forward or backward, which object, the
+/// plan's fingerprint), so that ranks which pass different plans, make different passes, call
+/// objects in different orders, are in plan() against a call, or one of which refused its
+/// arguments, all throw the same ConfigError before any data moves (without it such ranks
+/// exchange mismatched data: wrong rows or a time-out). Unset, empty or "0": off,
 /// and a call exchanges no metadata. Read when a SequenceParallelAttention is made; on when
 /// any rank sets it (the constructor agrees), so every rank joins the gathers. The debugging
 /// aid of PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL (which checks collectives' shapes across
@@ -110,7 +113,9 @@ class MeshEngine {
     const auto mine = plan_fields(problem, cx_.mesh, lengths);
     std::vector<std::int64_t> all(static_cast<std::size_t>(f_count * world));
     cx_.world.all_gather_host(std::span<const std::int64_t>(mine), all);
-    std::string why = disagreement_reason(all, world);
+    std::string why = ranks_in_a_call(all, world, true);
+    SEQPAR_CHECK(why.empty(), ConfigError, "plan: ", why);
+    why = disagreement_reason(all, world);
     // Lists travel as hashes; on a mismatch every rank sees it and gathers them to say where.
     if (const int field = first_disagreeing_field(all, world); field == f_documents)
       why = list_disagreement(cx_.world, "plan: ", "documents", problem.documents, ListField::lists);
@@ -236,21 +241,26 @@ class MeshEngine {
   bool checks_calls() const { return !call_gather_.empty(); }
 
  private:
-  /// What the constructor's gather agreed: the mesh, and whether calls agree first.
+  /// What the constructor's gather agreed: the mesh, whether calls agree first, this rank's
+  /// engine id (of its plans) and the object's id on every rank (rank 0's engine id).
   struct Agreed {
     MeshConfig mesh;
     bool check_calls = false;
+    std::uint64_t id = 0;
+    std::int64_t object = 0;
   };
 
-  MeshEngine(Comm& world, const Agreed& agreed, Kernel kernel) : cx_(world, agreed.mesh), kernel_(std::move(kernel)) {
-    if (agreed.check_calls) call_gather_.resize(static_cast<std::size_t>(call_fields * world.size()));
+  MeshEngine(Comm& world, const Agreed& agreed, Kernel kernel)
+      : cx_(world, agreed.mesh), kernel_(std::move(kernel)), id_(agreed.id), object_(agreed.object) {
+    if (agreed.check_calls) call_gather_.resize(static_cast<std::size_t>(f_count * world.size()));
   }
 
   static Agreed agree_on_mesh(Comm& world, const MeshConfig& request) {
-    constexpr int n_fields = 6;  // the mesh request's five, then SEQPAR_CHECK_CALLS
+    constexpr int n_fields = 7;  // the mesh request's five, SEQPAR_CHECK_CALLS, the engine id
+    const std::uint64_t id = next_engine_id();
     const std::int64_t mine[n_fields] = {request.ulysses, request.ring, static_cast<std::int64_t>(request.placement),
                                          static_cast<std::int64_t>(request.layout), request.anything,
-                                         check_calls_from_env()};
+                                         check_calls_from_env(), static_cast<std::int64_t>(id)};
     const int n = world.size();
     std::vector<std::int64_t> all(static_cast<std::size_t>(n_fields * n));
     world.all_gather_host(mine, all);
@@ -269,13 +279,30 @@ class MeshEngine {
       if (flag < 0) bad += (bad.empty() ? "" : ", ") + std::to_string(w);
       check_calls = check_calls || flag == 1;
     }
+    const char* value = std::getenv(check_calls_env);
     SEQPAR_CHECK(bad.empty(), ConfigError, "SequenceParallelAttention: ", check_calls_env,
-                 ": expected 1 (on), 0 or nothing (off); rank(s) ", bad, " have another value");
-    return {resolve_mesh(request, n), check_calls};
+                 ": expected 1 (on), 0 or nothing (off); rank(s) ", bad, " have another value",
+                 check_calls_from_env() < 0 ? std::string(" (this rank: \"") + value + "\")" : std::string());
+    return {resolve_mesh(request, n), check_calls, id, all[6]};
   }
 
-  /// The fields of a call's agreement (SEQPAR_CHECK_CALLS): refused, pass, plan fingerprint.
-  static constexpr int call_fields = 3;
+  /// A call's row in its agreement (SEQPAR_CHECK_CALLS), as long as a plan's row (f_count):
+  /// a rank in plan() and one in a call then gather rows of one size, and each sees the other
+  /// for what it is (field 0: call_marker where a plan has its batch).
+  enum CallField : int { c_marker, c_refused, c_pass, c_object, c_plan };
+  /// Field 0 of a call's row: no plan's batch is this negative.
+  static constexpr std::int64_t call_marker = std::numeric_limits<std::int64_t>::min() + 0x5e9a;
+
+  /// The ranks whose gathered row (rows of f_count) is a call's (`calls`) or not, listed, or "".
+  static std::string ranks_in_a_call(std::span<const std::int64_t> rows, int world, bool calls) {
+    std::string ranks;
+    for (int w = 0; w < world; ++w)
+      if ((rows[static_cast<std::size_t>(w * f_count)] == call_marker) == calls)
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
+    if (ranks.empty()) return "";
+    return "rank(s) " + ranks + (calls ? " are in a forward or backward" : " are in plan()") +
+           " (as " + check_calls_env + " shows): every rank must make an object's calls in the same order";
+  }
 
   /// Runs a call's argument checks. With SEQPAR_CHECK_CALLS, then agrees with every rank on the
   /// call (one host all-gather into a buffer the constructor sized): if any rank refused its
@@ -292,26 +319,48 @@ class MeshEngine {
     } catch (const ConfigError&) {
       refused = std::current_exception();
     }
-    const std::int64_t mine[call_fields] = {refused != nullptr, static_cast<std::int64_t>(pass),
-                                            PlanAccess::fingerprint(p)};
+    std::array<std::int64_t, f_count> mine{};
+    mine[c_marker] = call_marker;
+    mine[c_refused] = refused != nullptr;
+    mine[c_pass] = static_cast<std::int64_t>(pass);
+    mine[c_object] = object_;
+    mine[c_plan] = PlanAccess::fingerprint(p);
     cx_.world.all_gather_host(std::span<const std::int64_t>(mine), std::span<std::int64_t>(call_gather_));
-    const auto field = [&](int w, int f) { return call_gather_[static_cast<std::size_t>(w * call_fields + f)]; };
     const int n = cx_.world.size();
-    std::string refusers;
-    for (int w = 0; w < n; ++w)
-      if (field(w, 0) != 0) refusers += (refusers.empty() ? "" : ", ") + std::to_string(w);
+    const std::string elsewhere = ranks_in_a_call(call_gather_, n, false);
+    SEQPAR_CHECK(elsewhere.empty(), ConfigError, call, ": ", elsewhere);
+    // The ranks whose field f is (`same`) or is not rank 0's, or, for c_refused, is set.
+    const auto ranks_where = [&](int f, bool same) {
+      std::string ranks;
+      for (int w = 0; w < n; ++w) {
+        const std::int64_t v = call_gather_[static_cast<std::size_t>(w * f_count + f)];
+        if (f == c_refused ? v != 0 : (v == call_gather_[static_cast<std::size_t>(f)]) == same)
+          ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
+      }
+      return ranks;
+    };
+    const std::string refusers = ranks_where(c_refused, false);
     if (refused) std::rethrow_exception(refused);
     SEQPAR_CHECK(refusers.empty(), ConfigError, call, ": rank(s) ", refusers,
                  " refused their arguments (their ConfigError says why), so every rank refuses this call (",
                  check_calls_env, ")");
-    const auto pass_name = [](std::int64_t v) { return v == static_cast<std::int64_t>(Pass::forward) ? "forward" : "backward"; };
-    for (int w = 1; w < n; ++w) {
-      SEQPAR_CHECK(field(w, 1) == field(0, 1), ConfigError, call, ": ranks disagree on the call (", check_calls_env,
-                   "): rank 0 calls ", pass_name(field(0, 1)), ", rank ", w, " calls ", pass_name(field(w, 1)));
-      SEQPAR_CHECK(field(w, 2) == field(0, 2), ConfigError, call, ": ranks pass different plans (", check_calls_env,
-                   "): rank ", w, "'s plan differs from rank 0's (every rank must pass the plan that one plan() "
-                   "call made, or one made from the same problem and lengths)");
-    }
+    const std::string other_object = ranks_where(c_object, false);
+    SEQPAR_CHECK(other_object.empty(), ConfigError, call, ": ranks call different objects (", check_calls_env,
+                 "): rank(s) ", other_object, " call another SequenceParallelAttention than rank(s) ",
+                 ranks_where(c_object, true), " (every rank must call its objects in the same order)");
+    const std::string other_pass = ranks_where(c_pass, false);
+    const auto pass_name = [&](bool rank0s) {
+      const bool forward = call_gather_[c_pass] == static_cast<std::int64_t>(Pass::forward);
+      return forward == rank0s ? "forward" : "backward";
+    };
+    SEQPAR_CHECK(other_pass.empty(), ConfigError, call, ": ranks disagree on the call (", check_calls_env,
+                 "): rank(s) ", ranks_where(c_pass, true), " call ", pass_name(true), ", rank(s) ", other_pass,
+                 " call ", pass_name(false));
+    const std::string other_plan = ranks_where(c_plan, false);
+    SEQPAR_CHECK(other_plan.empty(), ConfigError, call, ": ranks pass different plans (", check_calls_env,
+                 "): rank(s) ", other_plan, " pass a plan other than rank(s) ", ranks_where(c_plan, true),
+                 " (every rank must pass the plan that one plan() call made, or one made from the same problem "
+                 "and lengths)");
   }
 
   /// The largest kernel call of plan p: this rank's heads over its ring block's queries
@@ -326,7 +375,7 @@ class MeshEngine {
   void check_call(const Plan& p, DType dtype, const char* call, std::span<std::byte> workspace,
                   std::size_t need) const {
     SEQPAR_CHECK(PlanAccess::owner(p) == id_, ConfigError, call,
-                 PlanAccess::owner(p) == 0 ? ": the plan is empty (make it with plan())"
+                 PlanAccess::owner(p) == 0 ? ": the plan is empty (default-made or moved from: make it with plan())"
                                            : ": the plan was made by another SequenceParallelAttention (plans "
                                              "belong to the object whose plan() made them)");
     SEQPAR_CHECK(dtype == p.problem().dtype, ConfigError, call, ": element type: the plan was made for ",
@@ -367,7 +416,8 @@ class MeshEngine {
 
   EngineContext<Comm> cx_;
   Kernel kernel_;
-  std::uint64_t id_ = next_engine_id();
+  std::uint64_t id_ = 0;     // this rank's engine id: the owner of its plans
+  std::int64_t object_ = 0;  // the object's id on every rank (rank 0's engine id)
   BusyFlag busy_;
   std::vector<std::int64_t> call_gather_;  // the call agreement's gather; empty when calls do not agree
 };

@@ -56,12 +56,13 @@ inline constexpr const char* plan_field_names[f_count] = {
 
 inline constexpr int plan_agreed_fields = f_q_len;  // fields before this one must match
 
-/// This rank's contribution to the gather.
+/// This rank's contribution to the gather. (softcap + 0.0: a soft-cap of -0.0, off as 0.0 is,
+/// gathers as 0.0, so that ranks meaning the same agree.)
 inline std::array<std::int64_t, f_count> plan_fields(const AttentionProblem& pr, const MeshConfig& m, LocalLengths l) {
   return {pr.batch, pr.heads, pr.kv_head_count(), pr.head_dim, pr.causal, static_cast<std::int64_t>(pr.dtype),
           std::bit_cast<std::int64_t>(pr.softmax_scale()), pr.with_lse, static_cast<std::int64_t>(pr.causal_align),
           pr.window.left, pr.window.right, hash_lists(pr.documents), hash_lists({pr.kv_valid}), pr.value_dim(),
-          std::bit_cast<std::int64_t>(pr.softcap), pr.sinks != nullptr, m.ulysses, m.ring,
+          std::bit_cast<std::int64_t>(pr.softcap + 0.0), pr.sinks != nullptr, m.ulysses, m.ring,
           static_cast<std::int64_t>(m.placement), static_cast<std::int64_t>(m.layout), m.anything, l.q, l.kv_count()};
 }
 
