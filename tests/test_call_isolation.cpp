@@ -455,7 +455,7 @@ struct AgreementRun {
   std::vector<std::string> refused = std::vector<std::string>(4);  ///< the ConfigError each rank got ("" none)
   std::vector<test::Errors> fwd = std::vector<test::Errors>(4);     ///< the matched forward
   std::vector<test::GradErrors> bwd = std::vector<test::GradErrors>(4);  ///< the matched backward
-  std::vector<bool> checks = std::vector<bool>(4);                  ///< checks_calls() on each rank
+  std::vector<int> checks = std::vector<int>(4);  ///< checks_calls() on each rank (not vector<bool>: one word per rank)
   std::vector<std::uint64_t> gathers = std::vector<std::uint64_t>(4);  ///< host gathers of the matched pair
 };
 
