@@ -61,6 +61,10 @@ TEST_CASE("misuse: a plan made by another object is refused, even with the same 
     SequenceParallelDecode<ThreadCommunicator, ReferenceKernel> dec(c);
     DecodePlan plan = dec.plan({.heads = 2, .head_dim = 8, .kv_len = {5}, .capacity = 16});
     const DecodePlan taken = std::move(plan);
+    CHECK_THROWS_WITH_AS(plan.advance(1),  // NOLINT(bugprone-use-after-move)
+                         doctest::Contains("DecodePlan::advance: the plan is empty (default-made or moved from"),
+                         ConfigError);
+    CHECK(plan.steps() == 0);
     std::vector<std::byte> ws(taken.workspace_bytes());
     dec.step<float>(plan, {}, {}, {}, {}, ws);  // NOLINT(bugprone-use-after-move)
   });

@@ -180,6 +180,23 @@ TEST_CASE("paged decode refuses null, strided, overlapping and misshapen views o
   for (const auto& o : hnd) CHECK(o.kind == "none");
 }
 
+TEST_CASE("paged decode plan: step_bytes takes 0..max_rows rows; a negative dense max_blocks is named as such") {
+  run_ranks(2, [](ThreadCommunicator& world) {
+    PagedDecode<ThreadCommunicator, ReferenceKernel> dec(world);
+    const PagedDecodePlan plan = dec.plan({.max_batch = 2, .max_new_tokens = 3, .heads = 2, .head_dim = 4});
+    CHECK(plan.step_bytes(6) > plan.step_bytes(1));  // 2 x 3 rows: the plan's limit
+    CHECK(plan.step_bytes(0) > 0);                   // the tags still travel
+    for (std::int64_t rows : {std::int64_t{-1}, std::int64_t{7}, std::int64_t{1} << 40}) {
+      const std::string want = "PagedDecodePlan::step_bytes: rows: expected 0..6 (the plan's max_rows), got " +
+                               std::to_string(rows);
+      CHECK_THROWS_WITH_AS((void)plan.step_bytes(rows), doctest::Contains(want.c_str()), ConfigError);
+    }
+  }, ThreadRunOptions{test::outcome_timeout});
+  const std::int32_t pages[4] = {0, 1, 2, 3};
+  CHECK(BlockTable::dense(pages, -1).reason(0, 1, 4) == "block table: max_blocks -1 is negative");
+  CHECK(BlockTable::dense(pages, 2).reason(1, 2, 4).empty());
+}
+
 TEST_CASE("paged decode plan: owner, slot and local_tokens refuse negative or huge positions, lengths and splits") {
   constexpr std::int64_t big = std::numeric_limits<std::int64_t>::max();
   run_ranks(2, [](ThreadCommunicator& world) {

@@ -53,6 +53,8 @@ struct BlockTable {
   /// Why sequence b cannot give `needed` pages with ids in [0, num_pages) ("" when it can).
   /// Checks only what a step reads: the first `needed` entries.
   std::string reason(std::int64_t b, std::int64_t needed, std::int64_t num_pages) const {
+    if (indptr == nullptr && row_length < 0)  // first: dense() gives such a table no rows
+      return "block table: max_blocks " + std::to_string(row_length) + " is negative";
     if (b < 0 || b >= sequences)
       return "block table: it has " + std::to_string(sequences) + " rows, the batch needs row " + std::to_string(b);
     if (indptr != nullptr) {
@@ -60,8 +62,6 @@ struct BlockTable {
       if (lo < 0 || hi < lo || hi > entries)
         return "block table: indptr[" + std::to_string(b) + "..+1] = " + std::to_string(lo) + ", " +
                std::to_string(hi) + " is not a range of the " + std::to_string(entries) + " indices";
-    } else if (row_length < 0) {
-      return "block table: max_blocks " + std::to_string(row_length) + " is negative";
     }
     const std::span<const std::int32_t> row = pages(b);
     if (static_cast<std::int64_t>(row.size()) < needed)

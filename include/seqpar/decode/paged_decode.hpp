@@ -148,8 +148,11 @@ class PagedDecodePlan {
   HeadRange q_heads() const { return messages_.out_heads; }
   /// Bytes this rank sends in a step of `rows` query rows: partials (D_v + 1 values in the
   /// accumulation type per row and head it sends), gathered queries (heads exchange) and one
-  /// 8-byte tag per message. Never depends on the cache lengths.
+  /// 8-byte tag per message. Never depends on the cache lengths. `rows`: 0..row_limit() (a
+  /// step's rows, what the plan was sized for), else a ConfigError.
   std::size_t step_bytes(std::int64_t rows) const {
+    SEQPAR_CHECK(rows >= 0 && rows <= problem_.row_limit(), ConfigError, "PagedDecodePlan::step_bytes: rows: expected 0..",
+                 problem_.row_limit(), " (the plan's max_rows), got ", rows);
     detail::StepMessages m = messages_;
     detail::StepExchange::resize(m, rows);
     return detail::StepExchange::bytes_sent(m);
