@@ -140,7 +140,7 @@ TEST_CASE("MpiCommunicator: a peer that sends more or fewer bytes than expected 
   INFO(what);
   CHECK(all_ranks(world, what.find("MPI_Waitall") != std::string::npos && what.find("TRUNCATE") != std::string::npos));
   // The likeliest cause in seqpar, and the switch that finds it.
-  CHECK(all_ranks(world, what.find("ranks in different calls, or passing different plans to one call? With SEQPAR_CHECK_CALLS=1") !=
+  CHECK(all_ranks(world, what.find("different plans in one call, or different decode batches in one step? With SEQPAR_CHECK_CALLS=1") !=
                              std::string::npos));
   CHECK(d.failed());
 }

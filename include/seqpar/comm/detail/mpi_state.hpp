@@ -38,11 +38,11 @@ inline void mpi_check(int rc, const char* call, const char* file, int line) {
   const std::string name = text_call.substr(0, text_call.find('('));
   int error_class = MPI_SUCCESS;
   if (MPI_Error_class(rc, &error_class) != MPI_SUCCESS) error_class = MPI_SUCCESS;
-  // A message longer than its receive: in seqpar, ranks whose calls move different sizes, most
-  // often ranks that pass different plans to one call, or are in different calls.
+  // A message longer than its receive: in seqpar, ranks whose calls move different sizes.
   const char* hint = error_class == MPI_ERR_TRUNCATE
-                         ? " (a message longer than its receive: ranks in different calls, or passing different plans "
-                           "to one call? With SEQPAR_CHECK_CALLS=1 every call checks its plan before any data moves)"
+                         ? " (a message longer than its receive: the ranks' calls move different sizes: different "
+                           "calls, different plans in one call, or different decode batches in one step? With "
+                           "SEQPAR_CHECK_CALLS=1 attention calls check their plans before any data moves)"
                          : "";
   throw_error<MpiError>(file, line, name, " failed with error ", rc, ": ",
                         len > 0 ? std::string(text, static_cast<std::size_t>(len)) : std::string("(no MPI error string)"),
