@@ -34,6 +34,16 @@ struct Fnv {
   std::int64_t value() const { return static_cast<std::int64_t>(h); }
 };
 
+/// The ranks 0..world-1 for which `pick(rank)` holds, as "1, 3" ("" when none: nothing is
+/// allocated then, so an agreement that finds nothing to report costs no allocation).
+template <class Pick>
+std::string rank_list(int world, Pick&& pick) {
+  std::string ranks;
+  for (int w = 0; w < world; ++w)
+    if (pick(w)) ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
+  return ranks;
+}
+
 /// The hash of a list of integer lists (sizes included).
 inline std::int64_t hash_lists(const std::vector<std::vector<std::int64_t>>& lists) {
   Fnv f;
@@ -148,9 +158,7 @@ std::string allocation_disagreement(Comm& comm, const char* prefix, Allocate&& a
   }
   std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
   comm.all_gather_host(std::span<const std::int64_t>(failed), all);
-  std::string ranks;
-  for (std::size_t w = 0; w < all.size(); ++w)
-    if (all[w] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
+  const std::string ranks = rank_list(comm.size(), [&](int w) { return all[static_cast<std::size_t>(w)] != 0; });
   if (ranks.empty()) return "";
   return std::string(prefix) + "the kernel could not allocate its scratch on rank(s) " + ranks +
          " (std::bad_alloc or std::length_error): the shape needs more memory than those ranks have";

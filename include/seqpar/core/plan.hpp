@@ -87,6 +87,9 @@ inline std::uint64_t next_engine_id() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+/// What a call says of a plan no engine made, or whose tables a move took.
+inline constexpr const char* empty_plan_reason = "the plan is empty (default-made or moved from: make it with plan())";
+
 /// The id of the engine that made a plan (0: none). A move takes it along and leaves 0 behind:
 /// a moved-from plan, whose tables went with the move, is then refused as empty, not read.
 class OwnerId {

@@ -188,8 +188,7 @@ class DecodePlan {
   /// checks every sequence first, so when it throws (a negative count, or a sequence that
   /// would pass the capacity) the plan is exactly as before.
   void advance(std::int64_t tokens) {
-    SEQPAR_CHECK(owner_.get() != 0, ConfigError,
-                 "DecodePlan::advance: the plan is empty (default-made or moved from: make it with plan())");
+    SEQPAR_CHECK(owner_.get() != 0, ConfigError, "DecodePlan::advance: ", detail::empty_plan_reason);
     SEQPAR_CHECK(tokens >= 0, ConfigError, "DecodePlan::advance: tokens: expected >= 0, got ", tokens);
     for (std::size_t b = 0; b < len_.size(); ++b)  // len_[b] <= capacity: the difference cannot wrap
       SEQPAR_CHECK(tokens <= problem_.capacity - len_[b], ConfigError, "DecodePlan::advance: sequence ", b, " holds ",

@@ -280,8 +280,7 @@ class PagedDecode {
     const PagedDecodeProblem& pr = plan.problem_;
     const char* const who = "paged decode step: ";  // (no std::string: a step allocates nothing)
     SEQPAR_CHECK(plan.owner_ == id_, ConfigError, who,
-                 plan.owner_ == 0 ? "the plan is empty (default-made or moved from: make it with plan())"
-                                  : "the plan was made by another PagedDecode");
+                 plan.owner_ == 0 ? detail::empty_plan_reason : "the plan was made by another PagedDecode");
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, who, "element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t H = pr.heads, K = pr.kv_heads, D = pr.head_dim, Dv = pr.value_dim();

@@ -126,8 +126,7 @@ class DecodeEngine {
                   "supports_masks (ReferenceKernel has it)");
     const DecodeProblem& pr = p.problem_;
     SEQPAR_CHECK(p.owner_ == id_, ConfigError, "decode step: ",
-                 p.owner_ == 0 ? "the plan is empty (default-made or moved from: make it with plan())"
-                               : "the plan was made by another SequenceParallelDecode");
+                 p.owner_ == 0 ? empty_plan_reason : "the plan was made by another SequenceParallelDecode");
     SEQPAR_CHECK(dtype_v<T> == pr.dtype, ConfigError, "decode step: element type: the plan was made for ",
                  dtype_name(pr.dtype), ", got ", dtype_name(dtype_v<T>));
     const std::int64_t B = pr.batch, Tn = pr.new_tokens, H = pr.heads, K = pr.kv_heads, D = pr.head_dim;

@@ -272,13 +272,10 @@ class MeshEngine {
         SEQPAR_CHECK(all[w * n_fields + f] == all[f], ConfigError, "SequenceParallelAttention: ranks disagree on ",
                      names[f], ": rank 0 has ", field_value(fields[f], all[f]), ", rank ", w, " has ",
                      field_value(fields[f], all[w * n_fields + f]));
-    std::string bad;
+    const auto check_calls_of = [&](int w) { return all[static_cast<std::size_t>(w * n_fields + 5)]; };
+    const std::string bad = rank_list(n, [&](int w) { return check_calls_of(w) < 0; });
     bool check_calls = false;
-    for (int w = 0; w < n; ++w) {
-      const std::int64_t flag = all[w * n_fields + 5];
-      if (flag < 0) bad += (bad.empty() ? "" : ", ") + std::to_string(w);
-      check_calls = check_calls || flag == 1;
-    }
+    for (int w = 0; w < n; ++w) check_calls = check_calls || check_calls_of(w) == 1;
     const char* value = std::getenv(check_calls_env);
     SEQPAR_CHECK(bad.empty(), ConfigError, "SequenceParallelAttention: ", check_calls_env,
                  ": expected 1 (on), 0 or nothing (off); rank(s) ", bad, " have another value",
@@ -295,10 +292,8 @@ class MeshEngine {
 
   /// The ranks whose gathered row (rows of f_count) is a call's (`calls`) or not, listed, or "".
   static std::string ranks_in_a_call(std::span<const std::int64_t> rows, int world, bool calls) {
-    std::string ranks;
-    for (int w = 0; w < world; ++w)
-      if ((rows[static_cast<std::size_t>(w * f_count)] == call_marker) == calls)
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
+    const std::string ranks =
+        rank_list(world, [&](int w) { return (rows[static_cast<std::size_t>(w * f_count)] == call_marker) == calls; });
     if (ranks.empty()) return "";
     return "rank(s) " + ranks + (calls ? " are in a forward or backward" : " are in plan()") +
            " (as " + check_calls_env + " shows): every rank must make an object's calls in the same order";
@@ -331,13 +326,10 @@ class MeshEngine {
     SEQPAR_CHECK(elsewhere.empty(), ConfigError, call, ": ", elsewhere);
     // The ranks whose field f is (`same`) or is not rank 0's, or, for c_refused, is set.
     const auto ranks_where = [&](int f, bool same) {
-      std::string ranks;
-      for (int w = 0; w < n; ++w) {
+      return rank_list(n, [&](int w) {
         const std::int64_t v = call_gather_[static_cast<std::size_t>(w * f_count + f)];
-        if (f == c_refused ? v != 0 : (v == call_gather_[static_cast<std::size_t>(f)]) == same)
-          ranks += (ranks.empty() ? "" : ", ") + std::to_string(w);
-      }
-      return ranks;
+        return f == c_refused ? v != 0 : (v == call_gather_[static_cast<std::size_t>(f)]) == same;
+      });
     };
     const std::string refusers = ranks_where(c_refused, false);
     if (refused) std::rethrow_exception(refused);
@@ -374,9 +366,9 @@ class MeshEngine {
 
   void check_call(const Plan& p, DType dtype, const char* call, std::span<std::byte> workspace,
                   std::size_t need) const {
-    SEQPAR_CHECK(PlanAccess::owner(p) == id_, ConfigError, call,
-                 PlanAccess::owner(p) == 0 ? ": the plan is empty (default-made or moved from: make it with plan())"
-                                           : ": the plan was made by another SequenceParallelAttention (plans "
+    SEQPAR_CHECK(PlanAccess::owner(p) == id_, ConfigError, call, ": ",
+                 PlanAccess::owner(p) == 0 ? empty_plan_reason
+                                           : "the plan was made by another SequenceParallelAttention (plans "
                                              "belong to the object whose plan() made them)");
     SEQPAR_CHECK(dtype == p.problem().dtype, ConfigError, call, ": element type: the plan was made for ",
                  dtype_name(p.problem().dtype), ", got ", dtype_name(dtype), " (plan with problem.dtype = ",
