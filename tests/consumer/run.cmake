@@ -109,7 +109,7 @@ file(MAKE_DIRECTORY "${WORK}")
 if(MODE STREQUAL "fetchcontent")
   # A release-style archive of the tree (only what a consumer build reads), fetched by URL.
   set(stage "${WORK}/stage/seqpar-${VERSION}")
-  file(COPY "${SOURCE}/CMakeLists.txt" "${SOURCE}/cmake" "${SOURCE}/include" DESTINATION "${stage}")
+  file(COPY "${SOURCE}/CMakeLists.txt" "${SOURCE}/cmake" "${SOURCE}/include" "${SOURCE}/src" DESTINATION "${stage}")
   run_step("archive" "${CMAKE_COMMAND}" -E tar czf "${WORK}/seqpar-${VERSION}.tar.gz" "seqpar-${VERSION}"
            WORKING_DIRECTORY "${WORK}/stage")
   build_and_run("FetchContent (URL file://)" "${project_dir}" "${WORK}/build" consumer

@@ -184,7 +184,7 @@ class CpuFlashKernel {
       run_decode(Decode{q, k, v, out, lse, p}, k.seq());
       return;
     }
-    detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
+    forward_tasks<T, O>(q, k, v, out, lse, p);
   }
 
   /// See LocalAttentionKernel's forward_paged (float, double and bf16 pools): the decode path
@@ -232,7 +232,7 @@ class CpuFlashKernel {
     job.deltas = reinterpret_cast<A*>(base);
     std::int32_t* turns = pool_ ? reinterpret_cast<std::int32_t*>(base + delta_bytes) : nullptr;
     if (turns) std::fill(turns, turns + job.turn_count(), 0);
-    detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base + delta_bytes + turn_bytes, turns);
+    backward_tasks<T>(job, base + delta_bytes + turn_bytes, turns);
   }
   /// Sizes every scratch a call within `c` needs (the engines call it when they make a plan):
   /// forward's and backward's per-thread slices, backward's turn counters with more than one
@@ -274,8 +274,26 @@ class CpuFlashKernel {
       decode_scratch_.grow(bytes + 64);
       job.part = reinterpret_cast<A*>(aligned(decode_scratch_.data()));
     }
-    detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+    decode_tasks<T, O>(job);
   }
+
+  // The three ways into the per-instruction-set copies (kernel/cpu/isa_kernels.hpp), where
+  // nearly all of the kernel's compile time goes. Defined after the class and not inline, so
+  // that a build can compile them once (kernel/cpu/compiled_kernels.hpp) and every other
+  // translation unit only calls them. Their last template argument, SEQPAR_CPU_ISA_DISPATCH,
+  // is part of their symbols: a unit built with another value than the compiled copies fails
+  // to link rather than mixing two builds of the kernel in one program.
+
+  /// The forward's tasks on the copy of isa().
+  template <class T, class O, int dispatch = SEQPAR_CPU_ISA_DISPATCH>
+  void forward_tasks(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v, TensorView<O> out,
+                     TensorView<acc_t<T>> lse, const KernelParams& p);
+  /// The backward's tasks on the copy of isa(), each thread on its scratch slice after `base`.
+  template <class T, int dispatch = SEQPAR_CPU_ISA_DISPATCH>
+  void backward_tasks(const detail::FlashBackward<T, acc_t<T>>& job, std::byte* base, std::int32_t* turns);
+  /// The decode path's tasks on the copy of isa().
+  template <class T, class O, int dispatch = SEQPAR_CPU_ISA_DISPATCH>
+  void decode_tasks(const detail::FlashDecode<T, O, acc_t<T>>& job);
 
   /// dispatch_cpu_isa functor of forward: the tasks, (batch x heads x query blocks), on the pool.
   struct ForwardOn {
@@ -393,4 +411,23 @@ class CpuFlashKernel {
   detail::ScratchBuffer decode_scratch_;    // the decode path's partials
 };
 
+template <class T, class O, int dispatch>
+void CpuFlashKernel::forward_tasks(TensorView<const T> q, TensorView<const T> k, TensorView<const T> v,
+                                   TensorView<O> out, TensorView<acc_t<T>> lse, const KernelParams& p) {
+  detail::dispatch_cpu_isa<ForwardOn>(isa_, *this, q, k, v, out, lse, p);
+}
+
+template <class T, int dispatch>
+void CpuFlashKernel::backward_tasks(const detail::FlashBackward<T, acc_t<T>>& job, std::byte* base,
+                                    std::int32_t* turns) {
+  detail::dispatch_cpu_isa<BackwardOn>(isa_, *this, job, base, turns);
+}
+
+template <class T, class O, int dispatch>
+void CpuFlashKernel::decode_tasks(const detail::FlashDecode<T, O, acc_t<T>>& job) {
+  detail::dispatch_cpu_isa<DecodeOn>(isa_, *this, job);
+}
+
 }  // namespace seqpar
+
+#include "seqpar/kernel/cpu/compiled_kernels.hpp"

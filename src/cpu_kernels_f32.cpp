@@ -1,0 +1,5 @@
+// CpuFlashKernel's copies for float, compiled once for seqpar::cpu_kernels
+// (include/seqpar/kernel/cpu/compiled_kernels.hpp).
+#include "seqpar/kernel/cpu/flash_kernel.hpp"
+
+SEQPAR_CPU_KERNEL_INSTANCES(template, float)
