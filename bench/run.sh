@@ -2,7 +2,7 @@
 # Builds and runs seqpar's benchmarks and writes docs/perf/RESULTS.md and docs/perf/kernel_gflops.png.
 # Usage: bench/run.sh [build-dir]   (default: build-bench, configured Release)
 # Environment: SEQPAR_BENCH_JOBS (build parallelism, default 2), SEQPAR_BENCH_QUICK=1 (short
-# smoke run: fewer sizes, results written to bench/out only, RESULTS.md left alone).
+# smoke run: fewer sizes, results written to <build-dir>/bench-out only, RESULTS.md left alone).
 # Needs: cmake, a C++20 compiler, Google Benchmark, python3, gnuplot; Open MPI for the MPI part.
 set -euo pipefail
 
