@@ -174,7 +174,9 @@ TEST_CASE("masks: every family under every policy and layout, forward and backwa
   const Global g(2, S, S, 1701);
   const std::vector<std::int64_t> even4(4, S / 4), uneven4{13, 0, 20, 7}, uneven3{9, 17, 14};
   for (const auto& [name, pr] : families(S)) {
-    CAPTURE(name);
+    // A copy to capture: Clang before 16 cannot capture a structured binding in a lambda.
+    const auto name_c = name;
+    CAPTURE(name_c);
     check("Ulysses 4", UlyssesPolicy{}, pr, g, even4, even4);
     check("Ring<Contiguous> 4", RingPolicy<Contiguous>{}, pr, g, even4, even4);
     check("Ring<Zigzag> 4", RingPolicy<Zigzag>{}, pr, g, even4, even4);
@@ -191,7 +193,8 @@ TEST_CASE("masks: CpuFlashKernel under every family, on the policies that reach 
   const Global g(2, S, S, 1702);
   const std::vector<std::int64_t> even4(4, S / 4), uneven3{9, 17, 14};
   for (const auto& [name, pr] : families(S)) {
-    CAPTURE(name);
+    const auto name_c = name;
+    CAPTURE(name_c);
     check<UlyssesPolicy, CpuFlashKernel>("Ulysses 4", UlyssesPolicy{}, pr, g, even4, even4);
     check<RingPolicy<Zigzag>, CpuFlashKernel>("Ring<Zigzag> 4", RingPolicy<Zigzag>{}, pr, g, even4, even4);
     check<UnifiedPolicy<Stripe>, CpuFlashKernel>("Unified<Stripe> 2x2", UnifiedPolicy<Stripe>{2, 2}, pr, g, even4, even4);
@@ -207,7 +210,8 @@ TEST_CASE("masks: causal alignment top-left and bottom-right with S_q != S_kv (j
       for (Window w : {Window{}, Window{3, 2}}) {
         AttentionProblem pr{.batch = 2, .heads = H, .kv_heads = K, .head_dim = D, .causal = w.left < 0,
                             .dtype = DType::f64, .with_lse = true, .causal_align = align, .window = w};
-        CAPTURE(sq);
+        const auto sq_c = sq;
+        CAPTURE(sq_c);
         CAPTURE(static_cast<int>(align));
         const std::vector<std::int64_t> lq{sq / 3, sq - sq / 3 - 2, 2}, lk{skv - 9, 4, 5};
         check("Anything<Ring<Contiguous>> 3", AnythingPolicy<RingPolicy<>>{}, pr, g, lq, lk);
@@ -369,9 +373,11 @@ TEST_CASE("masks: the brute force's window sides may be as large as INT64_MAX (n
           for (std::int64_t i = 0; i < sq; ++i)
             for (std::int64_t j = 0; j < skv; ++j)
               differ += visible_by_definition(a, sq, skv, 0, i, j) != visible_by_definition(b, sq, skv, 0, i, j);
-          CAPTURE(sq);
+          const auto sq_c = sq;
+          CAPTURE(sq_c);
           CAPTURE(causal);
-          CAPTURE(huge.right);
+          const auto huge_right = huge.right;
+          CAPTURE(huge_right);
           CHECK(differ == 0);
         }
 }

@@ -578,8 +578,9 @@ TEST_CASE("tile math: the mma fragment layouts are bijections and P's accumulato
 TEST_CASE("tile math: the SIMT kernel's row loop matches the exact reference") {
   int seed = 1;
   for (bool causal : {false, true})
-    for (auto [sq, sk, dim] : {std::array{1, 1, 8}, std::array{37, 70, 16}, std::array{64, 33, 40}, std::array{90, 129, 64}})
-      for (const auto& [qpos, kpos] : position_cases(sq, sk)) {
+    for (const std::array<int, 3>& shape : {std::array{1, 1, 8}, std::array{37, 70, 16}, std::array{64, 33, 40}, std::array{90, 129, 64}})
+      for (const auto& [qpos, kpos] : position_cases(shape[0], shape[1])) {
+        const int sq = shape[0], sk = shape[1], dim = shape[2];  // plain ints: CAPTURE takes them into a lambda
         CAPTURE(causal);
         CAPTURE(sq);
         CAPTURE(sk);
@@ -595,8 +596,9 @@ TEST_CASE("tile math: the tensor-core kernel's fragment flow matches the exact r
   int seed = 100;
   for (bool ldsm : {true, false})
     for (bool causal : {false, true})
-      for (auto [sq, sk, dim] : {std::array{64, 64, 64}, std::array{70, 150, 64}, std::array{33, 65, 128}})
-        for (const auto& [qpos, kpos] : position_cases(sq, sk)) {
+      for (const std::array<int, 3>& shape : {std::array{64, 64, 64}, std::array{70, 150, 64}, std::array{33, 65, 128}})
+        for (const auto& [qpos, kpos] : position_cases(shape[0], shape[1])) {
+          const int sq = shape[0], sk = shape[1], dim = shape[2];  // plain ints: CAPTURE takes them into a lambda
           CAPTURE(causal);
           CAPTURE(sq);
           CAPTURE(sk);

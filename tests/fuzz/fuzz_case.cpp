@@ -351,7 +351,10 @@ AttentionCase make_attention(Rng& r, const GenOptions& o) {
   c.data_seed = r.next();
   AttentionProblem& p = c.problem;
   p.batch = r.pick(std::vector<i64>{1, 1, 1, 2, 2, 3, 0});
-  const auto [U, R] = model_mesh(c.policy, c.world);
+  // Plain ints, not a structured binding: the lambdas below capture them (Clang before 16
+  // cannot capture a binding).
+  const auto mesh = model_mesh(c.policy, c.world);
+  const int U = mesh.first, R = mesh.second;
   const int Ug = std::max(U, 1), Rg = std::max(R, 1);
   const bool plain = !c.policy.anything;
   p.heads = r.pick(std::vector<i64>{1, 2, 3, 4, 6, 8});

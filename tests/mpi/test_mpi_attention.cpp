@@ -61,9 +61,17 @@ ex::GlobalShape shape_of(std::int64_t seq, std::int64_t heads, std::int64_t kv_h
   return ex::make_case(seq, heads, kv_heads, dim, causal, ex::GlobalShape{}.seed);
 }
 
-/// The ConfigError message each rank got from `body` ("" if none), and whether all ranks got
-/// the same one: a collective check must fail everywhere alike.
-std::pair<std::string, bool> collective_error(MpiCommunicator& world, const std::function<void()>& body) {
+/// What collective_error found: this rank's ConfigError message ("" if none), and whether all
+/// ranks got the same one. (A struct, not a pair to unpack: doctest's INFO and CAPTURE take
+/// their argument into a lambda, which Clang before 16 cannot do with a structured binding.)
+struct CollectiveError {
+  std::string message;  ///< this rank's ConfigError message, "" if none
+  bool same = false;    ///< whether every rank got the same message
+};
+
+/// The ConfigError message each rank got from `body`, and whether all ranks got the same one:
+/// a collective check must fail everywhere alike.
+CollectiveError collective_error(MpiCommunicator& world, const std::function<void()>& body) {
   std::string what;
   try {
     body();
@@ -218,20 +226,20 @@ TEST_CASE("MPI: ranks that disagree on a plan all throw the same ConfigError, no
   REQUIRE(P >= 2);
   SequenceParallelAttention<UlyssesPolicy, MpiCommunicator, CpuFlashKernel> attn(world);
   AttentionProblem p = shape_of(64 * P, 2 * P, 0, 16, false).problem<float>();
-  const auto [heads_msg, heads_same] = collective_error(world, [&] {
+  const CollectiveError heads = collective_error(world, [&] {
     AttentionProblem mine = p;
     if (me == 1) mine.heads = 4 * P;  // one rank disagrees
     attn.plan(mine, {64});
   });
-  INFO(heads_msg);
-  CHECK(heads_same);
-  CHECK(heads_msg.find("ranks disagree on heads") != std::string::npos);
-  CHECK(heads_msg.find("rank 1 has") != std::string::npos);
+  INFO(heads.message);
+  CHECK(heads.same);
+  CHECK(heads.message.find("ranks disagree on heads") != std::string::npos);
+  CHECK(heads.message.find("rank 1 has") != std::string::npos);
 
-  const auto [len_msg, len_same] = collective_error(world, [&] { attn.plan(p, {me == P - 1 ? 63 : 64}); });
-  INFO(len_msg);
-  CHECK(len_same);
-  CHECK(len_msg.find("AnythingPolicy") != std::string::npos);
+  const CollectiveError len = collective_error(world, [&] { attn.plan(p, {me == P - 1 ? 63 : 64}); });
+  INFO(len.message);
+  CHECK(len.same);
+  CHECK(len.message.find("AnythingPolicy") != std::string::npos);
 
   // After all that the plan still works.
   CHECK(world.size() == P);
@@ -254,10 +262,10 @@ TEST_CASE("MPI: under SEQPAR_CHECK_CALLS=1, ranks that pass different plans all 
   other.causal = false;  // the same message sizes: without the check, wrong rows and no error
   const Plan not_causal = attn.plan(other, mine);
   const auto g = ex::make_inputs(shape);
-  const auto [msg, same] = collective_error(world, [&] { ex::forward_error<float>(attn, me == 1 ? not_causal : causal, g); });
-  INFO(msg);
-  CHECK(same);
-  CHECK(msg.find("forward: ranks pass different plans (SEQPAR_CHECK_CALLS): rank(s) 1 pass a plan other than rank(s) 0") ==
+  const CollectiveError refusal = collective_error(world, [&] { ex::forward_error<float>(attn, me == 1 ? not_causal : causal, g); });
+  INFO(refusal.message);
+  CHECK(refusal.same);
+  CHECK(refusal.message.find("forward: ranks pass different plans (SEQPAR_CHECK_CALLS): rank(s) 1 pass a plan other than rank(s) 0") ==
         0);
   // Nothing was latched: the matched call is exact.
   CHECK(ex::reduce_errors(world, ex::forward_error<float>(attn, causal, g)).rel() <= 1e-5);
@@ -268,13 +276,13 @@ TEST_CASE("MPI: ranks that disagree on the mesh's factorisation all throw the sa
   MpiCommunicator world(MPI_COMM_WORLD);
   REQUIRE(world.size() == 4);
   const int me = world.rank();
-  const auto [mesh_msg, mesh_same] = collective_error(world, [&] {
+  const CollectiveError mesh_error = collective_error(world, [&] {
     UnifiedPolicy<> mine{.ulysses_degree = me == 2 ? 4 : 2, .ring_degree = me == 2 ? 1 : 2};
     SequenceParallelAttention<UnifiedPolicy<>, MpiCommunicator, CpuFlashKernel> bad(world, mine);
   });
-  INFO(mesh_msg);
-  CHECK(mesh_same);
-  CHECK(mesh_msg.find("ranks disagree on ulysses_degree") != std::string::npos);
+  INFO(mesh_error.message);
+  CHECK(mesh_error.same);
+  CHECK(mesh_error.message.find("ranks disagree on ulysses_degree") != std::string::npos);
   // After it a plan still works.
   SequenceParallelAttention<UlyssesPolicy, MpiCommunicator, CpuFlashKernel> attn(world);
   CHECK(attn.plan(shape_of(64 * 4, 8, 0, 16, false).problem<float>(), {64}).global_q() == 64 * 4);
