@@ -6,8 +6,11 @@
 /// kernel/merge_state.hpp).
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "seqpar/core/tensor_view.hpp"
 #include "seqpar/kernel/merge_state.hpp"
@@ -22,14 +25,28 @@ struct TensorOps;
 template <>
 struct TensorOps<HostSpace> {
   /// dst = src, converting the element type; extents must match.
+  ///
+  /// Runs of one type are memcpy, a token's heads one run where both views keep them side by
+  /// side: the all-to-alls' packing then moves at memory speed at any optimisation level (an
+  /// element loop needs -O3's vectoriser: at GCC 12 -O2 it packed at half the speed).
   template <class S, class D>
   static void copy(TensorView<const S, HostSpace> src, TensorView<D, HostSpace> dst) {
+    const std::int64_t dim = src.dim();
+    if (src.batch() == 0 || src.seq() == 0 || src.heads() == 0 || dim == 0) return;
+    const bool heads_in_one_run = src.heads() == 1 || (src.stride[2] == dim && dst.stride[2] == dim);
+    const std::int64_t runs = heads_in_one_run ? 1 : src.heads();
+    const std::int64_t run = heads_in_one_run ? src.heads() * dim : dim;
     for (std::int64_t b = 0; b < src.batch(); ++b)
       for (std::int64_t s = 0; s < src.seq(); ++s)
-        for (std::int64_t h = 0; h < src.heads(); ++h) {
+        for (std::int64_t h = 0; h < runs; ++h) {
           const S* in = src.row(b, s, h);
           D* out = dst.row(b, s, h);
-          for (std::int64_t d = 0; d < src.dim(); ++d) out[d] = static_cast<D>(in[d]);
+          if constexpr (std::is_same_v<S, D>) {
+            if (static_cast<const void*>(in) != static_cast<const void*>(out))
+              std::memcpy(out, in, static_cast<std::size_t>(run) * sizeof(D));
+          } else {
+            for (std::int64_t d = 0; d < run; ++d) out[d] = static_cast<D>(in[d]);
+          }
         }
   }
   /// dst += src, converting the element type; extents must match.
