@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "seqpar/advise/advisor.hpp"
@@ -204,4 +205,46 @@ TEST_CASE("calibrate refuses options it cannot measure with, on every rank; the 
   refuse({.tokens = 0, .rounds = 1}, 1, "tokens: expected at least 1, got 0");
   CHECK_THROWS_WITH_AS(advise(problem(2, 0, 8, false), 64, -2, 2, Machine{}, false),
                        doctest::Contains("seq_kv: expected a length, or -1"), ConfigError);
+  // A problem with nothing to time (batch 0, which plans take) is refused too: its rates came
+  // out 0, and every estimate on that machine NaN.
+  std::vector<std::string> empty(2);
+  run_ranks(2, [&](ThreadCommunicator& c) {
+    AttentionProblem none = problem(2, 0, 8, false);
+    none.batch = 0;
+    try {
+      (void)calibrate<float>(c, ReferenceKernel{}, none, Machine{}, {.tokens = 16, .rounds = 1});
+    } catch (const ConfigError& e) {
+      empty[static_cast<std::size_t>(c.rank())] = e.what();
+    }
+  }, ThreadRunOptions{.timeout = std::chrono::milliseconds(10000)});
+  for (const std::string& what : empty) CHECK(what.find("expected batch, heads and head_dim >= 1, got 0, 2 and 8") != std::string::npos);
+}
+
+TEST_CASE("estimates refuse a machine without positive finite rates and finite fixed costs") {
+  const AttentionProblem pr = problem(4, 0, 8, true);
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  struct Bad {
+    void (*edit)(Machine&, double);
+    double value;
+    const char* needle;
+  };
+  const Bad cases[] = {
+      {[](Machine& m, double v) { m.forward_gflops = v; }, 0.0, "forward_gflops: expected a positive finite rate, got 0"},
+      {[](Machine& m, double v) { m.backward_gflops = v; }, -1.0, "backward_gflops: expected a positive finite rate, got -1"},
+      {[](Machine& m, double v) { m.copy_gbytes_per_s = v; }, inf, "copy_gbytes_per_s: expected a positive finite rate"},
+      {[](Machine& m, double v) { m.intra.gbytes_per_s = v; }, nan, "intra.gbytes_per_s: expected a positive finite rate"},
+      {[](Machine& m, double v) { m.inter.gbytes_per_s = v; }, -2.0, "inter.gbytes_per_s: expected a positive finite rate"},
+      {[](Machine& m, double v) { m.inter.latency_us = v; }, nan, "inter.latency_us: expected a finite time >= 0"},
+      {[](Machine& m, double v) { m.ring_step_us = v; }, -1.0, "ring_step_us: expected a finite time >= 0, got -1"},
+      {[](Machine& m, double v) { m.ranks_per_node = static_cast<int>(v); }, 0.0, "expected ranks_per_node >= 1"},
+  };
+  for (const Bad& c : cases) {
+    CAPTURE(c.needle);
+    Machine m = slow_machine(2);
+    c.edit(m, c.value);
+    CHECK_THROWS_WITH_AS((void)estimate(RingPolicy<Zigzag>{}, pr, 64, -1, 2, m), doctest::Contains(c.needle), ConfigError);
+    CHECK_THROWS_WITH_AS((void)advise(pr, 64, -1, 2, m, true), doctest::Contains(c.needle), ConfigError);
+  }
+  // The machine as given is costed, to a finite time.
+  CHECK(std::isfinite(estimate(RingPolicy<Zigzag>{}, pr, 64, -1, 2, slow_machine(2)).ms(true)));
 }

@@ -298,6 +298,38 @@ TEST_CASE_TEMPLATE("flash kernel: rows that see no key give O = 0 and LSE = -inf
   }
 }
 
+TEST_CASE("flash kernel (float): a row whose one visible key is its maximum has the LSE of its score alone") {
+  // e^0 must be exactly 1: l = 1 then, and LSE = m + log(1) = m. An exp polynomial with a
+  // constant term of 1 + 2^-23 put 1.2e-7 into every such LSE, which is most of a small one.
+  // One key, head_dim 1: the score is one product, rounded once, so the LSE is its rounding
+  // of the exact score (small scores, where an absolute error shows). The decode path (3
+  // rows) and the tile path (40 rows), every instruction set.
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> dist(-0.1f, 0.1f);
+  for (std::int64_t sq : {3, 40}) {
+    std::vector<float> q(static_cast<std::size_t>(sq)), k{dist(gen)}, v{dist(gen)}, out(q.size());
+    for (float& x : q) x = dist(gen);
+    std::vector<float> lse(q.size());
+    KernelParams p;
+    p.scale = 0.5;
+    p.q_positions = PositionMap::run(sq, 0);
+    p.k_positions = PositionMap::run(1, 0);
+    using CV = TensorView<const float>;
+    for (CpuIsa isa : test::cpu_isas()) {
+      CAPTURE(cpu_isa_name(isa));
+      CAPTURE(sq);
+      CpuFlashKernel(CpuFlashOptions{.isa = isa})
+          .forward(CV::bshd(q.data(), 1, sq, 1, 1), CV::bshd(k.data(), 1, 1, 1, 1), CV::bshd(v.data(), 1, 1, 1, 1),
+                   TensorView<float>::bshd(out.data(), 1, sq, 1, 1), TensorView<float>::lse_bhs(lse.data(), 1, sq, 1), p);
+      for (std::size_t i = 0; i < q.size(); ++i) {
+        const double score = static_cast<double>(q[i]) * k[0] * p.scale;
+        CHECK(std::abs(lse[i] - score) <= 0x1p-22 * std::abs(score));
+        CHECK(out[i] == v[0]);
+      }
+    }
+  }
+}
+
 TEST_CASE("flash kernel: strided (SBHD) views and no LSE") {
   const std::int64_t B = 2, S = 77, K = 90, H = 3, D = 20;
   std::mt19937_64 rng(3);

@@ -136,6 +136,15 @@ TEST_CASE("exact or refused: owner and slot refuse positions and sequences outsi
       CHECK_THROWS_AS((void)plan.owner(2, 0), ConfigError);
       CHECK_THROWS_AS((void)plan.slot(-1, 0), ConfigError);
       CHECK_THROWS_AS((void)plan.kv_len(2), ConfigError);
+      // The layout the plan hands out refuses sequences outside the batch, negative positions
+      // and ranks outside the world too (it read past its per-sequence table).
+      const CacheLayout& layout = plan.layout();
+      CHECK_THROWS_WITH_AS((void)layout.owner(5, 0), doctest::Contains("CacheLayout::owner: sequence: expected 0..1, got 5"), ConfigError);
+      CHECK_THROWS_AS((void)layout.slot(-1, 0), ConfigError);
+      CHECK_THROWS_WITH_AS((void)layout.slot(0, -3), doctest::Contains("CacheLayout::slot: pos: expected >= 0, got -3"), ConfigError);
+      CHECK_THROWS_AS((void)layout.count(0, 2, 3), ConfigError);
+      CHECK_THROWS_AS((void)layout.count(3, 0, 3), ConfigError);
+      CHECK(layout.count(0, 1, 40) + layout.count(1, 1, 40) + layout.count(2, 1, 40) == 40);
       // Every legal position has an owner and a slot inside its shard.
       for (std::int64_t pos = 0; pos < 40; ++pos) {
         const int r = plan.owner(1, pos);

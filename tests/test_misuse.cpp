@@ -93,6 +93,20 @@ TEST_CASE("misuse: sizes that overflow 64 bits are a ConfigError naming the fiel
     (void)a.plan({.heads = 1, .head_dim = 1}, {std::numeric_limits<std::int64_t>::max() - 1});
   });
   CHECK(all_same_config_error(sum, "plan: size overflow"));
+  // Tensors that fit whose score count does not: 2^32 tokens of one head of width 1 (16 GiB
+  // per tensor) have 2^64 query-key pairs, which Plan::work and the cost model count in int64.
+  auto scores = rank_outcomes(1, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> a(c);
+    (void)a.plan({.heads = 1, .head_dim = 1}, {std::int64_t{1} << 32});
+  });
+  CHECK(all_same_config_error(scores, "plan: size overflow: batch 1 x heads 1 x query length 4294967296 x key length "
+                                      "4294967296 (the number of scores) exceeds 2^62"));
+  // The largest score count a plan takes, 2^62, is counted exactly.
+  run_ranks(1, [](ThreadCommunicator& c) {
+    SequenceParallelAttention<RingPolicy<>, ThreadCommunicator, ReferenceKernel> a(c);
+    const Plan plan = a.plan({.heads = 4, .head_dim = 1}, {std::int64_t{1} << 30});
+    CHECK(plan.work(0) == std::int64_t{1} << 62);
+  });
 }
 
 TEST_CASE("misuse: a head_dim the kernel cannot allocate for is a ConfigError, not std::bad_alloc") {

@@ -700,6 +700,7 @@ std::string model_words(const std::string& reason) {
   if (reason == "the kernel has no supports_softcap") return "supports_softcap";
   if (reason == "the kernel has no supports_value_dim") return "supports_value_dim";
   if (reason.ends_with("(D_v the widest)")) return " x head_dim_v ";
+  if (reason == "more than 2^62 scores") return "(the number of scores) exceeds 2^62";
   return "";
 }
 
@@ -739,6 +740,12 @@ std::string attention_model_reason(const AttentionCase& c) {
   if (bytes > limit) return "one token's rows above 2^58 bytes" + widest;
   const __int128 s = std::max(sq, skv);
   if (s != 0 && bytes > limit / s) return "a tensor above 2^58 bytes" + widest;
+  // The number of scores, batch x H x S_q x S_kv, <= 2^62 (multiplied with saturation).
+  __int128 scores = 1;
+  const __int128 score_limit = static_cast<__int128>(1) << 62;
+  for (__int128 f : {static_cast<__int128>(B), static_cast<__int128>(H), sq, skv})
+    scores = f == 0 || scores == 0 ? 0 : scores > score_limit / f ? score_limit + 1 : scores * f;
+  if (scores > score_limit) return "more than 2^62 scores";
   if (p.causal_align != CausalAlign::top_left && p.causal_align != CausalAlign::bottom_right) return "causal_align outside its enum";
   if (p.window.left < -1 || p.window.right < -1) return "a window side below -1";
   if (!p.documents.empty()) {

@@ -254,7 +254,8 @@ double paged_rank_error(Comm& world, const PagedCase& c, const Schedule& sch, St
     // This rank's block table, CSR or dense.
     indptr.assign(1, 0);
     indices.clear();
-    std::size_t widest = 1;
+    // A rank that holds none of the step's tokens passes a dense table of no columns.
+    std::size_t widest = 0;
     for (std::int64_t ri : st.req) widest = std::max(widest, pool.owned[static_cast<std::size_t>(ri)].size());
     for (std::int64_t ri : st.req) {
       const std::vector<std::int32_t>& mine = pool.owned[static_cast<std::size_t>(ri)];

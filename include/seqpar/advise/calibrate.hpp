@@ -127,16 +127,18 @@ double world_median(Comm& world, double mine) {
 }
 
 /// Gathers whether each rank failed (`mine`: this rank's reason, empty when it did not) and,
-/// if any did, throws E on every rank alike, naming the first that did ("calibrate: rank r
-/// <what>", and its reason on that rank). Collective: no rank is left waiting in a later one.
+/// if any did, throws E on every rank: a rank that failed names itself and its reason
+/// ("calibrate: rank r <what>: reason"), the others the first that failed. Collective: no rank
+/// is left waiting in a later one.
 template <class E, class Comm>
 void throw_if_any_failed(Comm& world, const std::string& mine, const char* what) {
   std::vector<std::int64_t> failed(static_cast<std::size_t>(world.size()));
   const std::int64_t flag = mine.empty() ? 0 : 1;
   world.all_gather_host(std::span<const std::int64_t>(&flag, 1), failed);
+  // A rank that failed itself gives its own reason; the others name the first that failed.
+  if (!mine.empty()) throw E("calibrate: rank " + std::to_string(world.rank()) + " " + what + ": " + mine);
   for (int r = 0; r < world.size(); ++r)
-    if (failed[static_cast<std::size_t>(r)] != 0)
-      throw E("calibrate: rank " + std::to_string(r) + " " + what + (r == world.rank() ? ": " + mine : std::string()));
+    if (failed[static_cast<std::size_t>(r)] != 0) throw E("calibrate: rank " + std::to_string(r) + " " + what);
 }
 
 }  // namespace detail
@@ -156,6 +158,11 @@ Machine calibrate(Comm& world, Kernel kernel, AttentionProblem problem, Machine 
   if (opt.tokens < 1) bad_options = "tokens: expected at least 1, got " + std::to_string(opt.tokens);
   else if (opt.exchange_bytes < 8)
     bad_options = "exchange_bytes: expected at least 8 (the latency probe's message), got " + std::to_string(opt.exchange_bytes);
+  else if (problem.batch < 1 || problem.heads < 1 || problem.head_dim < 1)
+    // Nothing to time: the kernel rates would come out 0 (or NaN), and every estimate with them.
+    bad_options = "problem: calibrate times attention on it: expected batch, heads and head_dim >= 1, got " +
+                  std::to_string(problem.batch) + ", " + std::to_string(problem.heads) + " and " +
+                  std::to_string(problem.head_dim);
   detail::throw_if_any_failed<ConfigError>(world, bad_options, "refused its options");
   problem.dtype = dtype_v<T>;
   problem.with_lse = opt.backward;

@@ -26,10 +26,13 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "seqpar/core/error.hpp"
@@ -70,6 +73,37 @@ struct Machine {
   double backward_ring_step_us = 0;  ///< the same for a backward ring step
   std::string source;           ///< where the numbers come from
 };
+
+/// Why `m` cannot be costed ("" when it can): every rate (GFLOP/s, GB/s) must be a positive
+/// finite number and every fixed cost (latency, step time) finite and not negative, so that
+/// an estimate is a finite time. (A rate of 0 made every estimate NaN, and the advisor sorted
+/// NaNs; calibrate on a problem with nothing to time returned such a machine.)
+inline std::string machine_reason(const Machine& m) {
+  const std::pair<const char*, double> rates[] = {{"forward_gflops", m.forward_gflops},
+                                                  {"backward_gflops", m.backward_gflops},
+                                                  {"copy_gbytes_per_s", m.copy_gbytes_per_s},
+                                                  {"intra.gbytes_per_s", m.intra.gbytes_per_s},
+                                                  {"inter.gbytes_per_s", m.inter.gbytes_per_s}};
+  const std::pair<const char*, double> costs[] = {{"intra.latency_us", m.intra.latency_us},
+                                                  {"inter.latency_us", m.inter.latency_us},
+                                                  {"ring_step_us", m.ring_step_us},
+                                                  {"backward_ring_step_us", m.backward_ring_step_us}};
+  std::ostringstream why;
+  for (const auto& [name, v] : rates)
+    if (!(std::isfinite(v) && v > 0)) {
+      why << "machine '" << m.name << "': " << name << ": expected a positive finite rate, got " << v;
+      return why.str();
+    }
+  for (const auto& [name, v] : costs)
+    if (!(std::isfinite(v) && v >= 0)) {
+      why << "machine '" << m.name << "': " << name << ": expected a finite time >= 0, got " << v;
+      return why.str();
+    }
+  if (m.ranks_per_node < 1 || m.cores_per_node < 0)
+    why << "machine '" << m.name << "': expected ranks_per_node >= 1 and cores_per_node >= 0, got " << m.ranks_per_node
+        << " and " << m.cores_per_node;
+  return why.str();
+}
 
 /// What a policy costs on a machine: per phase, the slowest rank's time (ranks move in
 /// lockstep from one collective step to the next), summed over the ring steps.
@@ -211,10 +245,13 @@ Plan offline_plan(const Policy& policy, const AttentionProblem& problem, std::sp
 
 /// Estimated forward and backward of `policy` for `problem` with these local lengths (one per
 /// world rank) on machine `m`. Throws ConfigError when the policy refuses the lengths (the
-/// reason `plan` would give). No communication; cost: one plan and a pass over the ring steps.
+/// reason `plan` would give) or the machine cannot be costed (machine_reason). No
+/// communication; cost: one plan and a pass over the ring steps.
 template <class Policy>
 Estimate estimate(const Policy& policy, const AttentionProblem& problem, std::span<const LocalLengths> lengths,
                   const Machine& m) {
+  const std::string bad_machine = machine_reason(m);
+  SEQPAR_CHECK(bad_machine.empty(), ConfigError, bad_machine);
   const Plan p = detail::offline_plan(policy, problem, lengths);
   const MeshConfig& mesh = p.mesh();
   const int W = mesh.world(), U = mesh.ulysses, R = mesh.ring;

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 
@@ -38,10 +39,13 @@ struct BlockTable {
     return {indices.data(), indptr.data(), 0, indptr.empty() ? 0 : static_cast<std::int64_t>(indptr.size()) - 1,
             static_cast<std::int64_t>(indices.size())};
   }
-  /// A dense table of `max_blocks` entries per row (table.size() / max_blocks rows).
+  /// A dense table of `max_blocks` entries per row (table.size() / max_blocks rows). With
+  /// max_blocks 0 (a rank that holds no tokens of the step, [num_seqs, 0]) the size cannot
+  /// say how many rows there are, and none has a page: every row reads as empty.
   static BlockTable dense(std::span<const std::int32_t> table, std::int64_t max_blocks) {
     const auto n = static_cast<std::int64_t>(table.size());
-    return {table.data(), nullptr, max_blocks, max_blocks > 0 ? n / max_blocks : 0, n};
+    const std::int64_t rows = max_blocks > 0 ? n / max_blocks : max_blocks == 0 ? std::numeric_limits<std::int64_t>::max() : 0;
+    return {table.data(), nullptr, max_blocks, rows, n};
   }
 
   /// The pages of sequence b (call only after valid() said yes for b).

@@ -117,12 +117,17 @@ class CacheLayout {
   CacheLayout(int ranks, std::int64_t page, std::vector<std::int64_t> initial)
       : placement_{ranks, page}, initial_(std::move(initial)) {}
 
-  /// Rank that stores the K/V of token `pos` of sequence `b`.
-  int owner(std::int64_t b, std::int64_t pos) const { return placement_.owner(pos, split(b)); }
+  /// Rank that stores the K/V of token `pos` of sequence `b`. Like count and slot, it refuses
+  /// (ConfigError) a sequence outside the batch and a negative position or rank.
+  int owner(std::int64_t b, std::int64_t pos) const { return placement_.owner(position(pos, "owner"), split(b, "owner")); }
   /// Tokens of sequence b among positions [0, end) that rank r stores.
-  std::int64_t count(int r, std::int64_t b, std::int64_t end) const { return placement_.count(r, end, split(b)); }
+  std::int64_t count(int r, std::int64_t b, std::int64_t end) const {
+    SEQPAR_CHECK(r >= 0 && r < placement_.ranks, ConfigError, "CacheLayout::count: rank: expected 0..",
+                 placement_.ranks - 1, ", got ", r);
+    return placement_.count(r, end, split(b, "count"));
+  }
   /// Local slot of token `pos` of sequence b on its owner: its rank among the owner's tokens.
-  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return placement_.slot(pos, split(b)); }
+  std::int64_t slot(std::int64_t b, std::int64_t pos) const { return placement_.slot(position(pos, "slot"), split(b, "slot")); }
   /// Ranks.
   int ranks() const { return placement_.ranks; }
   /// Page size (0: contiguous).
@@ -131,7 +136,15 @@ class CacheLayout {
   const TokenPlacement& placement() const { return placement_; }
 
  private:
-  std::int64_t split(std::int64_t b) const { return placement_.interleave > 0 ? 0 : initial_[static_cast<std::size_t>(b)]; }
+  std::int64_t split(std::int64_t b, const char* call) const {
+    SEQPAR_CHECK(b >= 0 && b < static_cast<std::int64_t>(initial_.size()), ConfigError, "CacheLayout::", call,
+                 ": sequence: expected 0..", static_cast<std::int64_t>(initial_.size()) - 1, ", got ", b);
+    return placement_.interleave > 0 ? 0 : initial_[static_cast<std::size_t>(b)];
+  }
+  static std::int64_t position(std::int64_t pos, const char* call) {
+    SEQPAR_CHECK(pos >= 0, ConfigError, "CacheLayout::", call, ": pos: expected >= 0, got ", pos);
+    return pos;
+  }
 
   TokenPlacement placement_;
   std::vector<std::int64_t> initial_;

@@ -109,7 +109,8 @@ inline std::string disagreement_reason(const std::vector<std::int64_t>& all, int
 /// bytes (a [K | V] block). Requiring the product below 2^58 bytes leaves a factor of 32 for
 /// the sums of such sizes a plan forms (a workspace adds a few dozen slots, most of them a
 /// rank's share), so every size stays inside 64 bits; the reason names the fields, so a size
-/// never wraps silently.
+/// never wraps silently. The number of scores, batch x heads x query length x key length, is
+/// bounded at 2^62, so that counts of visible pairs cannot wrap either.
 inline std::string size_reason(const AttentionProblem& pr, std::span<const std::int64_t> q_len,
                                std::span<const std::int64_t> kv_len) {
   constexpr std::int64_t limit = std::int64_t{1} << 58;
@@ -132,9 +133,18 @@ inline std::string size_reason(const AttentionProblem& pr, std::span<const std::
     return why.str();
   }
   const std::optional<std::int64_t> bytes = checked_mul(*token_bytes, std::max(*sq, *skv));
-  if (bytes && *bytes <= limit) return "";
-  why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(*sq, *skv) << " x heads "
-      << heads << dim_name << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
+  if (!bytes || *bytes > limit) {
+    why << "plan: size overflow: batch " << pr.batch << " x global length " << std::max(*sq, *skv) << " x heads "
+        << heads << dim_name << " x 8 bytes exceeds the 2^58-byte limit on one tensor";
+    return why.str();
+  }
+  // The score count (Plan::work, the cost model's pairs) must fit too: every rank's and ring
+  // step's share is at most this product. 2^62 scores is days of any machine's compute.
+  const std::int64_t scores[] = {pr.batch, pr.heads, *sq, *skv};
+  const std::optional<std::int64_t> count = checked_product(scores);
+  if (count && *count <= (std::int64_t{1} << 62)) return "";
+  why << "plan: size overflow: batch " << pr.batch << " x heads " << pr.heads << " x query length " << *sq
+      << " x key length " << *skv << " (the number of scores) exceeds 2^62";
   return why.str();
 }
 

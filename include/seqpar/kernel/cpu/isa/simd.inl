@@ -327,22 +327,27 @@ inline F lanes_const(C c) {
   else return c - F{};
 }
 
-/// 2^r for r in [-1/2, 1/2]: degree-5 minimax polynomial (F = float or a float vector).
+/// 2^r for r in [-1/2, 1/2]: degree-5 polynomial 1 + r q(r), q fitted for the least largest
+/// relative error (F = float or a float vector). The constant term is exactly 1, so 2^0 = 1:
+/// a row whose only visible key is its maximum gets l = 1 and an LSE equal to its score, not
+/// one float ulp of 1 above it (a free constant term, 1.00000012, put 1.2e-7 into every such
+/// LSE). Relative error 9.2e-8 in exact arithmetic, 1.7e-7 evaluated in float with FMA (the
+/// free fit: 2.1e-7).
 template <class F>
 inline F exp2_poly(F r) {
-  F p = lanes_const<F>(1.32764550e-3f);
-  p = lanes_madd<F>(p, r, lanes_const<F>(9.67553630e-3f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(5.55071309e-2f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(2.40221202e-1f));
-  p = lanes_madd<F>(p, r, lanes_const<F>(6.93146944e-1f));
-  return lanes_madd<F>(p, r, lanes_const<F>(1.00000012f));
+  F p = lanes_const<F>(1.32646982e-3f);
+  p = lanes_madd<F>(p, r, lanes_const<F>(9.67150927e-3f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(5.55073395e-2f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(2.40222424e-1f));
+  p = lanes_madd<F>(p, r, lanes_const<F>(6.93147004e-1f));
+  return lanes_madd<F>(p, r, lanes_const<F>(1.0f));
 }
 
 /// 2^x lane by lane for F = float or Simd<float>::type, for softmax arguments in log2 units
 /// (x <= 0, a little above 0 from rounding): exactly 0 at and below -127 (so that a hidden
 /// key's weight is 0, never a denormal that would multiply a NaN into the row), NaN passes.
 /// x = n + r with n = round(x), 2^r by a degree-5 minimax polynomial on [-1/2, 1/2]
-/// (relative error 2.2e-7 evaluated in float), 2^n put into the exponent: by vscalefps on
+/// (exp2_poly: exactly 1 at 0, relative error 1.7e-7), 2^n put into the exponent: by vscalefps on
 /// AVX-512 (9 vector operations in all), else with the 1.5 * 2^23 rounding trick, whose sum t
 /// holds n in its low mantissa bits (11 operations).
 template <class F>
