@@ -8,8 +8,8 @@
 #                                found; bench/run.sh builds and runs the measuring benchmarks)
 #   bash scripts/setup.sh demo   only build-demo/tools/seqpar_demo/seqpar_demo: no tests, no
 #                                examples, no benchmarks, no CUDA (the README's first command;
-#                                about two minutes on an idle 2-core machine: three objects,
-#                                one per element type)
+#                                about 75 s on an idle 2-core machine: three objects, one per
+#                                element type, and the CPU kernel's files of those types)
 #
 # Idempotent: a second run installs nothing and rebuilds only what changed.
 # Extra CMake options: SEQPAR_CMAKE_ARGS="-DSEQPAR_ENABLE_CUDA=OFF" bash scripts/setup.sh
