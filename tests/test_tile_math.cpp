@@ -505,6 +505,45 @@ TEST_CASE("key spans: the plan's work count and ring-step skips (visible_pairs, 
   CHECK(!any_visible(MaskView{}, 0, PositionMap::run(3, 0), PositionMap{}));
 }
 
+TEST_CASE("key spans: visible_pairs counts causal masks and windows in closed form, equal to the rows' spans") {
+  // Runs of thousands of positions, strided (stripe-like) or not, diagonals shifted below 0
+  // (bottom-right alignment), windows from 0 to past every key: the closed form against the
+  // sum of the rows' spans.
+  std::mt19937_64 rng(15);
+  auto random_map = [&](std::int64_t lo) {
+    const std::int64_t stride = pick(rng, 1, 5);
+    PositionMap m = PositionMap::run(pick(rng, 0, 3000), pick(rng, lo, 4000), stride);
+    if (m.segments == 1 && pick(rng, 0, 1) == 1) {
+      m.seg[1] = {pick(rng, 1, 3000), m.last() + pick(rng, 1, 3000), pick(rng, 1, 5)};
+      m.segments = 2;
+    }
+    return m;
+  };
+  const std::int64_t sides[] = {-1, 0, 1, 7, 100, 2999, 100000, std::int64_t{1} << 60, std::numeric_limits<std::int64_t>::max()};
+  for (int trial = 0; trial < 300; ++trial) {
+    const PositionMap q = random_map(-5000), k = random_map(0);
+    MaskView m;
+    m.causal = pick(rng, 0, 1) == 1;
+    m.window_left = sides[pick(rng, 0, 8)];
+    m.window_right = sides[pick(rng, 0, 8)];
+    if (!m.any()) m.causal = true;
+    std::int64_t rows = 0;
+    for (std::int64_t i = 0; i < q.size(); ++i) {
+      const KeySpan span = row_span(m, q, k, k.size(), 0, i);
+      if (!span.empty()) rows += span.last + 1 - span.first;
+    }
+    CAPTURE(m.causal);
+    CAPTURE(m.window_left);
+    CAPTURE(m.window_right);
+    CHECK(visible_pairs(m, 0, q, k) == rows);
+  }
+  // 2^30 queries and keys, causal: half the square and the diagonal, at once.
+  MaskView causal;
+  causal.causal = true;
+  const std::int64_t n = std::int64_t{1} << 30;
+  CHECK(visible_pairs(causal, 0, PositionMap::run(n, 0), PositionMap::run(n, 0)) == n * (n + 1) / 2);
+}
+
 TEST_CASE("tile math: a row that sees nothing stays finite and ends at O = 0, LSE = -inf") {
   const float ninf = -INFINITY;
   CHECK(tile::softmax_offset(ninf) == 0.0f);

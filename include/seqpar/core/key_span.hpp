@@ -24,6 +24,7 @@
 /// A hidden key is never read into a row, so NaN or Inf stored there (padding, a stale cache
 /// slot) reaches no row.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "seqpar/core/host_device.hpp"
@@ -105,11 +106,72 @@ SEQPAR_HOST_DEVICE constexpr TileClass classify_tile(BasicKeySpan<Index> top, Ba
   return bottom.first <= j0 && top.last >= j1 ? TileClass::visible : TileClass::cut;
 }
 
+namespace detail {
+
+/// ceil(p / q) for q > 0.
+constexpr __int128 ceil_div(__int128 p, __int128 q) { return p >= 0 ? (p + q - 1) / q : -((-p) / q); }
+
+/// The sum over i = 0 .. n-1 of floor((a + b i) / m), for n >= 0, m > 0, a >= 0, b >= 0, in
+/// O(log m) steps (the Euclid-like floor-sum reduction: take the whole multiples of m out of a
+/// and b, then count the lattice points under the line with the axes swapped).
+constexpr __int128 floor_sum(__int128 n, __int128 m, __int128 a, __int128 b) {
+  __int128 total = 0;
+  while (n > 0) {
+    if (b >= m) {
+      total += n * (n - 1) / 2 * (b / m);
+      b %= m;
+    }
+    if (a >= m) {
+      total += n * (a / m);
+      a %= m;
+    }
+    const __int128 top = b * n + a;  // the line's value at i = n
+    if (top < m) break;
+    n = top / m;
+    a = top % m;
+    const __int128 swap = m;
+    m = b;
+    b = swap;
+  }
+  return total;
+}
+
+/// Pairs (query i, key j) of one query run and one key run with key position <= query
+/// diagonal + d: the sum over the run's diagonals x of the run's keys at or below x + d.
+constexpr __int128 pairs_up_to(const PositionSegment& q, const PositionSegment& k, __int128 d) {
+  // Keys at or below x + d: clamp(floor((x + d - k.start) / k.stride) + 1, 0, k.count), with
+  // x + d - k.start = u + i q.stride; the count is 0 for i < i0, k.count from i1 on.
+  const __int128 u = static_cast<__int128>(q.start) + d - k.start, n = q.count;
+  const __int128 i0 = std::clamp<__int128>(ceil_div(-u, q.stride), 0, n);
+  const __int128 i1 = std::clamp<__int128>(ceil_div(static_cast<__int128>(k.count) * k.stride - u, q.stride), i0, n);
+  return floor_sum(i1 - i0, k.stride, u + i0 * q.stride, q.stride) + (i1 - i0) + (n - i1) * k.count;
+}
+
+}  // namespace detail
+
 /// Visible (query, key) pairs between query diagonals `q` and key positions `k` of batch
-/// element b under `mask` (causal included): the plan's work count.
+/// element b under `mask` (causal included): the plan's work count. Causal masks and windows
+/// are counted in closed form, O(log S) a pair of runs (the advisor costs ring steps of
+/// sequences of millions this way); documents, key padding and decode's row ends row by row.
 inline std::int64_t visible_pairs(const MaskView& mask, std::int64_t b, const PositionMap& q, const PositionMap& k) {
   const std::int64_t sk = k.size();
   if (!mask.any()) return q.size() * sk;
+  if (mask.doc_count == 0 && mask.kv_valid == nullptr && mask.row_key_end == nullptr) {
+    // A row with diagonal x sees the keys in [x - left, x + right] (MaskView::keys): those at
+    // or below x + right less those at or below x - left - 1.
+    const bool bounded = mask.causal || mask.window_right >= 0;
+    const std::int64_t right = mask.window_right < 0 ? 0 : clamp_window_side(mask.window_right);
+    const std::int64_t hi = mask.causal && right > 0 ? 0 : right;
+    __int128 n = 0;
+    for (int qs = 0; qs < q.segments; ++qs)
+      for (int ks = 0; ks < k.segments; ++ks) {
+        n += bounded ? detail::pairs_up_to(q.seg[qs], k.seg[ks], hi)
+                     : static_cast<__int128>(q.seg[qs].count) * k.seg[ks].count;
+        if (mask.window_left >= 0)
+          n -= detail::pairs_up_to(q.seg[qs], k.seg[ks], -static_cast<__int128>(clamp_window_side(mask.window_left)) - 1);
+      }
+    return static_cast<std::int64_t>(n);
+  }
   std::int64_t n = 0;
   for (std::int64_t i = 0; i < q.size(); ++i) {
     const KeySpan s = row_span(mask, q, k, sk, b, i);
@@ -123,6 +185,8 @@ inline std::int64_t visible_pairs(const MaskView& mask, std::int64_t b, const Po
 inline bool any_visible(const MaskView& mask, std::int64_t b, const PositionMap& q, const PositionMap& k) {
   const std::int64_t sk = k.size();
   if (q.size() == 0 || sk == 0) return false;
+  // Where visible_pairs counts in closed form, a hidden step costs no pass over its rows.
+  if (mask.doc_count == 0 && mask.kv_valid == nullptr && mask.row_key_end == nullptr) return visible_pairs(mask, b, q, k) > 0;
   for (std::int64_t i = 0; i < q.size(); ++i)
     if (!row_span(mask, q, k, sk, b, i).empty()) return true;
   return false;
