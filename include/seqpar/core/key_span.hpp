@@ -108,14 +108,18 @@ SEQPAR_HOST_DEVICE constexpr TileClass classify_tile(BasicKeySpan<Index> top, Ba
 
 namespace detail {
 
+/// 128-bit integers for the closed-form pair counts (`__extension__`: no -Wpedantic warning in
+/// users' builds).
+__extension__ typedef __int128 wide_int;
+
 /// ceil(p / q) for q > 0.
-constexpr __int128 ceil_div(__int128 p, __int128 q) { return p >= 0 ? (p + q - 1) / q : -((-p) / q); }
+constexpr wide_int ceil_div(wide_int p, wide_int q) { return p >= 0 ? (p + q - 1) / q : -((-p) / q); }
 
 /// The sum over i = 0 .. n-1 of floor((a + b i) / m), for n >= 0, m > 0, a >= 0, b >= 0, in
 /// O(log m) steps (the Euclid-like floor-sum reduction: take the whole multiples of m out of a
 /// and b, then count the lattice points under the line with the axes swapped).
-constexpr __int128 floor_sum(__int128 n, __int128 m, __int128 a, __int128 b) {
-  __int128 total = 0;
+constexpr wide_int floor_sum(wide_int n, wide_int m, wide_int a, wide_int b) {
+  wide_int total = 0;
   while (n > 0) {
     if (b >= m) {
       total += n * (n - 1) / 2 * (b / m);
@@ -125,11 +129,11 @@ constexpr __int128 floor_sum(__int128 n, __int128 m, __int128 a, __int128 b) {
       total += n * (a / m);
       a %= m;
     }
-    const __int128 top = b * n + a;  // the line's value at i = n
+    const wide_int top = b * n + a;  // the line's value at i = n
     if (top < m) break;
     n = top / m;
     a = top % m;
-    const __int128 swap = m;
+    const wide_int swap = m;
     m = b;
     b = swap;
   }
@@ -138,12 +142,12 @@ constexpr __int128 floor_sum(__int128 n, __int128 m, __int128 a, __int128 b) {
 
 /// Pairs (query i, key j) of one query run and one key run with key position <= query
 /// diagonal + d: the sum over the run's diagonals x of the run's keys at or below x + d.
-constexpr __int128 pairs_up_to(const PositionSegment& q, const PositionSegment& k, __int128 d) {
+constexpr wide_int pairs_up_to(const PositionSegment& q, const PositionSegment& k, wide_int d) {
   // Keys at or below x + d: clamp(floor((x + d - k.start) / k.stride) + 1, 0, k.count), with
   // x + d - k.start = u + i q.stride; the count is 0 for i < i0, k.count from i1 on.
-  const __int128 u = static_cast<__int128>(q.start) + d - k.start, n = q.count;
-  const __int128 i0 = std::clamp<__int128>(ceil_div(-u, q.stride), 0, n);
-  const __int128 i1 = std::clamp<__int128>(ceil_div(static_cast<__int128>(k.count) * k.stride - u, q.stride), i0, n);
+  const wide_int u = static_cast<wide_int>(q.start) + d - k.start, n = q.count;
+  const wide_int i0 = std::clamp<wide_int>(ceil_div(-u, q.stride), 0, n);
+  const wide_int i1 = std::clamp<wide_int>(ceil_div(static_cast<wide_int>(k.count) * k.stride - u, q.stride), i0, n);
   return floor_sum(i1 - i0, k.stride, u + i0 * q.stride, q.stride) + (i1 - i0) + (n - i1) * k.count;
 }
 
@@ -162,13 +166,13 @@ inline std::int64_t visible_pairs(const MaskView& mask, std::int64_t b, const Po
     const bool bounded = mask.causal || mask.window_right >= 0;
     const std::int64_t right = mask.window_right < 0 ? 0 : clamp_window_side(mask.window_right);
     const std::int64_t hi = mask.causal && right > 0 ? 0 : right;
-    __int128 n = 0;
+    detail::wide_int n = 0;
     for (int qs = 0; qs < q.segments; ++qs)
       for (int ks = 0; ks < k.segments; ++ks) {
         n += bounded ? detail::pairs_up_to(q.seg[qs], k.seg[ks], hi)
-                     : static_cast<__int128>(q.seg[qs].count) * k.seg[ks].count;
+                     : static_cast<detail::wide_int>(q.seg[qs].count) * k.seg[ks].count;
         if (mask.window_left >= 0)
-          n -= detail::pairs_up_to(q.seg[qs], k.seg[ks], -static_cast<__int128>(clamp_window_side(mask.window_left)) - 1);
+          n -= detail::pairs_up_to(q.seg[qs], k.seg[ks], -static_cast<detail::wide_int>(clamp_window_side(mask.window_left)) - 1);
       }
     return static_cast<std::int64_t>(n);
   }
