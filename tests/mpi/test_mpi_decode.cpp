@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
+#include <cmath>
+#include <string>
 #include <vector>
 
 #include "common.hpp"
@@ -80,4 +83,49 @@ TEST_CASE("MPI: paged decode with continuous batching equals the exact reference
     CHECK(what.find("rank " + std::to_string(P - 1) + " refused the step") != std::string::npos);
     CHECK_NOTHROW(test::small_paged_step(world, [](int, test::SmallStep&) {}, false, ex));
   }
+}
+
+// Last in this file: the ranks' exchanges end in errors, after which this communicator is not
+// used again.
+TEST_CASE("MPI: a paged step whose row count differs on one rank fails on every rank, even after an agreeing step") {
+  // Two plans of one PagedDecode share a workspace, as an engine's layers do. Plan a's step:
+  // every rank 4 rows. Plan b's step (the same step count): the last rank gives the same batch
+  // again, the others one row fewer. The last rank's receives are then longer than its peers'
+  // messages, which MPI does not report: the tag each message starts with must show it (a tag
+  // at the end of the receive was plan a's, equal to what the last rank expects). A rank whose
+  // MPI exchange aborted on a truncated message stops sending, so with 3 ranks and more a peer
+  // waits for it: the time-out (off by default, as in MPI) ends that wait with a CommError.
+  MpiCommunicator world(MPI_COMM_WORLD);
+  world.set_timeout(std::chrono::milliseconds(5000));
+  const int P = world.size();
+  PagedDecode<MpiCommunicator, ReferenceKernel> dec(world);
+  const PagedDecodeProblem pr{.max_batch = 4, .max_new_tokens = 4, .heads = 3, .head_dim = 4, .interleave = 2};
+  PagedDecodePlan a = dec.plan(pr), b = dec.plan(pr);
+  const std::int64_t pages = 16, page = 4;
+  std::vector<float> pool(static_cast<std::size_t>(pages * page * 3 * 4)), q(16 * 3 * 4), out(q.size());
+  for (std::size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i)));
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(std::cos(0.21 * static_cast<double>(i)));
+  std::vector<std::byte> ws(std::max(a.workspace_bytes(), b.workspace_bytes()));
+  auto step = [&](PagedDecodePlan& plan, std::vector<std::int64_t> new_tokens) {
+    const std::vector<std::int64_t> ids{7, 9}, kv_len{10, 5}, split{0, 0};
+    std::vector<std::int32_t> indptr{0}, indices;
+    for (std::size_t s = 0; s < 2; ++s) {
+      const std::int64_t need = (plan.local_tokens(kv_len[s] + new_tokens[s]) + page - 1) / page;
+      for (std::int64_t i = 0; i < need; ++i) indices.push_back(static_cast<std::int32_t>(indices.size()));
+      indptr.push_back(static_cast<std::int32_t>(indices.size()));
+    }
+    using In = TensorView<const float>;
+    const In kv = In::bshd(pool.data(), pages, page, 3, 4);
+    return dec.step<float>(plan, {ids, kv_len, new_tokens, split, BlockTable::csr(indptr, indices)},
+                           In::bshd(q.data(), 1, 16, 3, 4), kv, kv, TensorView<float>::bshd(out.data(), 1, 16, 3, 4), ws);
+  };
+  CHECK(step(a, {2, 2}) == 4);
+  bool threw = false;
+  try {
+    (void)step(b, world.rank() == P - 1 ? std::vector<std::int64_t>{2, 2} : std::vector<std::int64_t>{2, 1});
+  } catch (const std::exception&) {
+    threw = true;
+  }
+  CHECK(threw);
+  MPI_Barrier(MPI_COMM_WORLD);
 }

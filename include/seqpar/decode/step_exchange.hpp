@@ -11,8 +11,11 @@
 ///
 /// A step has `rows` query rows (batch x new tokens, or the paged step's packed rows); message
 /// sizes follow them, so a step that uses fewer rows than the plan's maximum sends only those.
-/// Every message ends in an 8-byte tag of the step (the caller's hash of what every rank must
-/// agree on), so a rank whose step differs is named on every rank instead of merged. The tags
+/// Every message starts with an 8-byte tag of the step (the caller's hash of what every rank
+/// must agree on), so a rank whose step differs is named on every rank instead of merged. At
+/// the start, not the end: a message shorter than its receive (MPI's all-to-all does not say
+/// so) still overwrites the tag, where a tag at the end left the previous step's there, which
+/// passed when the two steps agreed. The tags
 /// received are gathered behind this rank's own in the tag slot and read back in one copy of
 /// at most 2P x 8 bytes (on a device: a device-to-host transfer and a wait on the ops'
 /// stream, once per step), then handed to the caller's check before anything is merged.
@@ -64,15 +67,15 @@ struct StepMessages {
 
 /// Decode's exchange (see the file comment).
 struct StepExchange {
-  /// Bytes of the step tag that ends every message.
+  /// Bytes of the step tag that starts every message.
   static constexpr std::size_t tag_bytes = 8;
 
   /// Its buffers, all live for the whole step.
   struct Slots {
-    static constexpr Slot q_send{"q_send"};  ///< this rank's heads of the queries, and the tag
+    static constexpr Slot q_send{"q_send"};  ///< the tag, then this rank's heads of the queries
     static constexpr Slot q_recv{"q_recv"};  ///< every rank's pieces of the queries
     static constexpr Slot q_full{"q_full"};  ///< [rows, H, D]: the queries of every head
-    static constexpr Slot send{"send"};      ///< [O (rows, h, D_v) | LSE (rows, h) | tag] per merging rank
+    static constexpr Slot send{"send"};      ///< [tag | O (rows, h, D_v) | LSE (rows, h)] per merging rank
     static constexpr Slot recv{"recv"};      ///< the pieces of this rank's heads from every rank
     static constexpr Slot tags{"tags"};      ///< this step's tag, then those received (partials, queries)
   };
@@ -170,16 +173,16 @@ struct StepExchange {
     const AllToAllTable& t = m.queries;
     std::byte* send = slots.get<std::byte>(ws, Slots::q_send);
     std::byte* recv = slots.get<std::byte>(ws, Slots::q_recv);
-    const std::size_t mine = t.send_counts[static_cast<std::size_t>(m.rank)];
-    ops.copy(q, TensorView<T, Space>::bshd(reinterpret_cast<T*>(send), B, S, m.out_heads.count, D));
-    copy_tag(ops, tag_at(slots, ws, 0), send + mine - tag_bytes);
+    copy_tag(ops, tag_at(slots, ws, 0), send);
+    ops.copy(q, TensorView<T, Space>::bshd(reinterpret_cast<T*>(send + tag_bytes), B, S, m.out_heads.count, D));
     world.all_to_all_v(send, t.send_counts, t.send_displs, recv, t.recv_counts, t.recv_displs);
     T* full = slots.get<T>(ws, Slots::q_full);
     for (int v = 0; v < m.ranks; ++v) {
       const auto i = static_cast<std::size_t>(v);
-      copy_tag(ops, recv + t.recv_displs[i] + t.recv_counts[i] - tag_bytes, tag_at(slots, ws, 1 + m.ranks + v));
+      copy_tag(ops, recv + t.recv_displs[i], tag_at(slots, ws, 1 + m.ranks + v));
       const HeadRange h = m.heads_of[i];
-      ops.copy(TensorView<const T, Space>::bshd(reinterpret_cast<const T*>(recv + t.recv_displs[i]), B, S, h.count, D),
+      ops.copy(TensorView<const T, Space>::bshd(reinterpret_cast<const T*>(recv + t.recv_displs[i] + tag_bytes), B, S,
+                                                h.count, D),
                TensorView<T, Space>::bshd(full, B, S, H, D).slice_heads(h.begin, h.count));
     }
     return TensorView<const T, Space>::bshd(full, B, S, H, D);
@@ -201,11 +204,12 @@ struct StepExchange {
       const auto i = static_cast<std::size_t>(v);
       const HeadRange h = by_heads ? m.heads_of[i] : HeadRange{0, m.heads};
       std::byte* at = send + t.send_displs[i];
+      copy_tag(ops, tag_at(slots, ws, 0), at);
+      A* body = reinterpret_cast<A*>(at + tag_bytes);
       ops.copy(TensorView<const A, Space>(o.slice_heads(h.begin, h.count)),
-               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at), B, S, h.count, Dv));
+               TensorView<A, Space>::bshd(body, B, S, h.count, Dv));
       ops.copy(TensorView<const A, Space>(l.slice_heads(h.begin, h.count)),
-               TensorView<A, Space>::bshd(reinterpret_cast<A*>(at) + B * S * h.count * Dv, B, S, h.count, 1));
-      copy_tag(ops, tag_at(slots, ws, 0), at + t.send_counts[i] - tag_bytes);
+               TensorView<A, Space>::bshd(body + B * S * h.count * Dv, B, S, h.count, 1));
     }
     world.all_to_all_v(send, t.send_counts, t.send_displs, recv, t.recv_counts, t.recv_displs);
   }
@@ -220,7 +224,7 @@ struct StepExchange {
     std::byte* recv = slots.get<std::byte>(ws, Slots::recv);
     for (int v = 0; v < m.ranks; ++v) {
       const auto i = static_cast<std::size_t>(v);
-      copy_tag(ops, recv + t.recv_displs[i] + t.recv_counts[i] - tag_bytes, tag_at(slots, ws, 1 + v));
+      copy_tag(ops, recv + t.recv_displs[i], tag_at(slots, ws, 1 + v));
     }
     const int received = gathers_queries(m) ? 2 * m.ranks : m.ranks;
     tags_to_host(ops, tag_at(slots, ws, 1), m.tags.data(), static_cast<std::size_t>(received));
@@ -238,7 +242,7 @@ struct StepExchange {
     const AllToAllTable& t = m.partials;
     std::byte* recv = slots.get<std::byte>(ws, Slots::recv);
     auto piece = [&](int v) {
-      A* o = reinterpret_cast<A*>(recv + t.recv_displs[static_cast<std::size_t>(v)]);
+      A* o = reinterpret_cast<A*>(recv + t.recv_displs[static_cast<std::size_t>(v)] + tag_bytes);
       return std::pair{TensorView<A, Space>::bshd(o, B, S, h, Dv), TensorView<A, Space>::bshd(o + B * S * h * Dv, B, S, h, 1)};
     };
     const auto [o0, l0] = piece(0);
