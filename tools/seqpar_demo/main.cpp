@@ -113,7 +113,8 @@ int run_threads(Options& options) {
   constexpr int most_thread_ranks = 1024;
   if (ranks > most_thread_ranks)
     throw UsageError("--ranks: at most " + std::to_string(most_thread_ranks) + " thread ranks in one process, got " +
-                     std::to_string(ranks) + " (--advise models up to 1024 without running them)");
+                     std::to_string(ranks) + " (--advise models up to " + std::to_string(most_advised_ranks) +
+                     " without running them)");
   int worst = 0;
   for (const Options& o : runs_of(options))
     for (std::size_t at = 0; at < o.lengths().size(); ++at) {  // a failed check goes on to the next length

@@ -164,7 +164,7 @@ void check_combinations(Options& o) {
     refuse_with({"--decode", "--model", "--policy", "--layout", "--anything", "--ulysses-degree", "--ring-degree",
                  "--seq", "--sweep", "--kv-seq", "--batch", "--docs", "--window", "--kv-valid", "--causal-align",
                  "--backward", "--profile", "--iters", "--kv-len", "--new-tokens", "--steps", "--exchange",
-                 "--head-dim-v", "--softcap", "--sinks", "--scale", "--trace", "--estimate", "--advise"},
+                 "--head-dim-v", "--softcap", "--sinks", "--scale", "--trace", "--estimate"},
                 "--serve",
                 "the workload comes from --requests, --prompt-len and --gen-len, prefilled with ring stripe; the "
                 "simulated engine models no other features");
@@ -183,7 +183,7 @@ void check_combinations(Options& o) {
     }
   } else if (o.decode) {
     refuse_with({"--seq", "--sweep", "--kv-seq", "--batch", "--docs", "--window", "--kv-valid", "--causal-align",
-                 "--backward", "--profile", "--iters", "--trace", "--estimate", "--advise"},
+                 "--backward", "--profile", "--iters", "--trace", "--estimate"},
                 "--decode", "the prompts come from --kv-len, packed as causal documents; the steps from --steps");
     if (o.kv_len.empty()) throw UsageError("--kv-len: required with --decode (one prompt length per sequence)");
     o.causal = true;
@@ -326,8 +326,6 @@ Options parse(int argc, char** argv) {
   if (o.model == "list") return o;  // main prints the list
   if (o.advise) {
     if (o.decode || o.serve) throw UsageError("--advise: not used with --decode or --serve (it advises on attention)");
-    // The cost model plans every rank of every candidate mesh: 1000 ranks took 5 s.
-    constexpr int most_advised_ranks = 1024;
     if (o.ranks > most_advised_ranks)
       throw UsageError("--ranks: --advise models at most " + std::to_string(most_advised_ranks) + " ranks, got " +
                        std::to_string(o.ranks));

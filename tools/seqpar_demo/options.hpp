@@ -19,6 +19,10 @@ namespace seqpar_demo {
 
 using namespace seqpar;
 
+/// The most ranks --advise models: the cost model plans every rank of every candidate mesh
+/// (1000 ranks took 5 s).
+inline constexpr int most_advised_ranks = 1024;
+
 /// A wrong option or a combination the demo does not run. Every rank sees the same options,
 /// so every rank throws it alike: the demo prints one line and exits with status 2.
 struct UsageError : std::runtime_error {

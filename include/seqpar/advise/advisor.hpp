@@ -68,8 +68,9 @@ void for_each_base_policy(int world, F&& f) {
 /// as each mesh allows) on `world` ranks of machine `m`: the ones that run sorted by estimated
 /// time (forward, plus backward when `training`), then the refused ones with plan's reason. A
 /// base policy the lengths or heads do not divide for is offered as AnythingPolicy of it.
-/// Throws ConfigError when `m` cannot be costed (machine_reason). The first choice is the simplest of those within `margin` of the fastest estimate: the
-/// fewest ring steps, then the plainest layout (contiguous, zigzag, stripe). Every ring step
+/// Throws ConfigError when `m` cannot be costed (machine_reason). The first choice is the
+/// simplest of those within `margin` of the fastest estimate: the fewest ring steps, then the
+/// plainest layout (contiguous, zigzag, stripe). Every ring step
 /// and every cut in a block costs fixed time the model only partly sees (on small blocks and
 /// shared cores most), so near-ties go to the plan with fewer of them.
 inline std::vector<Choice> advise(const AttentionProblem& problem, std::int64_t seq_q, std::int64_t seq_kv, int world,

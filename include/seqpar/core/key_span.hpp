@@ -151,6 +151,12 @@ constexpr wide_int pairs_up_to(const PositionSegment& q, const PositionSegment& 
   return floor_sum(i1 - i0, k.stride, u + i0 * q.stride, q.stride) + (i1 - i0) + (n - i1) * k.count;
 }
 
+/// True when every row's keys are [x - left, x + right] about its diagonal x (causal and
+/// windows only): then visible_pairs and any_visible count in closed form.
+constexpr bool counts_in_closed_form(const MaskView& mask) {
+  return mask.doc_count == 0 && mask.kv_valid == nullptr && mask.row_key_end == nullptr;
+}
+
 }  // namespace detail
 
 /// Visible (query, key) pairs between query diagonals `q` and key positions `k` of batch
@@ -160,12 +166,12 @@ constexpr wide_int pairs_up_to(const PositionSegment& q, const PositionSegment& 
 inline std::int64_t visible_pairs(const MaskView& mask, std::int64_t b, const PositionMap& q, const PositionMap& k) {
   const std::int64_t sk = k.size();
   if (!mask.any()) return q.size() * sk;
-  if (mask.doc_count == 0 && mask.kv_valid == nullptr && mask.row_key_end == nullptr) {
+  if (detail::counts_in_closed_form(mask)) {
     // A row with diagonal x sees the keys in [x - left, x + right] (MaskView::keys): those at
     // or below x + right less those at or below x - left - 1.
     const bool bounded = mask.causal || mask.window_right >= 0;
     const std::int64_t right = mask.window_right < 0 ? 0 : clamp_window_side(mask.window_right);
-    const std::int64_t hi = mask.causal && right > 0 ? 0 : right;
+    const std::int64_t hi = mask.causal ? 0 : right;
     detail::wide_int n = 0;
     for (int qs = 0; qs < q.segments; ++qs)
       for (int ks = 0; ks < k.segments; ++ks) {
@@ -190,7 +196,7 @@ inline bool any_visible(const MaskView& mask, std::int64_t b, const PositionMap&
   const std::int64_t sk = k.size();
   if (q.size() == 0 || sk == 0) return false;
   // Where visible_pairs counts in closed form, a hidden step costs no pass over its rows.
-  if (mask.doc_count == 0 && mask.kv_valid == nullptr && mask.row_key_end == nullptr) return visible_pairs(mask, b, q, k) > 0;
+  if (detail::counts_in_closed_form(mask)) return visible_pairs(mask, b, q, k) > 0;
   for (std::int64_t i = 0; i < q.size(); ++i)
     if (!row_span(mask, q, k, sk, b, i).empty()) return true;
   return false;

@@ -18,8 +18,8 @@
 /// any other kernel with supports_masks (ReferenceKernel, CudaFlashKernel) is called once per
 /// run of pages that follow each other in the pool, and the runs are merged with ops().merge.
 ///
-/// Agreement without a collective: every message starts with the step's tag, a hash of the batch
-/// (ids, lengths, new tokens, splits) and the step count. A rank whose batch differs is named
+/// Agreement without a collective: every message starts with the step's tag, a hash of the
+/// batch (ids, lengths, new tokens, splits) and the step count. A rank whose batch differs is named
 /// on every rank (ConfigError), and so is a rank that refuses its own part of the step (a
 /// block table without the pages its tokens need, a page id outside the pool, a length out of
 /// range): it still takes part in the exchange, carrying a refusal instead of a tag, so no
@@ -27,8 +27,8 @@
 /// fail in the exchange itself (ThreadCommunicator's size check: CommError; MPI: a rank sent
 /// more than its peer receives, MPI_ERR_TRUNCATE as an MpiError) or, where a message is
 /// shorter than its receive (which MPI does not report), at the tag that message overwrote:
-/// never a hang or a merge. Views that check_view refuses (wrong extents, a null pointer, a strided head dim,
-/// negative strides, an out that overlaps itself) and a workspace that is too small are this
+/// never a hang or a merge. Views that check_view refuses (wrong extents, a null pointer, a
+/// strided head dim, negative strides, an out that overlaps itself) and a workspace that is too small are this
 /// rank's programming errors: they throw before the exchange (peers then wait in it until the
 /// communicator's time-out, as for any rank that leaves before a collective).
 ///
