@@ -161,7 +161,7 @@ TEST_CASE_TEMPLATE("threaded flash backward: odd lengths, causal and not, GQA 6 
   for (bool causal : {false, true}) {
     CAPTURE(causal);
     check_threads<T>(shape(333, 333, causal), 1 + causal);
-    // Four 256-key blocks and a one-key tail (query blocks: 72 rows); two and the tail under a
+    // Four 256-key blocks and a one-key tail (query blocks: 96 rows); two and the tail under a
     // sanitizer, where the double reference alone would take a minute.
     const std::int64_t n = test::sanitized_build ? 513 : 1025;
     check_threads<T>(shape(n, n, causal, 6, 2, 8), 3 + causal);

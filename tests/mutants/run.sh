@@ -23,7 +23,8 @@
 # The copy is the working tree as git sees it (tracked and untracked files, not ignored ones),
 # so uncommitted tests count; files are copied only when their content changed, so a rerun
 # rebuilds only what changed. Needs bash, git, perl, cmake (3.20+), ninja, a C++20 compiler;
-# the mpi-offset mutant needs MPI (tests test_mpi_3, test_mpi_4). The build is the project's
+# the mpi-offset mutant needs MPI (tests test_mpi_3, test_mpi_4), amx-backward-query-tail a CPU
+# with AMX (its path runs nowhere else). The build is the project's
 # Release build without CUDA, examples and benchmarks.
 #
 # Time: about 30 minutes on 2 cores for the 16 mutants of mutants.txt from an empty scratch

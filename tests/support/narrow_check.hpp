@@ -75,10 +75,20 @@ double rel_error(const std::vector<G>& got, const std::vector<double>& want) {
   return num / den;
 }
 
+/// Whether the backward of E on level `isa` at head dims (dim, dim_v) forms its products from
+/// bf16 pairs, rounding P and dS to bf16 (the AVX512-BF16 level, and the AMX level at head
+/// dims its tiles take): its gradients are then held to 8e-3 (see test_bf16), else to 1e-5
+/// (exact products accumulated in float).
+template <class E>
+bool backward_rounds_to_bf16(CpuIsa isa, std::int64_t dim, std::int64_t dim_v) {
+  return std::is_same_v<E, bf16> &&
+         (isa == CpuIsa::avx512_bf16 || (isa == CpuIsa::amx_bf16 && detail::amx_backward_fits(dim, dim_v)));
+}
+
 /// CpuFlashKernel's forward and backward in E (causal, GQA 4/2, S 333, D 64, 1 and 2 threads)
 /// against the double reference on the same inputs: O (rounded to E) within `out_tolerance`,
-/// the LSE within 1e-6 and the float gradients within 1e-5 (accumulated in float; 8e-3 on
-/// bf16's AVX512-BF16 backward, which rounds P and dS to bf16).
+/// the LSE within 1e-6 and the float gradients within 1e-5 (accumulated in float; 8e-3 where
+/// bf16's products round P and dS to bf16: backward_rounds_to_bf16).
 template <class E>
 void check_kernel_narrow(double out_tolerance) {
   const KernelInputs<E> in(333, 4, 2, 64);  // causal, GQA 4/2, an odd length
@@ -128,8 +138,7 @@ void check_kernel_narrow(double out_tolerance) {
                     TensorView<float>::bshd(gq.data(), 1, in.S, in.H, in.D),
                     TensorView<float>::bshd(gk.data(), 1, in.S, in.K, in.D),
                     TensorView<float>::bshd(gv.data(), 1, in.S, in.K, in.D), p);
-    // (The AVX512-BF16 backward rounds P and dS to bf16: see test_bf16's tolerance of it.)
-    const double grad_tolerance = std::is_same_v<E, bf16> && kernel.isa() == CpuIsa::avx512_bf16 ? 8e-3 : 1e-5;
+    const double grad_tolerance = backward_rounds_to_bf16<E>(kernel.isa(), in.D, in.D) ? 8e-3 : 1e-5;
     CHECK(rel_error(gq, wq) < grad_tolerance);
     CHECK(rel_error(gk, wk) < grad_tolerance);
     CHECK(rel_error(gv, wv) < grad_tolerance);

@@ -36,8 +36,8 @@
 ///
 /// Per tile (BQ queries, BK keys) five products run through one register-tiled
 /// micro-kernel (kernel/cpu/isa/simd.inl; for bf16 on the avx512_bf16 level, the pair
-/// micro-kernel of kernel/cpu/isa/forward_bf16.inl, P and dS rounded to bf16, see
-/// backward_bf16.inl): S = Q K^T and dP = dO V^T with keys in the SIMD
+/// micro-kernel of kernel/cpu/isa/forward_bf16.inl, and on the amx_bf16 level AMX tiles, P
+/// and dS rounded to bf16, see backward_bf16.inl): S = Q K^T and dP = dO V^T with keys in the SIMD
 /// lanes, then P = exp(S scale - LSE) and dS = P (dP - delta) scale lane-wise (soft-capped:
 /// t = tanh(S scale / cap), P = exp(cap t - LSE), dS also times 1 - t^2), then dV += P^T dO,
 /// dK += dS^T Q and dQ = dS K with head dims in the lanes (D_v of them for dV, D for the

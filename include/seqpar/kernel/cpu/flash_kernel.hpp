@@ -356,13 +356,22 @@ class CpuFlashKernel {
                     std::int32_t* turns) {
       const std::int64_t dim = job.q.dim(), dim_v = job.v.dim();
       const std::size_t stride = detail::flash_thread_bytes<detail::BackwardScratch>(dim, dim_v);
-      // bf16 forms its products by AVX512-BF16's vdpbf16ps where the forward does (not on the
-      // AMX level: its CPUs issue vdpbf16ps at half the FMA's rate, and AMX's backward is not written).
+      // bf16 forms its products on AMX tiles where the forward does and its head dims suit
+      // them, or by AVX512-BF16's vdpbf16ps where the forward does (not otherwise on the AMX
+      // level: its CPUs issue vdpbf16ps at half the FMA's rate).
+      [[maybe_unused]] const bool amx = std::is_same_v<T, bf16> && Kernels::amx && self.isa_ == CpuIsa::amx_bf16 &&
+                                        detail::amx_backward_fits(dim, dim_v);
       [[maybe_unused]] const bool dot = std::is_same_v<T, bf16> && Kernels::bf16_dot && self.isa_ == CpuIsa::avx512_bf16;
       self.run_tasks(job.delta_tasks(), [&](std::int64_t t, int) { Kernels::backward_deltas(job, t); });
       self.run_tasks(job.tasks(), [&](std::int64_t t, int worker) {
         detail::BackwardScratch<A> s;
         detail::BackwardScratch<A>::carve(base + static_cast<std::size_t>(worker) * stride, dim, dim_v, &s);
+        if constexpr (std::is_same_v<T, bf16> && Kernels::amx) {
+          if (amx) {
+            Kernels::backward_amx(job, t, s, turns);
+            return;
+          }
+        }
         if constexpr (std::is_same_v<T, bf16> && Kernels::bf16_dot) {
           if (dot) {
             Kernels::backward_bf16_dot(job, t, s, turns);

@@ -20,7 +20,8 @@
 ///  - `amx_bf16`: `avx512_bf16` plus AMX tiles (TDPBF16PS: a 16 x 16 float tile += a 16 x 32
 ///    bf16 tile times a 32 x 16 one per instruction, some 14x a core's FMA rate): bf16 inputs'
 ///    forward runs both products on tiles where its head dims are whole tiles (D a multiple of
-///    32, D_v of 16); the OS must grant the tile state (Linux: arch_prctl, asked once).
+///    32, D_v of 16), its backward all five where both are multiples of 32 (up to 512); the OS
+///    must grant the tile state (Linux: arch_prctl, asked once).
 ///  - `vec128`: 128-bit vectors of whatever the compile target has (SSE2 on x86-64, NEON on
 ///    AArch64); always available, and the only level off x86.
 /// The environment variable `SEQPAR_CPU_ISA` (amx_bf16, avx512_bf16, avx512, avx2 or vec128) caps the automatic
@@ -83,7 +84,7 @@ enum class CpuIsa {
   avx2 = 1,        ///< 256-bit AVX2 + FMA
   avx512 = 2,      ///< 512-bit AVX-512 (F, BW, DQ, VL) + FMA
   avx512_bf16 = 3, ///< avx512 plus AVX512-BF16 dot products for bf16 inputs
-  amx_bf16 = 4,    ///< avx512_bf16 plus AMX tiles for bf16 inputs' forward
+  amx_bf16 = 4,    ///< avx512_bf16 plus AMX tiles for bf16 inputs' forward and backward
 };
 
 /// The level's name as SEQPAR_CPU_ISA spells it ("avx512", "avx2", "vec128", "automatic").

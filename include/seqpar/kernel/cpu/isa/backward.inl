@@ -308,9 +308,15 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
   const std::int64_t ld = BackwardScratch<A>::ld_dim(dim), ldv = BackwardScratch<A>::ld_dim(dim_v);
   Products products{job, s, b, kh};
   products.pack_block(j0, nk);
-  for (std::int64_t j = 0; j < nk; ++j) {
-    std::fill(s.dks + j * ld, s.dks + j * ld + BackwardScratch<A>::padded(dim), A(0));
-    std::fill(s.dvs + j * ldv, s.dvs + j * ldv + BackwardScratch<A>::padded(dim_v), A(0));
+  // dK and dV of the task's keys, key-major in s.dks and s.dvs unless the products keep them
+  // in a layout of their own (AmxBackward: head dims by keys).
+  if constexpr (requires { products.clear_key_gradients(nk); }) {
+    products.clear_key_gradients(nk);
+  } else {
+    for (std::int64_t j = 0; j < nk; ++j) {
+      std::fill(s.dks + j * ld, s.dks + j * ld + BackwardScratch<A>::padded(dim), A(0));
+      std::fill(s.dvs + j * ldv, s.dvs + j * ldv + BackwardScratch<A>::padded(dim_v), A(0));
+    }
   }
   bool touched = false;
   for (std::int64_t h = 0; h < q.heads(); ++h) {
@@ -351,8 +357,12 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
     }
   }
   if (!touched) return;
-  for (std::int64_t j = 0; j < nk; ++j) {
-    add_row(s.dks + j * ld, dim, job.dk.row(b, j0 + j, kh));
-    add_row(s.dvs + j * ldv, dim_v, job.dv.row(b, j0 + j, kh));
+  if constexpr (requires { products.add_key_gradients(nk); }) {
+    products.add_key_gradients(nk);
+  } else {
+    for (std::int64_t j = 0; j < nk; ++j) {
+      add_row(s.dks + j * ld, dim, job.dk.row(b, j0 + j, kh));
+      add_row(s.dvs + j * ldv, dim_v, job.dv.row(b, j0 + j, kh));
+    }
   }
 }

@@ -138,5 +138,15 @@ struct IsaKernels {
     backward_task<Bf16DotBackward>(job, t, s, turns);
   }
 #endif
+#if SEQPAR_ISA_HAS_BF16_DOT && SEQPAR_CPU_ISA_AMX
+  /// See backward_task (with AmxBackward): bf16 inputs, products on AMX tiles; head dims that
+  /// suit them only (amx_backward_fits). The tile configuration is loaded for the task and
+  /// released after it.
+  static void backward_amx(const FlashBackward<bf16, float>& job, std::int64_t t, const BackwardScratch<float>& s,
+                           std::int32_t* turns) {
+    const AmxTiles tiles;
+    backward_task<AmxBackward>(job, t, s, turns);
+  }
+#endif
 };
 #undef SEQPAR_ISA_HAS_BF16_DOT
