@@ -38,9 +38,10 @@ inline constexpr std::int64_t fwd_block_rows = fwd_block_q + max_forward_panel<f
 /// once per key block, so wide key blocks pay: 256 against 64 keys takes 7-18% less time at
 /// head_dim 256 to 64 (seq 2048, 8 heads, non-causal). 96 query rows are whole register tiles
 /// of 6 and 8 rows and whole AMX tile products (32 queries): against 72 rows, the AMX backward
-/// took 12-16% less time (each tile of dK^T and dV^T is loaded and stored once per 96 queries
-/// summed instead of 72 in 96) and the float backward the same or 1-3% less (Xeon, AVX-512 and
-/// AMX, S 2048, D 64 and 128, causal and not); 256 keys are whole panels on every target.
+/// took 10-15% less time (each tile of dK^T and dV^T is loaded and stored once per 96 queries
+/// summed instead of 72 in 96) and the float backward the same or up to 4% less (Xeon with
+/// AVX-512 and AMX, S 2048, D 64 and 128, causal and not); 256 keys are whole panels on every
+/// target.
 inline constexpr std::int64_t bwd_block_q = 96, bwd_block_k = 256;
 
 /// Most key blocks one backward task takes (FlashBackward::blocks_per_task): its tiles then
