@@ -382,6 +382,32 @@ TEST_CASE("bf16: the AVX512-BF16 and AMX backward against the double reference, 
   }
 }
 
+// A query row holding NaN in Q and dO that sees keys makes NaN the gradients of the keys it
+// sees and its own dQ, and nothing else: every product would carry its NaN to the keys of its
+// tiles it does not see (0 x NaN), so the kernel packs such a row as zeros and adds its terms
+// apart. Rows 200 (causal: sees keys 0-200, within a tile of keys past it) and 301 (sees
+// keys 0-301 of a window of 40: 262-301) on every level, in float, bf16 and fp16; NaN exactly
+// where the double reference has it, the rest within each level's tolerance, two threads the
+// same bits as one.
+TEST_CASE("flash backward: a row holding NaN reaches only the gradients of the keys it sees") {
+  KernelParams causal = self_params(400, 0.125, -1, -1);
+  causal.causal = true;
+  causal.group_size = 2;
+  KernelParams window = self_params(400, 0.125, 39, 0);
+  window.softcap = 30;
+  window.group_size = 2;
+  for (CpuIsa isa : {CpuIsa::amx_bf16, CpuIsa::avx512_bf16, CpuIsa::avx512, CpuIsa::avx2, CpuIsa::vec128}) {
+    if (!cpu_isa_supported(isa)) continue;
+    CAPTURE(cpu_isa_name(isa));
+    for (const KernelParams* p : {&causal, &window}) {
+      CHECK(test::narrow_backward_case<float>(isa, 400, 400, 2, 1, 64, 32, *p, {}, {200, 301}, 41) < 1e-5);
+      CHECK(test::narrow_backward_case<f16>(isa, 400, 400, 2, 1, 64, 32, *p, {}, {200, 301}, 42) < 1e-5);
+      const double bf16_tolerance = test::backward_rounds_to_bf16<bf16>(isa, 64, 64) ? 8e-3 : 1e-5;
+      CHECK(test::narrow_backward_case<bf16>(isa, 400, 400, 2, 1, 64, 64, *p, {}, {200, 301}, 43) < bf16_tolerance);
+    }
+  }
+}
+
 // Up to 16 query rows take the decode path: the bf16 cache is read at its own width, widened
 // block by block, and everything after is the float decode path (exact products of bf16
 // values accumulated in float), so the float tolerances hold. Two threads split the keys

@@ -232,9 +232,9 @@ std::pair<double, double> narrow_case(CpuFlashKernel& kernel, std::int64_t sq, s
 /// O rounded to E and its LSE in float, against the double reference's backward from the same
 /// O and LSE: the largest normwise error of dQ, dK and dV (nan_aware_error: a gradient the
 /// reference makes NaN must be NaN). The keys `nan_keys` hold NaN in K and V and the rows
-/// `nan_rows` NaN in Q and dO (the mask should hide those rows from every key: a row that sees
-/// a key and holds NaN makes everything it touches NaN); the run on two threads must give the
-/// same bits as on one.
+/// `nan_rows` NaN in Q and dO (a row that sees no key adds nothing; one that sees keys makes
+/// NaN its dQ and the gradients of exactly those keys, as in the reference); the run on two
+/// threads must give the same bits as on one.
 template <class E>
 double narrow_backward_case(CpuIsa isa, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t kh, std::int64_t d,
                             std::int64_t dv, const KernelParams& p, const std::vector<std::int64_t>& nan_keys,

@@ -247,6 +247,7 @@ struct BackwardScratch {
   std::int64_t* row_lo;  ///< [BQ] keys of the block the row sees: [row_lo, row_hi] (block indices)
   std::int64_t* row_hi;  ///< [BQ]
   std::int64_t* bad;     ///< [task keys] keys of the task whose K row holds a NaN or Inf
+  std::int64_t* bad_rows;  ///< [BQ] rows of the tile whose Q or dO row holds a NaN or Inf
 
   /// Head dim rounded up to whole micro-kernel panels (the columns the products form).
   static constexpr std::int64_t padded(std::int64_t dim) {
@@ -286,6 +287,7 @@ struct BackwardScratch {
     c.take(r.row_lo, BQ);
     c.take(r.row_hi, BQ);
     c.take(r.bad, BK);
+    c.take(r.bad_rows, BQ);
     if (s) std::fill(r.ones, r.ones + max_panel<A>, A(1));
     return c.used();
   }

@@ -29,6 +29,22 @@ inline bool backward_tile_keys(const FlashBackward<T, A>& job, std::int64_t b, s
   return any;
 }
 
+/// Whether the `n` values at `x` are all finite: an exponent field of all ones (Inf or NaN) is
+/// looked for in the bits, which vectorises (a float test would be a chain of compares).
+template <class T>
+inline bool finite_values(const T* x, std::int64_t n) {
+  using U = std::conditional_t<sizeof(T) == 8, std::uint64_t, std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
+  constexpr U exponent = sizeof(T) == 8 ? U(0x7ff0000000000000ull) : sizeof(T) == 4 ? U(0x7f800000u)
+                         : std::is_same_v<T, f16> ? U(0x7c00u) : U(0x7f80u);
+  U bad = 0;
+  for (std::int64_t d = 0; d < n; ++d) {
+    U bits;
+    std::memcpy(&bits, x + d, sizeof bits);
+    bad |= static_cast<U>((bits & exponent) == exponent);
+  }
+  return bad == 0;
+}
+
 /// Task t of the delta pass: delta = dO . O of FlashBackward::delta_rows query rows of one
 /// (batch, head), each summed in vector lanes where it can (a scalar sum is one long chain of
 /// dependent adds).
@@ -48,16 +64,28 @@ inline void backward_delta_task(const FlashBackward<T, A>& job, std::int64_t t) 
     A dl = 0;
     for (; d < dim_v; ++d) dl += static_cast<A>(dor[d]) * static_cast<A>(orow[d]);
     for (std::int64_t w = 0; w < W; ++w) dl += acc[w];
+    // A row whose Q or dO holds a NaN or Inf is marked by a NaN delta (read once per row here,
+    // not once per tile): backward_pack_rows then adds its terms apart, where NaN is what
+    // they are anyway.
+    if (!finite_values(job.q.row(b, i, h), job.q.dim()) || !finite_values(dor, dim_v))
+      dl = std::numeric_limits<A>::quiet_NaN();
     job.delta(b, i, h) = dl;
   }
 }
 
 /// Packs a tile's rows through `products` (pack_row, then rows_packed) and sets their LSE and
 /// delta (from the delta pass); a row that saw no key at all (LSE -inf) sees none of the block
-/// either, and a row that sees none of the block is packed as zeros (null rows).
+/// either, and a row that sees none of the block is packed as zeros (null rows). A row that
+/// sees keys of the block but whose delta is not finite (its Q or dO holds a NaN or Inf, see
+/// backward_delta_task, or its O does) is packed as zeros too, with LSE +inf and delta 0 (so
+/// that its P and dS are exactly 0), and listed in s.bad_rows: every product would carry its
+/// NaN to keys it does not see (0 x NaN), so its terms are added apart (backward_row_apart).
+/// Returns how many rows are listed.
 template <class T, class A, class Products>
-inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h, std::int64_t i0,
-                               std::int64_t nq, const BackwardScratch<A>& s, const Products& products) {
+inline std::int64_t backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h,
+                                       std::int64_t i0, std::int64_t nq, const BackwardScratch<A>& s,
+                                       const Products& products) {
+  std::int64_t bad = 0;
   for (std::int64_t i = 0; i < nq; ++i) {
     s.lrow[i] = job.lse(b, i0 + i, h);
     if (s.lrow[i] == -std::numeric_limits<A>::infinity()) s.row_hi[i] = s.row_lo[i] - 1;
@@ -69,10 +97,60 @@ inline void backward_pack_rows(const FlashBackward<T, A>& job, std::int64_t b, s
       s.delta[i] = 0;
       continue;
     }
+    const A delta = job.delta(b, i0 + i, h);
+    if (!std::isfinite(delta)) {
+      products.pack_row(i, nullptr, nullptr);
+      s.lrow[i] = std::numeric_limits<A>::infinity();
+      s.delta[i] = 0;
+      s.bad_rows[bad++] = i;
+      continue;
+    }
     products.pack_row(i, job.q.row(b, i0 + i, h), job.dout.row(b, i0 + i, h));
-    s.delta[i] = job.delta(b, i0 + i, h);
+    s.delta[i] = delta;
   }
   products.rows_packed(nq);
+  return bad;
+}
+
+/// The terms of tile row `i` (of the query block from i0; its Q or dO holds a NaN or Inf, see
+/// backward_pack_rows) over the task's keys [lo, hi] (from j0), one key at a time in the
+/// accumulation type with the products' formulas, so that NaN and Inf reach exactly the
+/// gradients the definition gives them: dV and dK of those keys (added to the call's rows,
+/// which only this task writes) when `dq` is null, else the row's dQ terms (added to `dq`).
+template <class T, class A>
+inline void backward_row_apart(const FlashBackward<T, A>& job, std::int64_t b, std::int64_t h, std::int64_t kh,
+                               std::int64_t i0, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi,
+                               A* dq) {
+  const KernelParams& p = job.p;
+  const std::int64_t dim = job.q.dim(), dim_v = job.v.dim();
+  const T* q = job.q.row(b, i0 + i, h);
+  const T* dout = job.dout.row(b, i0 + i, h);
+  const A scale = static_cast<A>(p.scale), cap = static_cast<A>(p.softcap);
+  const A lse = job.lse(b, i0 + i, h), delta = job.delta(b, i0 + i, h);
+  for (std::int64_t j = lo; j <= hi; ++j) {
+    const T* k = job.k.row(b, j0 + j, kh);
+    const T* v = job.v.row(b, j0 + j, kh);
+    A x = 0, dp = 0;
+    for (std::int64_t d = 0; d < dim; ++d) x += static_cast<A>(q[d]) * static_cast<A>(k[d]);
+    for (std::int64_t d = 0; d < dim_v; ++d) dp += static_cast<A>(dout[d]) * static_cast<A>(v[d]);
+    A pr, ds;
+    if (cap > 0) {
+      const A t = std::tanh(x * scale / cap);
+      pr = std::exp(cap * t - lse);
+      ds = pr * (dp - delta) * scale * (A(1) - t * t);
+    } else {
+      pr = std::exp(x * scale - lse);
+      ds = pr * (dp - delta) * scale;
+    }
+    if (dq) {
+      for (std::int64_t d = 0; d < dim; ++d) dq[d] += ds * static_cast<A>(k[d]);
+      continue;
+    }
+    A* dk = job.dk.row(b, j0 + j, kh);
+    A* dv = job.dv.row(b, j0 + j, kh);
+    for (std::int64_t d = 0; d < dim; ++d) dk[d] += ds * static_cast<A>(q[d]);
+    for (std::int64_t d = 0; d < dim_v; ++d) dv[d] += pr * static_cast<A>(dout[d]);
+  }
 }
 
 /// P and dS of one row at W keys, from its scores `x` (Q K^T) and `dp` (dO V^T): P = exp(x
@@ -333,7 +411,7 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       std::int64_t first_seen, last_seen;
       tile_key_span(s, nq, 0, nk - 1, first_seen, last_seen);
       const std::int64_t last = last_seen / BK;
-      backward_pack_rows(job, b, h, i0, nq, s, products);
+      const std::int64_t bad_rows = backward_pack_rows(job, b, h, i0, nq, s, products);
       // (No software prefetch of the next query block's rows: a burst of them before the
       // tile's products measured 2-6% slower at S 2048-8192, D 64 and 128, than the hardware
       // prefetchers alone; the rows are read in order, which those follow.)
@@ -342,6 +420,10 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
       std::int64_t kmin, kmax;
       tile_key_span(s, nq, 0, nk - 1, kmin, kmax);
       if (kmax >= kmin) products.products(nq, kmin, kmax);
+      for (std::int64_t r = 0; r < bad_rows; ++r) {
+        const std::int64_t i = s.bad_rows[r];
+        backward_row_apart<T, A>(job, b, h, kh, i0, i, j0, s.row_lo[i], s.row_hi[i], nullptr);
+      }
       // Each key block's dQ share goes after that of `prev`, the last earlier block that
       // these rows see (so in key block order whatever the threads).
       std::int32_t* turn = turns ? turns + (b * q.heads() + h) * nqb + ib : nullptr;
@@ -351,6 +433,11 @@ void backward_task(const FlashBackward<T, A>& job, std::int64_t t, const Backwar
         tile_key_span(s, nq, n * BK, std::min(nk, n * BK + BK) - 1, lo, hi);
         if (hi < lo) continue;
         products.dq_share(nq, lo, hi);
+        for (std::int64_t r = 0; r < bad_rows; ++r) {
+          const std::int64_t i = s.bad_rows[r];
+          const std::int64_t a = std::max(s.row_lo[i], lo), z = std::min(s.row_hi[i], hi);
+          if (a <= z) backward_row_apart<T, A>(job, b, h, kh, i0, i, j0, a, z, s.dqs + i * ld);
+        }
         for (std::int64_t i = 0; i < nq; ++i) add_row(s.dqs + i * ld, dim, job.dq.row(b, i0 + i, h));
       }
       if (turn) pass_turn(*turn, static_cast<std::int32_t>(jb + last + 1));
