@@ -190,9 +190,11 @@ void run_case(const SweepCase& s) {
 
 }  // namespace
 
-TEST_CASE("anything: seeded sweep of 240 random cases over every U x R, layout and placement") {
+// 160 cases: each of the 20 factorisations of 1..8 ranks 8 times (the suite's longest test on
+// 2 cores; the fuzzer and the policy tests cover the same rules with other draws).
+TEST_CASE("anything: seeded sweep of 160 random cases over every U x R, layout and placement") {
   std::mt19937_64 rng(20240601);
-  for (int i = 0; i < 240; ++i) run_case(random_case(i, rng));
+  for (int i = 0; i < 160; ++i) run_case(random_case(i, rng));
 }
 
 TEST_CASE("anything: the lengths of real inputs, 4099 and 3969 tokens, on 3 and 4 ranks") {
