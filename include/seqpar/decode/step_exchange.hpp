@@ -17,7 +17,8 @@
 /// so) still overwrites the tag, where a tag at the end left the previous step's there, which
 /// passed when the two steps agreed. The tags received are gathered behind this rank's own in
 /// the tag slot and read back in one copy of at most 2P x 8 bytes (on a device: a
-/// device-to-host transfer and a wait on the ops' stream, once per step), then handed to the caller's check before anything is merged.
+/// device-to-host transfer and a wait on the ops' stream, once per step), then handed to the
+/// caller's check before anything is merged.
 
 #include <algorithm>
 #include <cstddef>

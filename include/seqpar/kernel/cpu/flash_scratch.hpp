@@ -60,13 +60,6 @@ inline constexpr std::int64_t bwd_tile_rows = (bwd_block_q + 15) / 16 * 16;
 /// whole tile products (32 bf16 a row), zero past the tile's.
 inline constexpr std::int64_t bwd_tile_queries = (bwd_block_q + 31) / 32 * 32;
 
-/// Whether head dims (dim, dim_v) suit the AMX backward's tiles: both multiples of 32 (each is
-/// summed over by a product: S = Q K^T and dP = dO V^T), and neither more than a task's keys
-/// (dK^T and dV^T, head dims by keys, take the bytes of the key-major dK and dV rows).
-constexpr bool amx_backward_fits(std::int64_t dim, std::int64_t dim_v) {
-  constexpr std::int64_t task_keys = bwd_block_k * bwd_task_blocks;
-  return dim % 32 == 0 && dim_v % 32 == 0 && dim <= task_keys && dim_v <= task_keys;
-}
 
 /// A growable byte range whose growth neither copies nor zero-fills: every call rewrites the
 /// scratch it reads, so what the range held is never needed, and zero-filling a plan's
@@ -292,6 +285,14 @@ struct BackwardScratch {
     return c.used();
   }
 };
+
+/// Whether head dims (dim, dim_v) suit the AMX backward's tiles: both multiples of 32 (each is
+/// summed over by a product: S = Q K^T and dP = dO V^T), and neither more than a task's keys
+/// (dK^T and dV^T, head dims by keys, take the bytes of the key-major dK and dV rows).
+constexpr bool amx_backward_fits(std::int64_t dim, std::int64_t dim_v) {
+  constexpr std::int64_t task_keys = BackwardScratch<float>::task_keys;
+  return dim % 32 == 0 && dim_v % 32 == 0 && dim <= task_keys && dim_v <= task_keys;
+}
 
 /// Bytes of one thread's scratch `S` (ForwardScratch or BackwardScratch) for head dims up to
 /// `dim` and value dims up to `dim_v`, float or double (rounded to 256 so that slices stay

@@ -33,7 +33,8 @@ inline bool backward_tile_keys(const FlashBackward<T, A>& job, std::int64_t b, s
 /// looked for in the bits, which vectorises (a float test would be a chain of compares).
 template <class T>
 inline bool finite_values(const T* x, std::int64_t n) {
-  using U = std::conditional_t<sizeof(T) == 8, std::uint64_t, std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
+  using U = std::conditional_t<sizeof(T) == 8, std::uint64_t,
+                               std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
   constexpr U exponent = sizeof(T) == 8 ? U(0x7ff0000000000000ull) : sizeof(T) == 4 ? U(0x7f800000u)
                          : std::is_same_v<T, f16> ? U(0x7c00u) : U(0x7f80u);
   U bad = 0;

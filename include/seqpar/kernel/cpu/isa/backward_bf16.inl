@@ -52,13 +52,6 @@ struct Bf16DotBackward {
   /// `base` as pair words (K^T's, V^T's, K's, P's and dS's layouts).
   static std::uint32_t* words(float* base) { return reinterpret_cast<std::uint32_t*>(base); }
 
-  /// Whether `n` bf16 values at `x` are all finite (an exponent of all ones is Inf or NaN).
-  static bool finite(const bf16* x, std::int64_t n) {
-    std::uint16_t bad = 0;
-    for (std::int64_t d = 0; d < n; ++d) bad |= static_cast<std::uint16_t>((x[d].bits & 0x7f80) == 0x7f80);
-    return bad == 0;
-  }
-
   /// Words [0, n) of `dst` as the pairs (r0[d], r1[d]) (a null row: zeros), zeros from n to
   /// `padded`.
   static void interleave(const bf16* r0, const bf16* r1, std::int64_t n, std::int64_t padded, std::uint32_t* dst) {
@@ -94,7 +87,7 @@ struct Bf16DotBackward {
       const bf16* kr = real ? k.row(b, j0 + j, kh) : nullptr;
       transpose(kr, dim, kt, j);
       transpose(real ? v.row(b, j0 + j, kh) : nullptr, dim_v, vt, j);
-      if (real && !finite(kr, dim)) {
+      if (real && !finite_values(kr, dim)) {
         s.bad[nbad++] = j;
         kr = nullptr;
       }
